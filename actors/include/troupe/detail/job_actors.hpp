@@ -1,0 +1,182 @@
+// The producer and consumer actors of a job. Each runs on a thread of its own (CAF detached
+// actors), so a producer blocked inside work() never stalls another. No exception crosses an
+// actor boundary: failures become chunk_result codes or troupe errors.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <caf/event_based_actor.hpp>
+
+#include "troupe/device_binding.hpp"
+#include "troupe/job.hpp"
+#include "troupe/messages.hpp"
+
+namespace troupe::detail {
+
+/// One line describing the exception in flight (LibTorch's backtraces cut off).
+std::string describe_current_exception();
+
+template <class Job>
+struct producer_state {
+  using traits = job_traits<Job>;
+  using in = typename traits::input_type;
+  using out = typename traits::output_type;
+
+  device where;
+  config cfg;
+  std::unique_ptr<device_binding> binding;
+  std::unique_ptr<typename traits::producer_type> producer;
+
+  caf::result<init_done> init() {
+    try {
+      binding = bind_device(where);
+      producer = make_with<typename traits::producer_type>(where, cfg);
+      return init_done{where.str()};
+    } catch (const device_unavailable& e) {
+      return make_error(errc::device_unavailable, e.what());
+    } catch (...) {
+      binding.reset();
+      return make_error(errc::init_error, "producer on " + where.str() +
+                                              " failed to start: " + describe_current_exception());
+    }
+  }
+
+  chunk_result work(const work_chunk& w) {
+    chunk_result r{w.run, w.first, {}, 0, errc::none, 0, {}};
+    auto* items = w.items.as<in>();
+    if (items == nullptr || !producer) {
+      r.code = errc::protocol_error;
+      r.what = producer ? "work chunk holds items of another type than the job's input"
+                        : "producer on " + where.str() + " was not started or has ended";
+      return r;
+    }
+    std::vector<out> outputs;
+    outputs.reserve(items->size());
+    std::size_t i = 0;
+    auto start = std::chrono::steady_clock::now();
+    try {
+      for (auto n = items->items.size(); i < n; ++i) {
+        if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
+          outputs.push_back(producer->work(in(items->items[i])));
+        else
+          outputs.push_back(producer->work(items->items[i]));
+      }
+      if (binding) binding->synchronize();
+    } catch (...) {
+      r.code = errc::work_error;
+      r.failed_index = w.first + i;
+      r.what = describe_current_exception();
+    }
+    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start)
+                    .count();
+    if (r.ok()) r.outputs = batch::of(std::move(outputs));
+    return r;
+  }
+
+  caf::result<consume_ack> end() {
+    auto p = std::move(producer);
+    try {
+      if constexpr (has_end<typename traits::producer_type>::value) {
+        if (p) p->end();
+      }
+      p.reset();  // the producer's destructor runs here, on its own thread
+      binding.reset();
+      return consume_ack{};
+    } catch (...) {
+      binding.reset();
+      return make_error(errc::work_error,
+                        "producer::end() on " + where.str() + " threw: " + describe_current_exception());
+    }
+  }
+};
+
+/// The producer actor of `Job` on device `d`. Spawn it detached.
+template <class Job>
+caf::behavior producer_actor(caf::event_based_actor* self, device d, config cfg) {
+  auto st = std::make_shared<producer_state<Job>>();
+  st->where = std::move(d);
+  st->cfg = std::move(cfg);
+  self->attach_functor([st] { st->producer.reset(); st->binding.reset(); });
+  return {
+      [st](init_atom) { return st->init(); },
+      [st](const work_chunk& w) { return st->work(w); },
+      [st](end_atom) { return st->end(); },
+  };
+}
+
+/// Holds the consumer's result until run() takes it.
+template <class R>
+using result_slot = std::shared_ptr<std::optional<R>>;
+
+template <class Job>
+struct consumer_state {
+  using traits = job_traits<Job>;
+  using out = typename traits::output_type;
+  using result = typename traits::result_type;
+
+  config cfg;
+  result_slot<result> slot;
+  std::unique_ptr<typename traits::consumer_type> consumer;
+  std::string failure;
+
+  caf::error fail(const char* member) {
+    failure = std::string{"consumer::"} + member + " threw: " + describe_current_exception();
+    consumer.reset();
+    return make_error(errc::consumer_error, failure);
+  }
+
+  caf::result<consume_ack> init() {
+    try {
+      consumer = make_with<typename traits::consumer_type>(cfg);
+      return consume_ack{};
+    } catch (...) {
+      return fail("consumer (constructor)");
+    }
+  }
+
+  caf::result<consume_ack> work(consume_chunk& c) {
+    if (!consumer) return make_error(errc::consumer_error, failure);
+    auto* items = c.items.as<out>();
+    if (items == nullptr) return make_error(errc::protocol_error, "output chunk of another type");
+    try {
+      for (auto& x : items->items) consumer->work(std::move(x));
+      return consume_ack{c.run};
+    } catch (...) {
+      return fail("work");
+    }
+  }
+
+  caf::result<consume_ack> end(const end_of_input& e) {
+    if (!consumer) return make_error(errc::consumer_error, failure);
+    try {
+      slot->emplace(consumer->end());
+      consumer.reset();
+      return consume_ack{e.run};
+    } catch (...) {
+      return fail("end");
+    }
+  }
+};
+
+/// The consumer actor of one run of `Job`. Spawn it detached.
+template <class Job>
+caf::behavior consumer_actor(caf::event_based_actor* self, config cfg,
+                             result_slot<typename job_traits<Job>::result_type> slot) {
+  auto st = std::make_shared<consumer_state<Job>>();
+  st->cfg = std::move(cfg);
+  st->slot = std::move(slot);
+  self->attach_functor([st] { st->consumer.reset(); });
+  return {
+      [st](init_atom) { return st->init(); },
+      [st](consume_chunk& c) { return st->work(c); },
+      [st](const end_of_input& e) { return st->end(e); },
+  };
+}
+
+}  // namespace troupe::detail

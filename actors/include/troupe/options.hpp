@@ -1,0 +1,59 @@
+// Runner options, progress reports and statistics.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "troupe/device.hpp"
+
+namespace troupe {
+
+/// What on_progress receives. Called on an internal thread, at most every 100 ms and once at
+/// the end of every run; keep it short.
+struct progress {
+  std::uint64_t done = 0;               ///< items the consumer has received in this run
+  std::optional<std::uint64_t> total;   ///< the input's size, when the range knows it
+  double items_per_second = 0;
+  double elapsed_seconds = 0;
+};
+
+/// A plain aggregate: every field has a sensible default.
+struct options {
+  /// Items in flight per producer; 0 = automatic (two chunks per producer).
+  std::size_t max_in_flight = 0;
+  /// Items per message; 0 = automatic: it adapts so that a chunk takes about
+  /// `target_chunk_time` of producer time, from 1 item (slow items) up to `max_chunk_items`.
+  std::size_t chunk_size = 0;
+  std::function<void(const progress&)> on_progress;
+  /// Target producer time per chunk when chunk_size is automatic.
+  std::chrono::microseconds target_chunk_time{2000};
+  /// Upper bound of an automatic chunk, in items.
+  std::size_t max_chunk_items = 8192;
+  /// A chunk is closed once its items hold this many bytes (memory stays bounded for big items).
+  std::size_t max_chunk_bytes = std::size_t{4} << 20;
+  /// Ordered runs: at most this many chunks between the oldest undelivered one and the newest
+  /// dispatched one (the reorder window); 0 = automatic (4 per producer).
+  std::size_t reorder_window = 0;
+  /// Chunks sent to the consumer but not yet consumed before dispatch pauses.
+  std::size_t consumer_backlog = 4;
+};
+
+struct producer_stats {
+  device where;
+  std::uint64_t items = 0;
+  std::chrono::nanoseconds busy{0};  ///< time spent inside producer::work
+  bool alive = true;
+};
+
+struct stats {
+  std::uint64_t items = 0;          ///< items consumed over every run
+  std::uint64_t runs = 0;           ///< runs finished (successfully or not)
+  std::uint64_t failed_runs = 0;
+  std::vector<producer_stats> producers;
+};
+
+}  // namespace troupe

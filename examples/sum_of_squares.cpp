@@ -1,0 +1,54 @@
+// sum_of_squares: the seed's first example: producers square numbers, the consumer sums them.
+//
+//   inputs 0..N-1 ──▶ producer::work(x) = x*x (one per device) ──▶ consumer: sum ──▶ result
+#include <cstdint>
+#include <iostream>
+
+#include "common/cli.hpp"
+
+struct sum_of_squares {
+  struct producer {
+    producer(const troupe::device&, const troupe::config& cfg)
+        : work_ms(cfg.get_or("work_ms", 0.0)) {}
+    std::int64_t work(std::int64_t x) {
+      example::simulate_work(work_ms);
+      return x * x;
+    }
+    double work_ms;
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+template <class Runner>
+std::int64_t run_all(Runner& runner, std::size_t n) {
+  std::int64_t i = 0;
+  return runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+    if (i >= static_cast<std::int64_t>(n)) return std::nullopt;
+    return i++;
+  }));
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"sum_of_squares: sum of x*x over 0..items-1 on troupe producers"};
+  example::flags f;
+  example::add_flags(app, f);
+  CLI11_PARSE(app, argc, argv);
+  if (int rc = example::check_flags(f); rc >= 0) return rc;
+  return example::guarded([&] {
+    troupe::config cfg;
+    cfg.set("work_ms", f.work_ms);
+    std::int64_t result = 0;
+    if (f.ordered) {
+      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg};
+      result = run_all(runner, f.items);
+    } else {
+      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg};
+      result = run_all(runner, f.items);
+    }
+    std::cout << "result: " << result << "\n";
+  });
+}

@@ -1,0 +1,111 @@
+// troupe::batch: a type-erased vector of items, the payload of every work and output message.
+// Locally it is a shared handle (sending it copies no item); across a network it is written as
+// a registered type name followed by the items, through CAF's inspectors.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <vector>
+
+#include <caf/deserializer.hpp>
+#include <caf/detail/type_traits.hpp>
+#include <caf/error.hpp>
+#include <caf/meta/type_name.hpp>
+#include <caf/sec.hpp>
+#include <caf/serializer.hpp>
+
+namespace troupe {
+
+class batch_base {
+ public:
+  virtual ~batch_base() = default;
+  [[nodiscard]] virtual std::size_t size() const noexcept = 0;
+  [[nodiscard]] virtual const std::type_info& item_type() const noexcept = 0;
+  virtual caf::error save(caf::serializer& sink) const = 0;
+  virtual caf::error load(caf::deserializer& source) = 0;
+};
+
+template <class T>
+class batch_of final : public batch_base {
+ public:
+  batch_of() = default;
+  explicit batch_of(std::vector<T> xs) : items(std::move(xs)) {}
+  std::vector<T> items;
+
+  [[nodiscard]] std::size_t size() const noexcept override { return items.size(); }
+  [[nodiscard]] const std::type_info& item_type() const noexcept override { return typeid(T); }
+  caf::error save(caf::serializer& sink) const override {
+    if constexpr (caf::detail::is_serializable<T>::value)
+      return sink(const_cast<std::vector<T>&>(items));
+    else
+      return caf::make_error(caf::sec::state_not_serializable);
+  }
+  caf::error load(caf::deserializer& source) override {
+    if constexpr (caf::detail::is_serializable<T>::value)
+      return source(items);
+    else
+      return caf::make_error(caf::sec::state_not_serializable);
+  }
+};
+
+/// Creates empty batches of a registered item type when messages arrive from the network.
+using batch_factory = std::function<std::unique_ptr<batch_base>()>;
+void register_batch_type(const std::string& name, const std::type_info& type,
+                         batch_factory factory);
+/// The registered name of `type`, or "" when it is not registered.
+std::string batch_type_name(const std::type_info& type);
+std::unique_ptr<batch_base> make_batch(const std::string& name);
+
+/// Registers std::vector<T> batches under `name` (the same name in every process).
+template <class T>
+void register_batch_type(const std::string& name) {
+  static_assert(caf::detail::is_serializable<T>::value,
+                "a batch type that crosses the network needs an inspect() overload");
+  register_batch_type(name, typeid(T), [] { return std::make_unique<batch_of<T>>(); });
+}
+
+class batch {
+ public:
+  batch() = default;
+  explicit batch(std::shared_ptr<batch_base> ptr) : ptr_(std::move(ptr)) {}
+  template <class T>
+  static batch of(std::vector<T> items) {
+    return batch{std::make_shared<batch_of<T>>(std::move(items))};
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return ptr_ ? ptr_->size() : 0; }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  /// The items as T, or nullptr when the batch is empty-handed or holds another type.
+  template <class T>
+  [[nodiscard]] batch_of<T>* as() const noexcept {
+    if (!ptr_ || ptr_->item_type() != typeid(T)) return nullptr;
+    return static_cast<batch_of<T>*>(ptr_.get());
+  }
+
+  /// Network form: the registered type name, then the items ("-" for no batch).
+  caf::error save_to(caf::serializer& sink) const;
+  caf::error load_from(caf::deserializer& source);
+
+  template <class Inspector>
+  friend typename Inspector::result_type inspect(Inspector& f, batch& x) {
+    if constexpr (std::is_base_of<caf::serializer, Inspector>::value) {
+      return x.save_to(f);
+    } else if constexpr (std::is_base_of<caf::deserializer, Inspector>::value) {
+      return x.load_from(f);
+    } else {
+      std::size_t n = x.size();
+      return f(caf::meta::type_name("troupe.batch"), n);
+    }
+  }
+
+ private:
+  std::shared_ptr<batch_base> ptr_;
+};
+
+}  // namespace troupe

@@ -1,0 +1,108 @@
+// The typed messages between runner, scheduler, producers and consumer. Every message has an
+// inspect() overload, so that it can cross a network through CAF's serializers.
+//
+//   runner ──init_atom──▶ producer ──init_done──▶ runner
+//   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler
+//   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler
+//   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (result kept locally)
+//   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <caf/atom.hpp>
+#include <caf/error.hpp>
+#include <caf/make_message.hpp>
+#include <caf/meta/type_name.hpp>
+
+#include "troupe/batch.hpp"
+#include "troupe/error.hpp"
+
+namespace troupe {
+
+using init_atom = caf::atom_constant<caf::atom("tr_init")>;
+using end_atom = caf::atom_constant<caf::atom("tr_end")>;
+
+/// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
+struct work_chunk {
+  std::uint64_t run = 0;
+  std::uint64_t first = 0;
+  batch items;
+};
+
+/// A producer's answer to a work_chunk: all outputs, or the first failure.
+struct chunk_result {
+  std::uint64_t run = 0;
+  std::uint64_t first = 0;
+  batch outputs;
+  std::int64_t busy_ns = 0;               ///< time spent inside producer::work
+  errc code = errc::none;                 ///< none, or why the chunk failed
+  std::uint64_t failed_index = 0;         ///< the failing item's index in the run
+  std::string what;                       ///< the failure's message
+
+  [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
+};
+
+/// Outputs for the consumer (in input order for ordered runs).
+struct consume_chunk {
+  std::uint64_t run = 0;
+  batch items;
+};
+
+/// Tells the consumer that the run's input is complete: it calls consumer::end().
+struct end_of_input {
+  std::uint64_t run = 0;
+};
+
+/// The consumer's (or a producer's end()) acknowledgement.
+struct consume_ack {
+  std::uint64_t run = 0;
+};
+
+/// The producer's answer to init_atom: its constructor finished.
+struct init_done {
+  std::string device;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
+  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
+  return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
+           x.code, x.failed_index, x.what);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, consume_chunk& x) {
+  return f(caf::meta::type_name("troupe.consume_chunk"), x.run, x.items);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, end_of_input& x) {
+  return f(caf::meta::type_name("troupe.end_of_input"), x.run);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, consume_ack& x) {
+  return f(caf::meta::type_name("troupe.consume_ack"), x.run);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, init_done& x) {
+  return f(caf::meta::type_name("troupe.init_done"), x.device);
+}
+
+/// A caf::error in troupe's category, carrying one line of text.
+caf::error make_error(errc code, std::string what);
+
+/// The errc of a troupe error; errc::node_error for CAF's own errors (a lost peer, a dead actor).
+errc error_code(const caf::error& err);
+
+/// The text of a troupe error, or CAF's description of one of its own.
+std::string error_text(const caf::error& err);
+
+}  // namespace troupe

@@ -1,0 +1,66 @@
+#include "troupe/batch.hpp"
+
+#include <mutex>
+#include <typeindex>
+#include <unordered_map>
+
+namespace troupe {
+namespace {
+
+struct registry {
+  std::mutex mtx;
+  std::unordered_map<std::string, batch_factory> by_name;
+  std::unordered_map<std::type_index, std::string> names;
+};
+
+registry& batch_registry() {
+  static registry instance;
+  return instance;
+}
+
+}  // namespace
+
+void register_batch_type(const std::string& name, const std::type_info& type,
+                         batch_factory factory) {
+  auto& r = batch_registry();
+  std::lock_guard<std::mutex> guard{r.mtx};
+  r.by_name[name] = std::move(factory);
+  r.names[std::type_index{type}] = name;
+}
+
+std::string batch_type_name(const std::type_info& type) {
+  auto& r = batch_registry();
+  std::lock_guard<std::mutex> guard{r.mtx};
+  auto i = r.names.find(std::type_index{type});
+  return i == r.names.end() ? std::string{} : i->second;
+}
+
+std::unique_ptr<batch_base> make_batch(const std::string& name) {
+  auto& r = batch_registry();
+  std::lock_guard<std::mutex> guard{r.mtx};
+  auto i = r.by_name.find(name);
+  return i == r.by_name.end() ? nullptr : i->second();
+}
+
+caf::error batch::save_to(caf::serializer& sink) const {
+  std::string name = ptr_ ? batch_type_name(ptr_->item_type()) : std::string{"-"};
+  if (name.empty()) return caf::make_error(caf::sec::state_not_serializable);
+  if (auto err = sink(name)) return err;
+  return ptr_ ? ptr_->save(sink) : caf::error{};
+}
+
+caf::error batch::load_from(caf::deserializer& source) {
+  std::string name;
+  if (auto err = source(name)) return err;
+  if (name == "-") {
+    ptr_.reset();
+    return {};
+  }
+  auto fresh = make_batch(name);
+  if (!fresh) return caf::make_error(caf::sec::unknown_type);
+  if (auto err = fresh->load(source)) return err;
+  ptr_ = std::move(fresh);
+  return {};
+}
+
+}  // namespace troupe
