@@ -78,7 +78,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
     }
   }
   if (failure_code != errc::none) {
-    shutdown(started);
+    shutdown(std::move(started));
     if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
     throw init_error(failure + "; the producers that did start were ended");
   }
@@ -90,7 +90,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
 
 runtime::~runtime() { close(); }
 
-void runtime::shutdown(const std::vector<caf::actor>& started) noexcept {
+void runtime::shutdown(std::vector<caf::actor> started) noexcept {
   try {
     {
       caf::scoped_actor self{*sys_};
@@ -102,6 +102,8 @@ void runtime::shutdown(const std::vector<caf::actor>& started) noexcept {
       }
       if (scheduler_) self->send_exit(scheduler_, caf::exit_reason::user_shutdown);
     }
+    // Every handle must be gone before ~actor_system, which waits for the actors to be destroyed.
+    started.clear();
     scheduler_ = nullptr;
     producers_.clear();
     sys_.reset();  // waits for every actor to terminate
@@ -115,7 +117,7 @@ void runtime::close() noexcept {
   std::lock_guard<std::mutex> guard{mtx_};
   if (!open_) return;
   open_ = false;
-  shutdown(producers_);
+  shutdown(std::move(producers_));
 }
 
 bool runtime::is_open() const {

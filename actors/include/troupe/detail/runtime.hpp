@@ -54,7 +54,7 @@ class runtime {
   [[nodiscard]] troupe::stats stats() const;
 
  private:
-  void shutdown(const std::vector<caf::actor>& started) noexcept;
+  void shutdown(std::vector<caf::actor> started) noexcept;
 
   std::vector<device> devices_;
   config cfg_;

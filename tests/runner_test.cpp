@@ -1,0 +1,318 @@
+// Behaviour of the runners (API.md §1, §2, §5).
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+
+#include "test_jobs.hpp"
+
+using namespace test_jobs;
+
+namespace {
+
+std::vector<std::int64_t> iota(std::int64_t n) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+}  // namespace
+
+TEST(Runner, SumOfSquaresOverRange100OnThreeCpus) {
+  troupe::unordered_runner<squares> unordered{3};
+  EXPECT_EQ(unordered.run(iota(100)), 328350);
+  troupe::ordered_runner<squares> ordered{troupe::cpus(3)};
+  EXPECT_EQ(ordered.run(iota(100)), 328350);
+  EXPECT_EQ(ordered.devices().size(), 3u);
+}
+
+TEST(Runner, OrderedRunnerKeepsInputOrder) {
+  troupe::config cfg;
+  cfg.set("sleep_us", 300);
+  troupe::options opts;
+  opts.chunk_size = 1;  // many small chunks, so that completion order really varies
+  troupe::ordered_runner<jittery_identity> runner{troupe::cpus(3), cfg, opts};
+  std::vector<int> in(500);
+  std::iota(in.begin(), in.end(), 0);
+  EXPECT_EQ(runner.run(in), in);
+}
+
+TEST(Runner, UnorderedRunnerDeliversEveryOutputOnce) {
+  troupe::config cfg;
+  cfg.set("sleep_us", 300);
+  troupe::unordered_runner<jittery_identity> runner{troupe::cpus(3), cfg};
+  std::vector<int> in(500);
+  std::iota(in.begin(), in.end(), 0);
+  auto out = runner.run(in);
+  std::sort(out.begin(), out.end());
+  EXPECT_EQ(out, in);
+}
+
+TEST(Runner, SeveralRunsFreshConsumerProducersKeepState) {
+  ends = 0;
+  constructed = 0;
+  {
+    troupe::ordered_runner<stateful> runner{troupe::cpus(1)};
+    EXPECT_EQ(constructed.load(), 1);
+    auto first = runner.run(iota(50));
+    EXPECT_EQ(first, std::make_pair(std::int64_t{50}, std::int64_t{50}));
+    auto second = runner.run(iota(30));
+    // A fresh consumer counts 30; the single producer has now seen 80 items.
+    EXPECT_EQ(second, std::make_pair(std::int64_t{30}, std::int64_t{80}));
+    EXPECT_EQ(constructed.load(), 1);
+    EXPECT_EQ(ends.load(), 0);
+  }
+  EXPECT_EQ(ends.load(), 1);  // the destructor closed the runner
+}
+
+TEST(Runner, EmptyInputGivesConsumerEndOnNothing) {
+  troupe::unordered_runner<squares> runner{2};
+  EXPECT_EQ(runner.run(std::vector<std::int64_t>{}), 0);
+  troupe::ordered_runner<jittery_identity> identity{1};
+  EXPECT_TRUE(identity.run(std::vector<int>{}).empty());
+}
+
+TEST(Runner, CloseIsIdempotentAndRunAfterCloseThrows) {
+  ends = 0;
+  troupe::unordered_runner<stateful> runner{troupe::cpus(2)};
+  EXPECT_TRUE(runner.is_open());
+  runner.close();
+  runner.close();
+  EXPECT_FALSE(runner.is_open());
+  EXPECT_EQ(ends.load(), 2);
+  EXPECT_THROW(runner.run({1, 2, 3}), troupe::runner_closed);
+  try {
+    runner.run({1});
+  } catch (const troupe::error& e) {
+    EXPECT_EQ(e.code(), troupe::errc::runner_closed);
+  }
+}
+
+TEST(Runner, InputKinds) {
+  troupe::ordered_runner<squares> runner{2};
+  EXPECT_EQ(runner.run({1, 2, 3}), 14);
+  std::int64_t i = 0;
+  EXPECT_EQ(runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+              if (i == 100) return std::nullopt;
+              return i++;
+            })),
+            328350);
+  std::istringstream text{"1 2 3 4"};  // single-pass input iterators
+  EXPECT_EQ(runner.run(std::vector<std::int64_t>(std::istream_iterator<std::int64_t>{text},
+                                                 std::istream_iterator<std::int64_t>{})),
+            30);
+  std::istringstream more{"5 6"};
+  struct stream_range {
+    std::istream& s;
+    auto begin() { return std::istream_iterator<std::int64_t>{s}; }
+    auto end() { return std::istream_iterator<std::int64_t>{}; }
+  } range{more};
+  EXPECT_EQ(runner.run(range), 61);
+}
+
+TEST(Runner, WorkErrorCarriesIndexAndDeviceAndRunnerStaysUsable) {
+  troupe::config cfg;
+  cfg.set("bad", 42);
+  troupe::ordered_runner<throws_on_item> runner{troupe::cpus(2), cfg};
+  std::vector<std::int64_t> in = iota(100);
+  std::reverse(in.begin(), in.end());  // the value 42 sits at index 57
+  try {
+    runner.run(in);
+    FAIL() << "expected work_error";
+  } catch (const troupe::work_error& e) {
+    EXPECT_EQ(e.index(), 57u);
+    EXPECT_EQ(e.where(), "cpu");
+    EXPECT_NE(std::string{e.what()}.find("cannot handle 42"), std::string::npos) << e.what();
+    EXPECT_NE(std::string{e.what()}.find("item 57"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(runner.run({1, 2, 3}), 6);  // still usable
+}
+
+TEST(Runner, ConsumerErrorThenRunnerStaysUsable) {
+  troupe::unordered_runner<consumer_throws> runner{2};
+  try {
+    runner.run(iota(100));
+    FAIL() << "expected consumer_error";
+  } catch (const troupe::consumer_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("unlucky"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(runner.run({1, 2}), 5);
+}
+
+TEST(Runner, ConsumerConstructorErrorIsConsumerError) {
+  troupe::config cfg;
+  cfg.set("fail_consumer", true);
+  troupe::unordered_runner<consumer_ctor_throws> runner{troupe::cpus(1), cfg};
+  EXPECT_THROW(runner.run({1, 2}), troupe::consumer_error);
+  EXPECT_THROW(runner.run({3}), troupe::consumer_error);
+  EXPECT_TRUE(runner.is_open());
+}
+
+TEST(Runner, ProducerConstructorErrorIsInitErrorAndStartedProducersEnd) {
+  init_attempts = 0;
+  init_ends = 0;
+  try {
+    troupe::unordered_runner<second_init_throws> runner{troupe::cpus(3)};
+    FAIL() << "expected init_error";
+  } catch (const troupe::init_error& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("weights not found"), std::string::npos) << what;
+    EXPECT_NE(what.find("cpu"), std::string::npos) << what;
+  }
+  EXPECT_EQ(init_attempts.load(), 3);
+  EXPECT_EQ(init_ends.load(), 2);  // the two producers that did start were ended
+}
+
+namespace {
+struct throwing_range {
+  struct iterator {
+    using iterator_category = std::input_iterator_tag;
+    using value_type = std::int64_t;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const std::int64_t*;
+    using reference = std::int64_t;
+    std::int64_t i;
+    std::int64_t operator*() const {
+      if (i == 50) throw std::out_of_range("input broke at 50");
+      return i;
+    }
+    iterator& operator++() {
+      ++i;
+      return *this;
+    }
+    bool operator==(const iterator& o) const { return i == o.i; }
+    bool operator!=(const iterator& o) const { return i != o.i; }
+  };
+  iterator begin() const { return {0}; }
+  iterator end() const { return {100}; }
+};
+}  // namespace
+
+TEST(Runner, InputThatThrowsMidwayReachesTheCaller) {
+  troupe::ordered_runner<squares> runner{2};
+  EXPECT_THROW(runner.run(throwing_range{}), std::out_of_range);
+  EXPECT_EQ(runner.run({2}), 4);
+}
+
+TEST(Runner, BadDeviceListsAreClearErrors) {
+  EXPECT_THROW(troupe::unordered_runner<squares>(std::vector<troupe::device>{}),
+               troupe::invalid_argument);
+  EXPECT_THROW(troupe::unordered_runner<squares>(std::size_t{0}), troupe::invalid_argument);
+  try {
+    troupe::unordered_runner<squares> r{std::vector<troupe::device>{"gpu:0"}};
+    FAIL();
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("'gpu:0'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Runner, UnusableDeviceIsDeviceUnavailable) {
+  if (!troupe::gpus().empty()) GTEST_SKIP() << "this machine has a GPU";
+  try {
+    troupe::unordered_runner<squares> r{std::vector<troupe::device>{"cpu", "cuda:0"}};
+    FAIL();
+  } catch (const troupe::device_unavailable& e) {
+    EXPECT_NE(std::string{e.what()}.find("cuda:0"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(troupe::unordered_runner<squares>(std::vector<troupe::device>{"10.0.0.1:1/cpu"}),
+               troupe::device_unavailable);
+}
+
+TEST(Runner, ConcurrentRunsAreSerialized) {
+  troupe::unordered_runner<squares> runner{2};
+  std::vector<std::int64_t> results(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] { results[t] = runner.run(iota(1000)); });
+  for (auto& th : threads) th.join();
+  for (auto r : results) EXPECT_EQ(r, 332833500);
+  EXPECT_EQ(runner.stats().runs, 4u);
+}
+
+TEST(Runner, StatsAndProgress) {
+  std::vector<troupe::progress> seen;
+  troupe::options opts;
+  opts.on_progress = [&](const troupe::progress& p) { seen.push_back(p); };
+  troupe::unordered_runner<squares> runner{troupe::cpus(2), {}, opts};
+  EXPECT_EQ(runner.run(iota(1000)), 332833500);
+  auto s = runner.stats();
+  EXPECT_EQ(s.items, 1000u);
+  EXPECT_EQ(s.runs, 1u);
+  ASSERT_EQ(s.producers.size(), 2u);
+  EXPECT_EQ(s.producers[0].items + s.producers[1].items, 1000u);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back().done, 1000u);
+  ASSERT_TRUE(seen.back().total.has_value());
+  EXPECT_EQ(*seen.back().total, 1000u);
+}
+
+TEST(Runner, ExplicitChunkSizeAndMaxInFlight) {
+  troupe::options opts;
+  opts.chunk_size = 3;
+  opts.max_in_flight = 3;
+  troupe::ordered_runner<jittery_identity> runner{troupe::cpus(2), {}, opts};
+  std::vector<int> in(100);
+  std::iota(in.begin(), in.end(), 0);
+  EXPECT_EQ(runner.run(in), in);
+  opts.max_chunk_items = 0;
+  EXPECT_THROW(troupe::ordered_runner<jittery_identity>(troupe::cpus(1), {}, opts),
+               troupe::invalid_argument);
+}
+
+TEST(Runner, DiagnosticsGoThroughTheReplaceableLogger) {
+  std::ostringstream captured;
+  auto logger = std::make_shared<spdlog::logger>(
+      "test", std::make_shared<spdlog::sinks::ostream_sink_mt>(captured));
+  troupe::set_logger(logger);
+  troupe::options opts;
+  opts.on_progress = [](const troupe::progress&) { throw std::runtime_error("bad callback"); };
+  troupe::unordered_runner<squares> runner{troupe::cpus(1), {}, opts};
+  EXPECT_EQ(runner.run({3}), 9);
+  troupe::set_logger(nullptr);
+  EXPECT_NE(captured.str().find("on_progress threw"), std::string::npos) << captured.str();
+}
+
+namespace {
+std::size_t peak_rss_kib() {
+  std::ifstream status{"/proc/self/status"};
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoul(line.substr(6));
+  return 0;
+}
+
+struct byte_counter {
+  struct producer {
+    std::uint64_t work(const std::vector<char>& block) {
+      std::uint64_t s = 0;
+      for (std::size_t i = 0; i < block.size(); i += 4096) s += static_cast<unsigned char>(block[i]);
+      return s + block.size();
+    }
+  };
+  struct consumer {
+    void work(std::uint64_t x) { total += x; }
+    std::uint64_t end() { return total; }
+    std::uint64_t total = 0;
+  };
+};
+}  // namespace
+
+// 3 GiB of input (48k items of 64 KiB) through a generator: memory stays bounded.
+TEST(Runner, LargeGeneratorInputKeepsMemoryBounded) {
+  const std::size_t items = 48 * 1024, size = 64 * 1024;
+  auto before = peak_rss_kib();
+  troupe::unordered_runner<byte_counter> runner{2};
+  std::size_t i = 0;
+  auto total = runner.run(troupe::generate([&]() -> std::optional<std::vector<char>> {
+    if (i == items) return std::nullopt;
+    return std::vector<char>(size, static_cast<char>(i++ % 2));
+  }));
+  auto growth_mib = (peak_rss_kib() - before) / 1024;
+  EXPECT_EQ(total, items * size + (items / 2) * (size / 4096));
+  EXPECT_LT(growth_mib, 256u) << "peak memory grew by " << growth_mib << " MiB";
+}

@@ -1,0 +1,195 @@
+// Devices, config, messages and the message-level testing support (API.md §3, §4, §7).
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
+#include <gtest/gtest.h>
+#include <troupe/messages.hpp>
+#include <troupe/testing.hpp>
+
+#include "test_jobs.hpp"
+
+TEST(Device, ParsesAndPrintsBack) {
+  for (const char* spec : {"cpu", "cuda", "cuda:0", "cuda:3", "cpu:1", "10.0.0.2:4242/cuda:1",
+                           "localhost:80/cpu"}) {
+    troupe::device d{spec};
+    EXPECT_EQ(d.str(), spec);
+    EXPECT_EQ(troupe::device{d.str()}, d);
+  }
+  troupe::device gpu{"h:1/cuda:2"};
+  EXPECT_TRUE(gpu.is_cuda());
+  EXPECT_FALSE(gpu.is_cpu());
+  EXPECT_EQ(gpu.index(), 2);
+  EXPECT_EQ(gpu.node(), "h:1");
+  EXPECT_EQ(gpu.local(), troupe::device{"cuda:2"});
+  EXPECT_EQ(troupe::device{"cpu"}.index(), -1);
+  EXPECT_EQ(troupe::device{"cpu"}.node(), "");
+  std::vector<troupe::device> list{"cpu", "cuda:0"};
+  EXPECT_EQ(list.size(), 2u);
+  EXPECT_EQ(troupe::cpus(3), (std::vector<troupe::device>(3, "cpu")));
+}
+
+TEST(Device, MalformedSpecsThrowQuotingThem) {
+  for (const char* spec : {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "host/cpu", "h:99999/cpu",
+                           "h:1/tpu", "cpu:1:2"}) {
+    try {
+      troupe::device d{spec};
+      ADD_FAILURE() << "accepted " << spec;
+    } catch (const troupe::invalid_argument& e) {
+      EXPECT_NE(std::string{e.what()}.find("'" + std::string{spec} + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(Device, GpusNeverThrowAndMatchAvailability) {
+  auto gpus = troupe::gpus();  // no driver here: empty, never a crash
+  for (auto& d : gpus) EXPECT_TRUE(d.is_cuda());
+  if (gpus.empty()) {
+    EXPECT_FALSE(troupe::why_unavailable("cuda:0").empty());
+  }
+  EXPECT_TRUE(troupe::why_unavailable("cpu").empty());
+}
+
+TEST(Config, TypedGetSetAndNesting) {
+  troupe::config cfg;
+  cfg.set("flag", true).set("n", 42).set("x", 2.5).set("name", "squares");
+  cfg.set("model.width", 64).set("model.layers", std::vector<int>{3, 4});
+  cfg.set("names", std::vector<std::string>{"a", "b"});
+  EXPECT_TRUE(cfg.get<bool>("flag"));
+  EXPECT_EQ(cfg.get<int>("n"), 42);
+  EXPECT_EQ(cfg.get<std::uint8_t>("n"), 42);
+  EXPECT_DOUBLE_EQ(cfg.get<double>("x"), 2.5);
+  EXPECT_DOUBLE_EQ(cfg.get<double>("n"), 42.0);
+  EXPECT_EQ(cfg.get<std::string>("name"), "squares");
+  EXPECT_EQ(cfg.get<int>("model.width"), 64);
+  EXPECT_EQ(cfg.get<std::vector<int>>("model.layers"), (std::vector<int>{3, 4}));
+  EXPECT_EQ(cfg.get<std::vector<std::string>>("names"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(cfg.get<troupe::config>("model").get<int>("width"), 64);
+  EXPECT_TRUE(cfg.contains("model.width"));
+  EXPECT_TRUE(cfg.contains("model"));
+  EXPECT_FALSE(cfg.contains("model.depth"));
+  EXPECT_EQ(cfg.get_or("model.depth", 7), 7);
+}
+
+TEST(Config, MissingKeysAndWrongTypesThrowConfigError) {
+  troupe::config cfg;
+  cfg.set("n", 300).set("s", "text");
+  EXPECT_THROW((void)cfg.get<int>("missing"), troupe::config_error);
+  EXPECT_THROW((void)cfg.get<int>("s"), troupe::config_error);
+  EXPECT_THROW((void)cfg.get<std::uint8_t>("n"), troupe::config_error);  // out of range
+  EXPECT_THROW((void)cfg.get_or<std::string>("n", "x"), troupe::config_error);
+  try {
+    (void)cfg.get<int>("missing");
+  } catch (const troupe::config_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("'missing'"), std::string::npos);
+  }
+}
+
+namespace {
+
+template <class T>
+T round_trip(caf::actor_system& sys, T x) {
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  auto err = sink(x);
+  EXPECT_FALSE(err) << sys.render(err);
+  T y;
+  caf::binary_deserializer source{sys, buf};
+  err = source(y);
+  EXPECT_FALSE(err) << sys.render(err);
+  return y;
+}
+
+}  // namespace
+
+TEST(Messages, ConfigDeviceAndChunksSerialize) {
+  caf::actor_system_config sys_cfg;
+  caf::actor_system sys{sys_cfg};
+  troupe::config cfg;
+  cfg.set("a.b", 1).set("s", "x");
+  EXPECT_EQ(round_trip(sys, cfg), cfg);
+  EXPECT_EQ(round_trip(sys, troupe::device{"h:1/cuda:3"}), troupe::device{"h:1/cuda:3"});
+
+  troupe::register_batch_type<std::int64_t>("test.i64");
+  troupe::work_chunk w{3, 10, troupe::batch::of<std::int64_t>({1, 2, 3})};
+  auto w2 = round_trip(sys, w);
+  EXPECT_EQ(w2.run, 3u);
+  EXPECT_EQ(w2.first, 10u);
+  ASSERT_NE(w2.items.as<std::int64_t>(), nullptr);
+  EXPECT_EQ(w2.items.as<std::int64_t>()->items, (std::vector<std::int64_t>{1, 2, 3}));
+
+  troupe::chunk_result r{3, 10, {}, 5, troupe::errc::work_error, 12, "boom"};
+  auto r2 = round_trip(sys, r);
+  EXPECT_EQ(r2.code, troupe::errc::work_error);
+  EXPECT_EQ(r2.failed_index, 12u);
+  EXPECT_EQ(r2.what, "boom");
+  EXPECT_FALSE(r2.outputs);
+
+  // A batch of an unregistered type cannot cross the network: an error, not a crash.
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  troupe::work_chunk unregistered{1, 0, troupe::batch::of<short>({1})};
+  EXPECT_TRUE(sink(unregistered));
+  // Bytes naming an unknown type are refused on load.
+  std::vector<char> bogus;
+  caf::binary_serializer bogus_sink{sys, bogus};
+  std::uint64_t run = 1, first = 0;
+  std::string name = "no.such.type";
+  EXPECT_FALSE(bogus_sink(run, first, name));
+  troupe::work_chunk loaded;
+  caf::binary_deserializer source{sys, bogus};
+  EXPECT_TRUE(source(loaded));
+}
+
+TEST(Messages, ErrorsKeepCodeAndText) {
+  auto err = troupe::make_error(troupe::errc::init_error, "weights missing");
+  EXPECT_EQ(troupe::error_code(err), troupe::errc::init_error);
+  EXPECT_EQ(troupe::error_text(err), "weights missing");
+  EXPECT_STREQ(troupe::to_string(troupe::errc::node_error), "node_error");
+  EXPECT_THROW(troupe::throw_error(troupe::errc::config_error, "x"), troupe::config_error);
+}
+
+TEST(Testing, ProducerProbeAnswersWorkMessages) {
+  troupe::config cfg;
+  cfg.set("bad", 5);
+  troupe::testing::producer_probe<test_jobs::throws_on_item> probe{"cpu", cfg};
+  EXPECT_EQ(probe.work({1, 2, 3}), (std::vector<std::int64_t>{1, 2, 3}));
+  auto r = probe.send(troupe::work_chunk{9, 100, troupe::batch::of<std::int64_t>({4, 5, 6})});
+  EXPECT_EQ(r.run, 9u);
+  EXPECT_EQ(r.code, troupe::errc::work_error);
+  EXPECT_EQ(r.failed_index, 101u);
+  EXPECT_NE(r.what.find("cannot handle 5"), std::string::npos);
+  // A chunk of the wrong item type is a protocol error, not a crash.
+  auto wrong = probe.send(troupe::work_chunk{9, 0, troupe::batch::of<std::string>({"x"})});
+  EXPECT_EQ(wrong.code, troupe::errc::protocol_error);
+  try {
+    probe.work({7, 5}, 20);
+    FAIL();
+  } catch (const troupe::work_error& e) {
+    EXPECT_EQ(e.index(), 21u);
+  }
+  probe.end();
+  EXPECT_EQ(probe.send(troupe::work_chunk{1, 0, troupe::batch::of<std::int64_t>({1})}).code,
+            troupe::errc::protocol_error);
+}
+
+TEST(Testing, ProducerProbeReportsInitFailures) {
+  test_jobs::init_attempts = 1;  // the next construction is the "second": it throws
+  EXPECT_THROW(troupe::testing::producer_probe<test_jobs::second_init_throws>{},
+               troupe::init_error);
+  if (troupe::gpus().empty()) {
+    EXPECT_THROW(troupe::testing::producer_probe<test_jobs::squares>{"cuda:0"},
+                 troupe::device_unavailable);
+  }
+}
+
+TEST(Testing, ConsumerProbe) {
+  troupe::testing::consumer_probe<test_jobs::squares> probe;
+  probe.work({1, 4});
+  probe.work({9});
+  EXPECT_EQ(probe.end(), 14);
+  troupe::testing::consumer_probe<test_jobs::consumer_throws> failing;
+  EXPECT_THROW(failing.work({169}), troupe::consumer_error);
+  EXPECT_THROW(failing.end(), troupe::consumer_error);
+}
