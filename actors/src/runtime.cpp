@@ -85,7 +85,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
   producers_ = std::move(started);
   scheduler_ = spawn_scheduler(*sys_, producers_, devices_, opts_, stats_);
   open_ = true;
-  log().debug("runner started with {} producer(s)", devices_.size());
+  log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
 }
 
 runtime::~runtime() { close(); }
@@ -97,7 +97,7 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
       for (std::size_t i = 0; i < started.size(); ++i) {
         self->request(started[i], caf::infinite, end_atom::value)
             .receive([](const consume_ack&) {},
-                     [&](const caf::error& err) { log().warn("{}", error_text(err)); });
+                     [&](const caf::error& err) { log(log_level::warn, error_text(err)); });
         self->send_exit(started[i], caf::exit_reason::user_shutdown);
       }
       if (scheduler_) self->send_exit(scheduler_, caf::exit_reason::user_shutdown);
@@ -109,7 +109,7 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
     sys_.reset();  // waits for every actor to terminate
     sys_cfg_.reset();
   } catch (const std::exception& e) {
-    log().error("shutting down the runner failed: {}", e.what());
+    log(log_level::error, std::string{"shutting down the runner failed: "} + e.what());
   }
 }
 

@@ -172,8 +172,8 @@ class scheduler {
     auto& slot = producers_[p];
     if (slot.alive) {
       slot.alive = false;
-      log().warn("producer {} on {} is lost ({}); its work goes to the others", p,
-                 slot.where.str(), error_text(err));
+      log(log_level::warn, "producer " + std::to_string(p) + " on " + slot.where.str() +
+                                 " is lost (" + error_text(err) + "); its work goes to the others");
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.producers[p].alive = false;
     }
@@ -266,7 +266,7 @@ class scheduler {
     try {
       opts_.on_progress(p);
     } catch (...) {
-      log().warn("on_progress threw; ignored");
+      log(log_level::warn, "on_progress threw; ignored");
     }
   }
 

@@ -51,7 +51,7 @@ inline void add_flags(CLI::App& app, flags& f) {
 
 /// Checks flags that this version cannot honour yet; returns an exit code, or -1 to go on.
 inline int check_flags(const flags& f) {
-  if (f.verbose) troupe::log_to_stderr(spdlog::level::debug);
+  if (f.verbose) troupe::log_to_stderr(troupe::log_level::debug);
   if (!f.serve.empty() || !f.nodes.empty() || !f.tls_cert.empty()) {
     std::cerr << "error: --serve, --nodes and the TLS flags need multi-node support, which this "
                  "version of troupe does not have yet\n";

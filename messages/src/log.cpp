@@ -1,46 +1,47 @@
 #include "troupe/log.hpp"
 
-#include <atomic>
+#include <iostream>
+#include <memory>
 #include <mutex>
-
-#include <spdlog/sinks/null_sink.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 
 namespace troupe {
 namespace {
 
-std::shared_ptr<spdlog::logger> make_silent() {
-  return std::make_shared<spdlog::logger>("troupe", std::make_shared<spdlog::sinks::null_sink_mt>());
-}
-
-std::mutex logger_mutex;
-std::shared_ptr<spdlog::logger>& current() {
-  static std::shared_ptr<spdlog::logger> instance = make_silent();
-  return instance;
-}
+std::mutex handler_mutex;
+std::shared_ptr<const log_handler> current_handler;
 
 }  // namespace
 
-spdlog::logger& log() {
-  std::lock_guard<std::mutex> guard{logger_mutex};
-  // Loggers installed by the user are kept alive for the whole process, so that a reference
-  // handed out here never dangles when the logger is replaced.
-  static std::vector<std::shared_ptr<spdlog::logger>> keep_alive;
-  auto& ptr = current();
-  if (keep_alive.empty() || keep_alive.back() != ptr) keep_alive.push_back(ptr);
-  return *ptr;
+const char* to_string(log_level level) noexcept {
+  switch (level) {
+    case log_level::debug: return "debug";
+    case log_level::info: return "info";
+    case log_level::warn: return "warn";
+    case log_level::error: return "error";
+    case log_level::off: break;
+  }
+  return "off";
 }
 
-void set_logger(std::shared_ptr<spdlog::logger> logger) {
-  std::lock_guard<std::mutex> guard{logger_mutex};
-  current() = logger ? std::move(logger) : make_silent();
+void set_log_handler(log_handler handler) {
+  auto next = handler ? std::make_shared<const log_handler>(std::move(handler)) : nullptr;
+  std::lock_guard<std::mutex> guard{handler_mutex};
+  current_handler = std::move(next);
 }
 
-void log_to_stderr(spdlog::level::level_enum level) {
-  auto logger = std::make_shared<spdlog::logger>(
-      "troupe", std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
-  logger->set_level(level);
-  set_logger(std::move(logger));
+void log_to_stderr(log_level min) {
+  set_log_handler([min](log_level level, const std::string& message) {
+    if (level >= min) std::cerr << "[troupe " << to_string(level) << "] " << message << std::endl;
+  });
+}
+
+void log(log_level level, const std::string& message) {
+  std::shared_ptr<const log_handler> handler;
+  {
+    std::lock_guard<std::mutex> guard{handler_mutex};
+    handler = current_handler;
+  }
+  if (handler) (*handler)(level, message);
 }
 
 }  // namespace troupe

@@ -1,0 +1,16 @@
+# Installs troupe into a scratch prefix, then configures, builds and runs a consumer project.
+set(prefix ${BUILD_DIR}/install-test/prefix)
+set(app ${BUILD_DIR}/install-test/app)
+file(REMOVE_RECURSE ${BUILD_DIR}/install-test)
+function(step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "step failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  message("${out}")
+endfunction()
+step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+step(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer_project -B ${app}
+     "-DCMAKE_PREFIX_PATH=${prefix};${PREFIX_PATH}")
+step(${CMAKE_COMMAND} --build ${app})
+step(${app}/app)

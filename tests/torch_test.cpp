@@ -1,0 +1,109 @@
+// Tensors as payloads (wire format, validation) and the GPU paths (skipped without a GPU).
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <troupe/torch.hpp>
+#include <troupe/troupe.hpp>
+
+namespace {
+
+at::Tensor round_trip(const at::Tensor& t) { return troupe::from_wire(troupe::to_wire(t)); }
+
+void expect_same(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.scalar_type(), b.scalar_type());
+  EXPECT_EQ(a.sizes(), b.sizes());
+  EXPECT_TRUE(torch::equal(a, b));
+}
+
+}  // namespace
+
+TEST(Tensor, RoundTripsEveryDtypeAndShape) {
+  for (auto type : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kInt, at::kLong,
+                    at::kShort, at::kChar, at::kByte, at::kBool, at::kComplexFloat}) {
+    auto t = (torch::rand({3, 4}) * 10).to(type);
+    expect_same(round_trip(t), t);
+  }
+  expect_same(round_trip(torch::tensor(3.5)), torch::tensor(3.5));       // 0-dim
+  expect_same(round_trip(torch::empty({0, 5})), torch::empty({0, 5}));   // empty
+  auto base = torch::arange(24, torch::kFloat).reshape({4, 6});
+  auto strided = base.t().slice(0, 1, 5, 2);  // not contiguous
+  ASSERT_FALSE(strided.is_contiguous());
+  expect_same(round_trip(strided), strided.contiguous());
+}
+
+TEST(Tensor, BadWireFormsAreErrorsNotCrashes) {
+  auto w = troupe::to_wire(torch::ones({2, 3}));
+  auto short_bytes = w;
+  short_bytes.bytes.resize(5);
+  EXPECT_THROW(troupe::from_wire(short_bytes), troupe::protocol_error);
+  auto long_bytes = w;
+  long_bytes.bytes.resize(1000);
+  EXPECT_THROW(troupe::from_wire(long_bytes), troupe::protocol_error);
+  auto negative = w;
+  negative.shape = {-2, -3};
+  EXPECT_THROW(troupe::from_wire(negative), troupe::protocol_error);
+  auto huge = w;
+  huge.shape = {1LL << 40, 1LL << 40, 1LL << 40};
+  EXPECT_THROW(troupe::from_wire(huge), troupe::protocol_error);
+  auto bad_type = w;
+  bad_type.dtype = 99;
+  EXPECT_THROW(troupe::from_wire(bad_type), troupe::protocol_error);
+}
+
+TEST(Tensor, SerializesThroughCafInspectors) {
+  caf::actor_system_config cfg;
+  caf::actor_system sys{cfg};
+  troupe::register_batch_type<at::Tensor>("test.tensor");
+  troupe::work_chunk w{1, 0, troupe::batch::of<at::Tensor>({torch::ones({2, 2}), torch::tensor(7)})};
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  ASSERT_FALSE(sink(w));
+  troupe::work_chunk back;
+  caf::binary_deserializer source{sys, buf};
+  ASSERT_FALSE(source(back));
+  auto* items = back.items.as<at::Tensor>();
+  ASSERT_NE(items, nullptr);
+  ASSERT_EQ(items->items.size(), 2u);
+  expect_same(items->items[0], torch::ones({2, 2}));
+  expect_same(items->items[1], torch::tensor(7));
+}
+
+namespace {
+struct double_it {
+  struct producer {
+    explicit producer(const troupe::device& d) : where(d) {}
+    at::Tensor work(const at::Tensor& x) { return troupe::to_device(x, where) * 2; }
+    troupe::device where;
+  };
+  struct consumer {
+    void work(at::Tensor y) { sum += troupe::to_host(y).sum().item<double>(); }
+    double end() { return sum; }
+    double sum = 0;
+  };
+};
+}  // namespace
+
+TEST(Tensor, TensorPayloadsThroughARunner) {
+  troupe::ordered_runner<double_it> runner{troupe::cpus(2)};
+  std::vector<at::Tensor> in;
+  for (int i = 0; i < 50; ++i) in.push_back(torch::full({3}, static_cast<float>(i)));
+  EXPECT_DOUBLE_EQ(runner.run(in), 2.0 * 3 * (49 * 50 / 2));
+}
+
+TEST(Gpu, ProducersRunOnEveryGpu) {
+  auto gpus = troupe::gpus();
+  if (gpus.empty()) GTEST_SKIP() << "no usable GPU here (no device or no driver)";
+  troupe::unordered_runner<double_it> runner{gpus};
+  std::vector<at::Tensor> in(20, torch::ones({1000}));
+  EXPECT_DOUBLE_EQ(runner.run(in), 20.0 * 2000);
+}
+
+TEST(Gpu, CudaWithoutGpuIsDeviceUnavailable) {
+  if (!troupe::gpus().empty()) GTEST_SKIP() << "this machine has a GPU";
+  EXPECT_THROW(troupe::unordered_runner<double_it>(std::vector<troupe::device>{"cuda:0"}),
+               troupe::device_unavailable);
+  EXPECT_EQ(troupe::torch_device("cuda:1"), c10::Device(c10::kCUDA, 1));
+}
