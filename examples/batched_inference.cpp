@@ -4,6 +4,7 @@
 //   generate(batch) ──▶ producer: model(batch) ──▶ consumer: cat in order ──▶ checksum
 #include <iomanip>
 #include <iostream>
+#include <mutex>
 
 #include <torch/torch.h>
 #include <troupe/torch.hpp>
@@ -11,6 +12,8 @@
 #include "common/cli.hpp"
 
 torch::nn::Sequential make_model(std::int64_t features) {
+  static std::mutex rng;  // the global RNG: replicas built concurrently must not interleave
+  std::lock_guard<std::mutex> guard{rng};
   torch::manual_seed(7);
   return torch::nn::Sequential(torch::nn::Linear(features, 32), torch::nn::ReLU(),
                                torch::nn::Linear(32, 4));

@@ -4,6 +4,7 @@
 //   row i ──▶ producer: model(row) on its device ──▶ consumer: cat in order ──▶ checksum
 #include <iomanip>
 #include <iostream>
+#include <mutex>
 
 #include <torch/torch.h>
 #include <troupe/torch.hpp>
@@ -11,6 +12,8 @@
 #include "common/cli.hpp"
 
 torch::nn::Sequential make_model(std::int64_t features) {
+  static std::mutex rng;  // the global RNG: replicas built concurrently must not interleave
+  std::lock_guard<std::mutex> guard{rng};
   torch::manual_seed(7);  // every replica gets the same weights
   return torch::nn::Sequential(torch::nn::Linear(features, 32), torch::nn::ReLU(),
                                torch::nn::Linear(32, 4));
@@ -51,7 +54,7 @@ int main(int argc, char** argv) {
     cfg.set("features", features);
     torch::manual_seed(1);
     auto inputs = torch::randn({static_cast<std::int64_t>(f.items), features});
-    std::vector<at::Tensor> rows(inputs.unbind(0).begin(), inputs.unbind(0).end());
+    std::vector<at::Tensor> rows = inputs.unbind(0);
     troupe::ordered_runner<inference> runner{f.device_list(), cfg};
     auto outputs = runner.run(rows);
     torch::NoGradGuard no_grad;

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything troupe needs on a fresh Debian 12 machine (run as root):
+# Debian packages, and LibTorch (the pinned PyPI torch wheel) in a virtual environment kept
+# outside the clone ($TROUPE_VENV, default /opt/troupe-venv), reused when already there.
+# Prints nothing else on success but progress lines; safe to run again.
+set -euo pipefail
+TORCH_VERSION=2.15.0
+VENV=${TROUPE_VENV:-/opt/troupe-venv}
+
+packages=(build-essential cmake git python3 python3-venv libcaf-dev libcli11-dev libgtest-dev
+          libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q "${missing[@]}"
+fi
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "setup: installing torch==$TORCH_VERSION into $VENV (several GB, once)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --progress-bar off "torch==$TORCH_VERSION"
+fi
+# Debian's CAF and GoogleTest use the new libstdc++ ABI: the wheel must too.
+"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch._C._GLIBCXX_USE_CXX11_ABI else 'torch wheel uses the old C++ ABI')" 2>/dev/null
+echo "setup: done"
