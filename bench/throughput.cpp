@@ -2,6 +2,7 @@
 //   trivial: x*x summed over N items on 2 producers (per-item overhead)
 //   latency: 8 producers, 2 ms of simulated device time per item, 800 items (vs the ideal)
 // Usage: troupe_bench [--items N] [--repeat R]
+#include <CLI/CLI.hpp>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -10,10 +11,8 @@
 #include <iostream>
 #include <mutex>
 #include <thread>
-#include <vector>
-
-#include <CLI/CLI.hpp>
 #include <troupe/troupe.hpp>
+#include <vector>
 
 namespace {
 

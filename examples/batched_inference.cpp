@@ -2,11 +2,11 @@
 // example 3). The generator makes each batch only when a producer has room for it.
 //
 //   generate(batch) ──▶ producer: model(batch) ──▶ consumer: cat in order ──▶ checksum
+#include <torch/torch.h>
+
 #include <iomanip>
 #include <iostream>
 #include <mutex>
-
-#include <torch/torch.h>
 #include <troupe/torch.hpp>
 
 #include "common/cli.hpp"
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
     if (!torch::allclose(outputs, make_model(features)->forward(inputs), 1e-4, 1e-5))
       throw std::runtime_error("outputs differ from the single-model reference");
     std::cout << "rows: " << outputs.size(0) << ", matches the single-model reference\n";
-    std::cout << std::fixed << std::setprecision(4)
-              << "result: " << outputs.sum().item<double>() << "\n";
+    std::cout << std::fixed << std::setprecision(4) << "result: " << outputs.sum().item<double>()
+              << "\n";
   });
 }

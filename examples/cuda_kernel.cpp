@@ -5,7 +5,6 @@
 #include <iostream>
 #include <numeric>
 #include <stdexcept>
-
 #include <troupe/device_binding.hpp>
 
 #include "common/cli.hpp"
@@ -21,7 +20,8 @@ struct square_on_gpu {
   struct producer {
     explicit producer(const troupe::device&) {
       stream = static_cast<cudaStream_t>(troupe::current_stream());
-      check(cudaMallocHost(reinterpret_cast<void**>(&host), capacity * sizeof(float)), "cudaMallocHost");
+      check(cudaMallocHost(reinterpret_cast<void**>(&host), capacity * sizeof(float)),
+            "cudaMallocHost");
       check(cudaMalloc(reinterpret_cast<void**>(&dev_in), capacity * sizeof(float)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&dev_out), capacity * sizeof(float)), "cudaMalloc");
     }

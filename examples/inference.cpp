@@ -2,11 +2,11 @@
 // outputs concatenated in input order (seed example 2).
 //
 //   row i ──▶ producer: model(row) on its device ──▶ consumer: cat in order ──▶ checksum
+#include <torch/torch.h>
+
 #include <iomanip>
 #include <iostream>
 #include <mutex>
-
-#include <torch/torch.h>
 #include <troupe/torch.hpp>
 
 #include "common/cli.hpp"
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     if (!torch::allclose(outputs, expected, 1e-4, 1e-5))
       throw std::runtime_error("outputs differ from the single-model reference");
     std::cout << "rows: " << outputs.size(0) << ", matches the single-model reference\n";
-    std::cout << std::fixed << std::setprecision(4)
-              << "result: " << outputs.sum().item<double>() << "\n";
+    std::cout << std::fixed << std::setprecision(4) << "result: " << outputs.sum().item<double>()
+              << "\n";
   });
 }

@@ -1,12 +1,12 @@
 // Behaviour of the runners (API.md §1, §2, §5).
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <numeric>
 #include <sstream>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 #include "test_jobs.hpp"
 
@@ -97,9 +97,9 @@ TEST(Runner, InputKinds) {
   EXPECT_EQ(runner.run({1, 2, 3}), 14);
   std::int64_t i = 0;
   EXPECT_EQ(runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
-              if (i == 100) return std::nullopt;
-              return i++;
-            })),
+    if (i == 100) return std::nullopt;
+    return i++;
+  })),
             328350);
   std::istringstream text{"1 2 3 4"};  // single-pass input iterators
   EXPECT_EQ(runner.run(std::vector<std::int64_t>(std::istream_iterator<std::int64_t>{text},
@@ -226,8 +226,7 @@ TEST(Runner, ConcurrentRunsAreSerialized) {
   troupe::unordered_runner<squares> runner{2};
   std::vector<std::int64_t> results(4);
   std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t)
-    threads.emplace_back([&, t] { results[t] = runner.run(iota(1000)); });
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { results[t] = runner.run(iota(1000)); });
   for (auto& th : threads) th.join();
   for (auto r : results) EXPECT_EQ(r, 332833500);
   EXPECT_EQ(runner.stats().runs, 4u);
@@ -289,7 +288,8 @@ struct byte_counter {
   struct producer {
     std::uint64_t work(const std::vector<char>& block) {
       std::uint64_t s = 0;
-      for (std::size_t i = 0; i < block.size(); i += 4096) s += static_cast<unsigned char>(block[i]);
+      for (std::size_t i = 0; i < block.size(); i += 4096)
+        s += static_cast<unsigned char>(block[i]);
       return s + block.size();
     }
   };

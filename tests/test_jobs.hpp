@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <thread>
-
 #include <troupe/troupe.hpp>
 
 namespace test_jobs {
@@ -29,7 +28,8 @@ struct jittery_identity {
     producer(const troupe::device&, const troupe::config& cfg)
         : sleep_us(cfg.get_or<std::int64_t>("sleep_us", 0)) {}
     int work(int x) {
-      if (sleep_us > 0 && x % 7 == 3) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      if (sleep_us > 0 && x % 7 == 3)
+        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
       return x;
     }
     std::int64_t sleep_us;

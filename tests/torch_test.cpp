@@ -1,16 +1,19 @@
 // Tensors as payloads (wire format, validation) and the GPU paths (skipped without a GPU).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <gtest/gtest.h>
-#include <torch/torch.h>
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
 
 namespace {
 
-at::Tensor round_trip(const at::Tensor& t) { return troupe::from_wire(troupe::to_wire(t)); }
+at::Tensor round_trip(const at::Tensor& t) {
+  return troupe::from_wire(troupe::to_wire(t));
+}
 
 void expect_same(const at::Tensor& a, const at::Tensor& b) {
   EXPECT_EQ(a.scalar_type(), b.scalar_type());
@@ -26,8 +29,8 @@ TEST(Tensor, RoundTripsEveryDtypeAndShape) {
     auto t = (torch::rand({3, 4}) * 10).to(type);
     expect_same(round_trip(t), t);
   }
-  expect_same(round_trip(torch::tensor(3.5)), torch::tensor(3.5));       // 0-dim
-  expect_same(round_trip(torch::empty({0, 5})), torch::empty({0, 5}));   // empty
+  expect_same(round_trip(torch::tensor(3.5)), torch::tensor(3.5));      // 0-dim
+  expect_same(round_trip(torch::empty({0, 5})), torch::empty({0, 5}));  // empty
   auto base = torch::arange(24, torch::kFloat).reshape({4, 6});
   auto strided = base.t().slice(0, 1, 5, 2);  // not contiguous
   ASSERT_FALSE(strided.is_contiguous());
@@ -57,7 +60,8 @@ TEST(Tensor, SerializesThroughCafInspectors) {
   caf::actor_system_config cfg;
   caf::actor_system sys{cfg};
   troupe::register_batch_type<at::Tensor>("test.tensor");
-  troupe::work_chunk w{1, 0, troupe::batch::of<at::Tensor>({torch::ones({2, 2}), torch::tensor(7)})};
+  troupe::work_chunk w{1, 0,
+                       troupe::batch::of<at::Tensor>({torch::ones({2, 2}), torch::tensor(7)})};
   std::vector<char> buf;
   caf::binary_serializer sink{sys, buf};
   ASSERT_FALSE(sink(w));

@@ -1,17 +1,18 @@
 // Devices, config, messages and the message-level testing support (API.md §3, §4, §7).
+#include <gtest/gtest.h>
+
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <gtest/gtest.h>
 #include <troupe/messages.hpp>
 #include <troupe/testing.hpp>
 
 #include "test_jobs.hpp"
 
 TEST(Device, ParsesAndPrintsBack) {
-  for (const char* spec : {"cpu", "cuda", "cuda:0", "cuda:3", "cpu:1", "10.0.0.2:4242/cuda:1",
-                           "localhost:80/cpu"}) {
+  for (const char* spec :
+       {"cpu", "cuda", "cuda:0", "cuda:3", "cpu:1", "10.0.0.2:4242/cuda:1", "localhost:80/cpu"}) {
     troupe::device d{spec};
     EXPECT_EQ(d.str(), spec);
     EXPECT_EQ(troupe::device{d.str()}, d);
@@ -30,8 +31,8 @@ TEST(Device, ParsesAndPrintsBack) {
 }
 
 TEST(Device, MalformedSpecsThrowQuotingThem) {
-  for (const char* spec : {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "host/cpu", "h:99999/cpu",
-                           "h:1/tpu", "cpu:1:2"}) {
+  for (const char* spec :
+       {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "host/cpu", "h:99999/cpu", "h:1/tpu", "cpu:1:2"}) {
     try {
       troupe::device d{spec};
       ADD_FAILURE() << "accepted " << spec;

@@ -1,7 +1,6 @@
 #include "troupe/detail/runtime.hpp"
 
 #include <algorithm>
-
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/atom.hpp>
@@ -40,11 +39,13 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
       opts_(std::move(opts)),
       stats_(std::make_shared<stats_box>()) {
   if (devices_.empty())
-    throw invalid_argument("the device list is empty: pass troupe::cpus(n), troupe::gpus() "
-                           "or device specs such as {\"cpu\", \"cuda:0\"}");
+    throw invalid_argument(
+        "the device list is empty: pass troupe::cpus(n), troupe::gpus() "
+        "or device specs such as {\"cpu\", \"cuda:0\"}");
   if (opts_.max_chunk_items == 0 || opts_.max_chunk_bytes == 0 || opts_.consumer_backlog == 0)
-    throw invalid_argument("options: max_chunk_items, max_chunk_bytes and consumer_backlog "
-                           "must be positive");
+    throw invalid_argument(
+        "options: max_chunk_items, max_chunk_bytes and consumer_backlog "
+        "must be positive");
   for (auto& d : devices_)
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
   for (auto& d : devices_) stats_->value.producers.push_back(producer_stats{d, 0, {}, true});
@@ -88,7 +89,9 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
   log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
 }
 
-runtime::~runtime() { close(); }
+runtime::~runtime() {
+  close();
+}
 
 void runtime::shutdown(std::vector<caf::actor> started) noexcept {
   try {

@@ -2,13 +2,12 @@
 // two chunks in flight per producer), sizes chunks adaptively, keeps the in-flight table,
 // re-dispatches the chunks of a lost producer, orders outputs through a bounded reorder window
 // (placed after retries, so a retried chunk never reorders output) and drives the consumer.
-#include <chrono>
-#include <map>
-#include <unordered_map>
-
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/stateful_actor.hpp>
+#include <chrono>
+#include <map>
+#include <unordered_map>
 
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
@@ -148,10 +147,10 @@ class scheduler {
     in_flight_.erase(i);
     if (!r.ok()) {
       if (r.code == errc::work_error)
-        fail(std::make_exception_ptr(work_error(
-            "producer::work threw on item " + std::to_string(r.failed_index) + " on " +
-                slot.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
-            r.failed_index, slot.where.str())));
+        fail(std::make_exception_ptr(
+            work_error("producer::work threw on item " + std::to_string(r.failed_index) + " on " +
+                           slot.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
+                       r.failed_index, slot.where.str())));
       else
         fail(std::make_exception_ptr(protocol_error(r.what)));
       pump();
@@ -173,7 +172,7 @@ class scheduler {
     if (slot.alive) {
       slot.alive = false;
       log(log_level::warn, "producer " + std::to_string(p) + " on " + slot.where.str() +
-                                 " is lost (" + error_text(err) + "); its work goes to the others");
+                               " is lost (" + error_text(err) + "); its work goes to the others");
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.producers[p].alive = false;
     }
@@ -195,9 +194,9 @@ class scheduler {
       std::string what = "every producer is lost (";
       for (std::size_t i = 0; i < producers_.size(); ++i)
         what += (i ? ", " : "") + producers_[i].where.str();
-      fail(std::make_exception_ptr(node_error(
-          what + "); " + std::to_string(retry_.size()) + " chunk(s) of work could not be "
-          "done: create a new runner")));
+      fail(std::make_exception_ptr(node_error(what + "); " + std::to_string(retry_.size()) +
+                                              " chunk(s) of work could not be "
+                                              "done: create a new runner")));
       retry_.clear();
     }
     pump();
@@ -262,7 +261,8 @@ class scheduler {
     p.done = consumed_;
     p.total = run_->source->total();
     p.elapsed_seconds = std::chrono::duration<double>(now - started_).count();
-    p.items_per_second = p.elapsed_seconds > 0 ? static_cast<double>(consumed_) / p.elapsed_seconds : 0;
+    p.items_per_second =
+        p.elapsed_seconds > 0 ? static_cast<double>(consumed_) / p.elapsed_seconds : 0;
     try {
       opts_.on_progress(p);
     } catch (...) {

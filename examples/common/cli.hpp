@@ -1,15 +1,14 @@
 // Command-line flags shared by every example (API.md §6), parsed with CLI11.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
-#include <vector>
-
-#include <CLI/CLI.hpp>
 #include <troupe/troupe.hpp>
+#include <vector>
 
 namespace example {
 
@@ -26,7 +25,8 @@ struct flags {
     std::size_t start = 0;
     while (start <= devices.size()) {
       auto comma = devices.find(',', start);
-      auto spec = devices.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      auto spec =
+          devices.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
       if (!spec.empty()) out.emplace_back(spec);
       if (comma == std::string::npos) break;
       start = comma + 1;

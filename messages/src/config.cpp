@@ -1,8 +1,7 @@
 #include "troupe/config.hpp"
 
-#include <limits>
-
 #include <caf/config_value.hpp>
+#include <limits>
 
 #include "troupe/error.hpp"
 
@@ -134,7 +133,9 @@ config& config::set_integers(const std::string& key, std::vector<std::int64_t> v
   return *this;
 }
 
-bool config::contains(const std::string& key) const { return find(values_, key) != nullptr; }
+bool config::contains(const std::string& key) const {
+  return find(values_, key) != nullptr;
+}
 
 template <class T>
 T config::get(const std::string& key) const {
@@ -145,8 +146,8 @@ T config::get(const std::string& key) const {
   return converter<T>::apply(key, *v);
 }
 
-#define TROUPE_CONFIG_GET(T)                                  \
-  template T config::get<T>(const std::string& key) const;    \
+#define TROUPE_CONFIG_GET(T)                               \
+  template T config::get<T>(const std::string& key) const; \
   template std::vector<T> config::get<std::vector<T>>(const std::string& key) const;
 
 TROUPE_CONFIG_GET(bool)

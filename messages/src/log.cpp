@@ -14,11 +14,16 @@ std::shared_ptr<const log_handler> current_handler;
 
 const char* to_string(log_level level) noexcept {
   switch (level) {
-    case log_level::debug: return "debug";
-    case log_level::info: return "info";
-    case log_level::warn: return "warn";
-    case log_level::error: return "error";
-    case log_level::off: break;
+    case log_level::debug:
+      return "debug";
+    case log_level::info:
+      return "info";
+    case log_level::warn:
+      return "warn";
+    case log_level::error:
+      return "error";
+    case log_level::off:
+      break;
   }
   return "off";
 }

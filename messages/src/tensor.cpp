@@ -1,9 +1,9 @@
 #include "troupe/tensor.hpp"
 
+#include <ATen/ATen.h>
+
 #include <cstring>
 #include <limits>
-
-#include <ATen/ATen.h>
 
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
@@ -13,9 +13,18 @@ namespace {
 
 bool known_dtype(std::int8_t code) {
   switch (static_cast<c10::ScalarType>(code)) {
-    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
-    case at::kHalf: case at::kFloat: case at::kDouble: case at::kBool: case at::kBFloat16:
-    case at::kComplexFloat: case at::kComplexDouble:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kHalf:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBool:
+    case at::kBFloat16:
+    case at::kComplexFloat:
+    case at::kComplexDouble:
       return true;
     default:
       return false;

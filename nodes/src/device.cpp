@@ -30,7 +30,9 @@ device::device(const char* spec) {
   parse(spec);
 }
 
-device::device(const std::string& spec) { parse(spec); }
+device::device(const std::string& spec) {
+  parse(spec);
+}
 
 void device::parse(const std::string& spec) {
   std::string local = spec;
@@ -72,9 +74,13 @@ std::string device::str() const {
   return out;
 }
 
-std::string to_string(const device& d) { return d.str(); }
+std::string to_string(const device& d) {
+  return d.str();
+}
 
-std::vector<device> cpus(std::size_t n) { return std::vector<device>(n, device{"cpu"}); }
+std::vector<device> cpus(std::size_t n) {
+  return std::vector<device>(n, device{"cpu"});
+}
 
 std::vector<device> gpus() {
   std::vector<device> out;
@@ -91,20 +97,23 @@ std::vector<device> gpus() {
 
 std::string why_unavailable(const device& d) {
   if (!d.is_local())
-    return "device " + d.str() + " is on a remote node, and this version of troupe has no "
+    return "device " + d.str() +
+           " is on a remote node, and this version of troupe has no "
            "network support yet";
   if (d.is_cpu()) return {};
 #if !defined(TROUPE_WITH_CUDA)
-  return "device " + d.str() + ": troupe was built without CUDA support (LibTorch without "
+  return "device " + d.str() +
+         ": troupe was built without CUDA support (LibTorch without "
          "CUDA or no CUDA toolkit); use cpu devices";
 #else
   auto n = gpus().size();
   if (n == 0)
-    return "device " + d.str() + ": no usable GPU in this process (no GPU, or no NVIDIA "
+    return "device " + d.str() +
+           ": no usable GPU in this process (no GPU, or no NVIDIA "
            "driver); use cpu devices or troupe::gpus()";
   if (d.index() >= static_cast<int>(n))
-    return "device " + d.str() + ": only " + std::to_string(n) + " GPU(s) here (cuda:0 to cuda:" +
-           std::to_string(n - 1) + ")";
+    return "device " + d.str() + ": only " + std::to_string(n) +
+           " GPU(s) here (cuda:0 to cuda:" + std::to_string(n - 1) + ")";
   return {};
 #endif
 }

@@ -54,6 +54,8 @@ std::unique_ptr<device_binding> bind_device(const device& d) {
 #endif
 }
 
-void* current_stream() noexcept { return current_binding ? current_binding->stream() : nullptr; }
+void* current_stream() noexcept {
+  return current_binding ? current_binding->stream() : nullptr;
+}
 
 }  // namespace troupe

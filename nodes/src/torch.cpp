@@ -15,6 +15,8 @@ at::Tensor to_device(const at::Tensor& host, const device& d) {
   return pinned.to(torch_device(d), /*non_blocking=*/true);
 }
 
-at::Tensor to_host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
+at::Tensor to_host(const at::Tensor& t) {
+  return t.device().is_cpu() ? t : t.to(at::kCPU);
+}
 
 }  // namespace troupe

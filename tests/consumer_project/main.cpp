@@ -1,7 +1,6 @@
 // A project outside troupe's tree, built against the installed package.
 #include <cstdint>
 #include <iostream>
-
 #include <troupe/troupe.hpp>
 
 struct squares {

@@ -29,12 +29,12 @@ struct first_arg<A, As...> {
   using type = A;
 };
 
-#define TROUPE_MEMBER_FN(qualifiers)                                     \
-  template <class C, class R, class... A>                                \
-  struct member_fn<R (C::*)(A...) qualifiers> {                          \
-    static constexpr std::size_t arity = sizeof...(A);                   \
-    using result = R;                                                    \
-    using arg = typename first_arg<A...>::type;                          \
+#define TROUPE_MEMBER_FN(qualifiers)                   \
+  template <class C, class R, class... A>              \
+  struct member_fn<R (C::*)(A...) qualifiers> {        \
+    static constexpr std::size_t arity = sizeof...(A); \
+    using result = R;                                  \
+    using arg = typename first_arg<A...>::type;        \
   };
 TROUPE_MEMBER_FN()
 TROUPE_MEMBER_FN(const)
@@ -90,8 +90,9 @@ struct work_signature<P, true> {
 
 template <class Job>
 struct job_traits {
-  static_assert(has_producer<Job>::value,
-                "troupe: a job needs a nested `struct producer` with a member `Output work(Input)`");
+  static_assert(
+      has_producer<Job>::value,
+      "troupe: a job needs a nested `struct producer` with a member `Output work(Input)`");
   using producer_type = typename Job::producer;
   static_assert(has_work<producer_type>::value,
                 "troupe: Job::producer needs one member function `Output work(Input)` "
@@ -132,9 +133,10 @@ struct job_traits {
   using result_type = std::decay_t<decltype(std::declval<consumer_type&>().end())>;
   static_assert(!std::is_void<result_type>::value,
                 "troupe: Job::consumer::end() must return the run's result (it returns void)");
-  static_assert(std::is_constructible<consumer_type, const config&>::value ||
-                    std::is_default_constructible<consumer_type>::value,
-                "troupe: Job::consumer needs a constructor taking (const troupe::config&) or nothing");
+  static_assert(
+      std::is_constructible<consumer_type, const config&>::value ||
+          std::is_default_constructible<consumer_type>::value,
+      "troupe: Job::consumer needs a constructor taking (const troupe::config&) or nothing");
 };
 
 /// Constructs T from what it accepts of (device, config).

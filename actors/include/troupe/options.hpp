@@ -15,8 +15,8 @@ namespace troupe {
 /// What on_progress receives. Called on an internal thread, at most every 100 ms and once at
 /// the end of every run; keep it short.
 struct progress {
-  std::uint64_t done = 0;               ///< items the consumer has received in this run
-  std::optional<std::uint64_t> total;   ///< the input's size, when the range knows it
+  std::uint64_t done = 0;              ///< items the consumer has received in this run
+  std::optional<std::uint64_t> total;  ///< the input's size, when the range knows it
   double items_per_second = 0;
   double elapsed_seconds = 0;
 };
@@ -50,8 +50,8 @@ struct producer_stats {
 };
 
 struct stats {
-  std::uint64_t items = 0;          ///< items consumed over every run
-  std::uint64_t runs = 0;           ///< runs finished (successfully or not)
+  std::uint64_t items = 0;  ///< items consumed over every run
+  std::uint64_t runs = 0;   ///< runs finished (successfully or not)
   std::uint64_t failed_runs = 0;
   std::vector<producer_stats> producers;
 };

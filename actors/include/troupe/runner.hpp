@@ -2,13 +2,12 @@
 // consumer, driven by a scheduler actor (API.md §2).
 #pragma once
 
+#include <caf/actor_system.hpp>
 #include <initializer_list>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
-
-#include <caf/actor_system.hpp>
 
 #include "troupe/config.hpp"
 #include "troupe/detail/job_actors.hpp"
@@ -45,11 +44,12 @@ class basic_runner {
   template <class InputRange>
   result_type run(InputRange&& inputs) {
     auto slot = std::make_shared<std::optional<result_type>>();
-    rt_->run(detail::make_source<input_type>(inputs),
-             [&slot](caf::actor_system& sys, const config& cfg) {
-               return sys.spawn<caf::detached>(detail::consumer_actor<Job>, cfg, slot);
-             },
-             Order == ordering::ordered);
+    rt_->run(
+        detail::make_source<input_type>(inputs),
+        [&slot](caf::actor_system& sys, const config& cfg) {
+          return sys.spawn<caf::detached>(detail::consumer_actor<Job>, cfg, slot);
+        },
+        Order == ordering::ordered);
     return std::move(**slot);
   }
   result_type run(std::initializer_list<input_type> inputs) {

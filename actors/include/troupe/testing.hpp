@@ -7,13 +7,12 @@
 //   EXPECT_EQ(r.code, troupe::errc::work_error);
 #pragma once
 
-#include <memory>
-#include <optional>
-#include <vector>
-
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/scoped_actor.hpp>
+#include <memory>
+#include <optional>
+#include <vector>
 
 #include "troupe/detail/job_actors.hpp"
 #include "troupe/error.hpp"

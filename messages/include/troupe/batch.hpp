@@ -3,6 +3,12 @@
 // a registered type name followed by the items, through CAF's inspectors.
 #pragma once
 
+#include <caf/deserializer.hpp>
+#include <caf/detail/type_traits.hpp>
+#include <caf/error.hpp>
+#include <caf/meta/type_name.hpp>
+#include <caf/sec.hpp>
+#include <caf/serializer.hpp>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -10,13 +16,6 @@
 #include <type_traits>
 #include <typeinfo>
 #include <vector>
-
-#include <caf/deserializer.hpp>
-#include <caf/detail/type_traits.hpp>
-#include <caf/error.hpp>
-#include <caf/meta/type_name.hpp>
-#include <caf/sec.hpp>
-#include <caf/serializer.hpp>
 
 namespace troupe {
 

@@ -3,12 +3,11 @@
 // set("model.width", 64) creates the table "model" with the entry "width".
 #pragma once
 
+#include <caf/settings.hpp>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <caf/settings.hpp>
 
 namespace troupe {
 

@@ -31,10 +31,10 @@ class error : public std::runtime_error {
   [[nodiscard]] virtual errc code() const noexcept = 0;
 };
 
-#define TROUPE_DECLARE_ERROR(name)                                     \
-  class name : public error {                                          \
-   public:                                                             \
-    using error::error;                                                \
+#define TROUPE_DECLARE_ERROR(name)                                           \
+  class name : public error {                                                \
+   public:                                                                   \
+    using error::error;                                                      \
     [[nodiscard]] errc code() const noexcept override { return errc::name; } \
   };
 

@@ -8,13 +8,12 @@
 //   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
 #pragma once
 
-#include <cstdint>
-#include <string>
-
 #include <caf/atom.hpp>
 #include <caf/error.hpp>
 #include <caf/make_message.hpp>
 #include <caf/meta/type_name.hpp>
+#include <cstdint>
+#include <string>
 
 #include "troupe/batch.hpp"
 #include "troupe/error.hpp"
@@ -36,10 +35,10 @@ struct chunk_result {
   std::uint64_t run = 0;
   std::uint64_t first = 0;
   batch outputs;
-  std::int64_t busy_ns = 0;               ///< time spent inside producer::work
-  errc code = errc::none;                 ///< none, or why the chunk failed
-  std::uint64_t failed_index = 0;         ///< the failing item's index in the run
-  std::string what;                       ///< the failure's message
+  std::int64_t busy_ns = 0;        ///< time spent inside producer::work
+  errc code = errc::none;          ///< none, or why the chunk failed
+  std::uint64_t failed_index = 0;  ///< the failing item's index in the run
+  std::string what;                ///< the failure's message
 
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };

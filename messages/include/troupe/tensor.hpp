@@ -3,14 +3,14 @@
 // they serialize when they cross a network.
 #pragma once
 
-#include <cstdint>
-#include <string>
-#include <vector>
-
 #include <ATen/core/Tensor.h>
+
 #include <caf/deserializer.hpp>
 #include <caf/error.hpp>
 #include <caf/serializer.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace troupe {
 

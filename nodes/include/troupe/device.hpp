@@ -2,11 +2,10 @@
 // "HOST:PORT/cpu", "HOST:PORT/cuda:N".
 #pragma once
 
+#include <caf/meta/type_name.hpp>
 #include <cstddef>
 #include <string>
 #include <vector>
-
-#include <caf/meta/type_name.hpp>
 
 namespace troupe {
 

@@ -3,14 +3,13 @@
 // actor boundary: failures become chunk_result codes or troupe errors.
 #pragma once
 
+#include <caf/event_based_actor.hpp>
 #include <chrono>
 #include <exception>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
-
-#include <caf/event_based_actor.hpp>
 
 #include "troupe/device_binding.hpp"
 #include "troupe/job.hpp"
@@ -90,8 +89,8 @@ struct producer_state {
       return consume_ack{};
     } catch (...) {
       binding.reset();
-      return make_error(errc::work_error,
-                        "producer::end() on " + where.str() + " threw: " + describe_current_exception());
+      return make_error(errc::work_error, "producer::end() on " + where.str() +
+                                              " threw: " + describe_current_exception());
     }
   }
 };
@@ -102,7 +101,10 @@ caf::behavior producer_actor(caf::event_based_actor* self, device d, config cfg)
   auto st = std::make_shared<producer_state<Job>>();
   st->where = std::move(d);
   st->cfg = std::move(cfg);
-  self->attach_functor([st] { st->producer.reset(); st->binding.reset(); });
+  self->attach_functor([st] {
+    st->producer.reset();
+    st->binding.reset();
+  });
   return {
       [st](init_atom) { return st->init(); },
       [st](const work_chunk& w) { return st->work(w); },

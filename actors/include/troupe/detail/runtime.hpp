@@ -1,15 +1,14 @@
 // The non-template core of a runner: its actor system, its producers, its scheduler actor.
 #pragma once
 
+#include <caf/actor.hpp>
+#include <caf/fwd.hpp>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <vector>
-
-#include <caf/actor.hpp>
-#include <caf/fwd.hpp>
 
 #include "troupe/config.hpp"
 #include "troupe/detail/source.hpp"

@@ -22,9 +22,10 @@ struct has_nbytes<T, std::void_t<decltype(std::declval<const T&>().nbytes())>> :
 template <class T, class = void>
 struct is_contiguous_container : std::false_type {};
 template <class T>
-struct is_contiguous_container<T, std::void_t<decltype(std::declval<const T&>().data()),
-                                              decltype(std::declval<const T&>().size()),
-                                              typename T::value_type>> : std::true_type {};
+struct is_contiguous_container<
+    T, std::void_t<decltype(std::declval<const T&>().data()),
+                   decltype(std::declval<const T&>().size()), typename T::value_type>>
+    : std::true_type {};
 
 /// An estimate of the bytes an item holds, used to bound chunk sizes.
 template <class T>
