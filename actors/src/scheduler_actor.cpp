@@ -346,13 +346,16 @@ class scheduler {
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats) {
-  return sys.spawn<caf::detached>(
-      [producers = std::move(producers), devices = std::move(devices), opts = std::move(opts),
-       stats = std::move(stats)](caf::event_based_actor* self) mutable -> caf::behavior {
-        auto st = std::make_shared<scheduler>(self, std::move(producers), std::move(devices),
-                                              std::move(opts), std::move(stats));
-        return {[st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); }};
-      });
+  // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
+  // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
+  auto init = [producers = std::move(producers), devices = std::move(devices),
+               opts = std::move(opts)](caf::event_based_actor* self,
+                                       std::shared_ptr<stats_box> box) mutable -> caf::behavior {
+    auto st = std::make_shared<scheduler>(self, std::move(producers), std::move(devices),
+                                          std::move(opts), std::move(box));
+    return {[st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); }};
+  };
+  return sys.spawn<caf::detached>(std::move(init), std::move(stats));
 }
 
 }  // namespace troupe::detail
