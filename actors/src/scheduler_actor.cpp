@@ -130,7 +130,7 @@ class scheduler {
     in_flight_.emplace(id, std::move(c));
     self_->request(slot.handle, caf::infinite, std::move(msg))
         .then([this, id, run](chunk_result& r) { on_result(id, run, r); },
-              [this, id, run, p](caf::error& err) { on_lost(p, id, run, err); });
+              [this, run, p](caf::error& err) { on_lost(p, run, err); });
   }
 
   // -- results -----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class scheduler {
     pump();
   }
 
-  void on_lost(std::size_t p, std::uint64_t id, std::uint64_t run, const caf::error& err) {
+  void on_lost(std::size_t p, std::uint64_t run, const caf::error& err) {
     auto& slot = producers_[p];
     if (slot.alive) {
       slot.alive = false;
@@ -187,7 +187,6 @@ class scheduler {
       in_flight_.erase(*i);
     }
     slot.chunks = slot.items = 0;
-    (void)id;
     bool any = false;
     for (auto& s : producers_) any = any || s.alive;
     if (!any) {

@@ -68,9 +68,13 @@ device device::local() const {
 }
 
 std::string device::str() const {
-  std::string out = node_.empty() ? std::string{} : node_ + "/";
+  std::string out = node_;
+  if (!out.empty()) out += '/';
   out += kind_ == kind::cpu ? "cpu" : "cuda";
-  if (index_ >= 0) out += ":" + std::to_string(index_);
+  if (index_ >= 0) {
+    out += ':';
+    out += std::to_string(index_);
+  }
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "troupe/detail/job_actors.hpp"
+#include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
 
@@ -23,11 +24,11 @@ namespace troupe::testing {
 /// An actor system for tests, with the settings troupe's runners use.
 class test_system {
  public:
-  test_system() : sys_(cfg_) {}
+  test_system() : cfg_(detail::make_system_config()), sys_(*cfg_) {}
   caf::actor_system& get() { return sys_; }
 
  private:
-  caf::actor_system_config cfg_;
+  std::unique_ptr<caf::actor_system_config> cfg_;
   caf::actor_system sys_;
 };
 

@@ -68,6 +68,9 @@ class runtime {
   std::shared_ptr<stats_box> stats_;
 };
 
+/// The actor system settings of every runner (work sharing, CAF's own logging quiet).
+std::unique_ptr<caf::actor_system_config> make_system_config();
+
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp).
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
