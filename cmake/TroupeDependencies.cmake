@@ -2,6 +2,7 @@
 # TROUPE_HAVE_CUDART.
 find_package(Threads REQUIRED)
 find_package(CAF 0.17 REQUIRED)
+find_package(OpenSSL REQUIRED)
 
 set(TROUPE_HAVE_CUDART OFF)
 find_package(CUDAToolkit QUIET)

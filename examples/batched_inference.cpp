@@ -16,6 +16,7 @@ struct batched_inference {
     std::vector<at::Tensor> parts;
   };
 };
+TROUPE_REGISTER_JOB(batched_inference);
 
 int main(int argc, char** argv) {
   CLI::App app{"batched_inference: an MLP on every device over generated batches"};

@@ -52,6 +52,7 @@ struct square_on_gpu {
     double sum = 0;
   };
 };
+TROUPE_REGISTER_JOB(square_on_gpu);
 
 int main(int argc, char** argv) {
   CLI::App app{"cuda_kernel: producers launch their own CUDA kernel on their own stream"};

@@ -16,6 +16,7 @@ struct inference {
     std::vector<at::Tensor> rows;
   };
 };
+TROUPE_REGISTER_JOB(inference);
 
 int main(int argc, char** argv) {
   CLI::App app{"inference: an MLP on every device, rows streamed one at a time"};

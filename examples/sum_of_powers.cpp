@@ -26,6 +26,7 @@ struct sum_of_powers {
     std::int64_t sum = 0;
   };
 };
+TROUPE_REGISTER_JOB(sum_of_powers);
 
 int main(int argc, char** argv) {
   CLI::App app{"sum_of_powers: sum of x^power over 0..items-1"};

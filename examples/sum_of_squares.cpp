@@ -22,6 +22,7 @@ struct sum_of_squares {
     std::int64_t sum = 0;
   };
 };
+TROUPE_REGISTER_JOB(sum_of_squares);
 
 template <class Runner>
 std::int64_t run_all(Runner& runner, std::size_t n) {

@@ -218,8 +218,13 @@ TEST(Runner, UnusableDeviceIsDeviceUnavailable) {
   } catch (const troupe::device_unavailable& e) {
     EXPECT_NE(std::string{e.what()}.find("cuda:0"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(troupe::unordered_runner<squares>(std::vector<troupe::device>{"10.0.0.1:1/cpu"}),
-               troupe::device_unavailable);
+  // Remote devices need a registered job; this one is not (and nothing is contacted).
+  try {
+    troupe::unordered_runner<squares> r{std::vector<troupe::device>{"127.0.0.1:1/cpu"}};
+    FAIL();
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("TROUPE_REGISTER_JOB"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Runner, ConcurrentRunsAreSerialized) {

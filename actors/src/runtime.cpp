@@ -4,12 +4,15 @@
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/atom.hpp>
+#include <caf/event_based_actor.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
+#include <map>
 
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
 #include "troupe/messages.hpp"
+#include "troupe/node.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
 
@@ -22,17 +25,18 @@ std::string entry_name(const std::vector<device>& devices, std::size_t i) {
 
 }  // namespace
 
-std::unique_ptr<caf::actor_system_config> make_system_config() {
-  auto cfg = std::make_unique<caf::actor_system_config>();
-  // Work sharing: a round trip to a detached actor costs ~13 us instead of ~60 us here.
-  cfg->set("scheduler.policy", caf::atom("sharing"));
-  cfg->set("scheduler.max-threads", 2);
-  cfg->set("logger.file-verbosity", caf::atom("quiet"));
-  cfg->set("logger.console-verbosity", caf::atom("quiet"));
-  return cfg;
+namespace {
+
+constexpr auto remote_reply_timeout = std::chrono::seconds{120};  // a remote producer's init
+constexpr auto remote_end_timeout = std::chrono::seconds{5};
+
+bool any_remote(const std::vector<device>& devices) {
+  return std::any_of(devices.begin(), devices.end(), [](auto& d) { return !d.is_local(); });
 }
 
-runtime::runtime(std::vector<device> devices, config cfg, options opts,
+}  // namespace
+
+runtime::runtime(std::vector<device> devices, config cfg, options opts, std::string job,
                  const producer_spawner& spawn)
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
@@ -48,19 +52,39 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
         "must be positive");
   for (auto& d : devices_)
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
+  bool network = any_remote(devices_);
+  if (network && job.empty())
+    throw invalid_argument(
+        "remote devices need a registered job: add TROUPE_REGISTER_JOB(your_job) at namespace "
+        "scope, in this program and in the nodes' programs");
   for (auto& d : devices_) stats_->value.producers.push_back(producer_stats{d, 0, {}, true});
-  sys_cfg_ = make_system_config();
+  tls settings;
+  for (auto& d : devices_)
+    if (!d.is_local()) settings = tls_for(d.node());
+  sys_cfg_ = make_system_config(network, settings);
   sys_ = std::make_unique<caf::actor_system>(*sys_cfg_);
+  std::vector<caf::actor> spawned;
+  try {
+    spawned = spawn_all(job, settings, spawn);
+  } catch (const connect_timeout&) {
+    (void)sys_.release();  // a connection attempt still uses the system: keep it alive
+    (void)sys_cfg_.release();
+    throw;
+  } catch (...) {
+    shutdown({});
+    throw;
+  }
   std::vector<caf::actor> started;
   std::string failure;
   errc failure_code = errc::none;
   {
     caf::scoped_actor self{*sys_};
-    std::vector<caf::actor> spawned;
-    for (auto& d : devices_) spawned.push_back(spawn(*sys_, d, cfg_));
     // Every producer constructs its job object concurrently, on its own thread.
     std::vector<decltype(self->request(spawned[0], caf::infinite, init_atom::value))> replies;
-    for (auto& p : spawned) replies.push_back(self->request(p, caf::infinite, init_atom::value));
+    for (std::size_t i = 0; i < spawned.size(); ++i)
+      replies.push_back(devices_[i].is_local()
+                            ? self->request(spawned[i], caf::infinite, init_atom::value)
+                            : self->request(spawned[i], remote_reply_timeout, init_atom::value));
     for (std::size_t i = 0; i < replies.size(); ++i) {
       replies[i].receive([&](const init_done&) { started.push_back(spawned[i]); },
                          [&](const caf::error& err) {
@@ -78,15 +102,57 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts,
           self->send_exit(p, caf::exit_reason::user_shutdown);
     }
   }
+  spawned.clear();
   if (failure_code != errc::none) {
     shutdown(std::move(started));
     if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
+    if (failure_code == errc::node_error) throw node_error(failure);
     throw init_error(failure + "; the producers that did start were ended");
   }
   producers_ = std::move(started);
   scheduler_ = spawn_scheduler(*sys_, producers_, devices_, opts_, stats_);
   open_ = true;
   log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
+}
+
+std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings,
+                                           const producer_spawner& spawn) {
+  std::vector<caf::actor> spawned;
+  std::map<std::string, caf::actor> nodes;
+  caf::scoped_actor self{*sys_};
+  auto stop_spawned = [&] {
+    for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
+  };
+  for (auto& d : devices_) {
+    if (d.is_local()) {
+      spawned.push_back(spawn(*sys_, d, cfg_));
+      continue;
+    }
+    if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
+      anchor_ = sys_->spawn(
+          [](caf::event_based_actor*, int) -> caf::behavior { return {[](int) {}}; }, 0);
+    auto& node = nodes[d.node()];
+    try {
+      if (!node) node = connect_node(*sys_, d.node(), settings, std::chrono::seconds{5}, nullptr);
+    } catch (...) {
+      stop_spawned();
+      throw;
+    }
+    caf::error failed;
+    caf::actor producer;
+    self->request(node, remote_reply_timeout, spawn_producer{job, d.local().str(), cfg_}, anchor_)
+        .receive([&](caf::actor& p) { producer = std::move(p); },
+                 [&](caf::error& err) { failed = std::move(err); });
+    if (failed) {
+      stop_spawned();
+      auto why = "node " + d.node() + " cannot start a producer on " + d.local().str() + ": " +
+                 error_text(failed);
+      if (error_code(failed) == errc::device_unavailable) throw device_unavailable(why);
+      throw node_error(why);
+    }
+    spawned.push_back(std::move(producer));
+  }
+  return spawned;
 }
 
 runtime::~runtime() {
@@ -97,17 +163,29 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
   try {
     {
       caf::scoped_actor self{*sys_};
+      if (scheduler_) self->send_exit(scheduler_, caf::exit_reason::user_shutdown);
+      auto known = stats();  // producers the scheduler gave up on get no end request
       for (std::size_t i = 0; i < started.size(); ++i) {
-        self->request(started[i], caf::infinite, end_atom::value)
-            .receive([](const consume_ack&) {},
-                     [&](const caf::error& err) { log(log_level::warn, error_text(err)); });
+        bool alive = i >= known.producers.size() || known.producers[i].alive;
+        bool local = started[i].node() == sys_->node();
+        if (alive) {
+          // A request to a dead node is never answered by CAF 0.17: bound the wait.
+          auto timeout = local ? caf::duration{caf::infinite} : caf::duration{remote_end_timeout};
+          self->request(started[i], timeout, end_atom::value)
+              .receive([](const consume_ack&) {},
+                       [&](const caf::error& err) {
+                         log(log_level::warn, "ending producer " + entry_name(devices_, i) +
+                                                  " failed: " + error_text(err));
+                       });
+        }
         self->send_exit(started[i], caf::exit_reason::user_shutdown);
       }
-      if (scheduler_) self->send_exit(scheduler_, caf::exit_reason::user_shutdown);
+      if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
     }
     // Every handle must be gone before ~actor_system, which waits for the actors to be destroyed.
     started.clear();
     scheduler_ = nullptr;
+    anchor_ = nullptr;
     producers_.clear();
     sys_.reset();  // waits for every actor to terminate
     sys_cfg_.reset();

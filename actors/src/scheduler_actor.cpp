@@ -2,6 +2,7 @@
 // two chunks in flight per producer), sizes chunks adaptively, keeps the in-flight table,
 // re-dispatches the chunks of a lost producer, orders outputs through a bounded reorder window
 // (placed after retries, so a retried chunk never reorders output) and drives the consumer.
+#include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/stateful_actor.hpp>
@@ -42,8 +43,15 @@ class scheduler {
   scheduler(caf::event_based_actor* self, std::vector<caf::actor> producers,
             std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats)
       : self_(self), opts_(std::move(opts)), stats_(std::move(stats)) {
-    for (std::size_t i = 0; i < producers.size(); ++i)
+    for (std::size_t i = 0; i < producers.size(); ++i) {
+      // CAF 0.17 never fails a request to a dead node: monitors (and heartbeats) tell us.
+      self_->monitor(producers[i]);
       producers_.push_back(producer_slot{std::move(producers[i]), devices[i]});
+    }
+    self_->set_down_handler([this](caf::down_msg& dm) {
+      for (std::size_t p = 0; p < producers_.size(); ++p)
+        if (producers_[p].handle.address() == dm.source) on_lost(p, run_ ? run_->id : 0, dm.reason);
+    });
     window_ = opts_.reorder_window ? opts_.reorder_window : 4 * producers_.size();
   }
 
@@ -60,6 +68,7 @@ class scheduler {
     backlog_ = 0;
     started_ = last_progress_ = clock_type::now();
     if (opts_.chunk_size) chunk_size_ = opts_.chunk_size;
+    check_survivors();
     pump();
   }
 
@@ -129,16 +138,18 @@ class scheduler {
     work_chunk msg{run, c.first, c.items};
     in_flight_.emplace(id, std::move(c));
     self_->request(slot.handle, caf::infinite, std::move(msg))
-        .then([this, id, run](chunk_result& r) { on_result(id, run, r); },
+        .then([this, id, run, p](chunk_result& r) { on_result(p, id, run, r); },
               [this, run, p](caf::error& err) { on_lost(p, run, err); });
   }
 
   // -- results -----------------------------------------------------------------------------
 
-  void on_result(std::uint64_t id, std::uint64_t run, chunk_result& r) {
+  void on_result(std::size_t from, std::uint64_t id, std::uint64_t run, chunk_result& r) {
     if (!run_ || run_->id != run) return;  // a late answer from a run that already ended
     auto i = in_flight_.find(id);
-    if (i == in_flight_.end()) return;  // given up on (its producer was declared lost)
+    // Given up on: its producer was declared lost, and the chunk may be running elsewhere now.
+    // Dropping the late answer keeps every output exactly once.
+    if (i == in_flight_.end() || i->second.producer != from || !producers_[from].alive) return;
     auto& slot = producers_[i->second.producer];
     auto n = i->second.items.size();
     slot.chunks -= 1;
@@ -187,18 +198,20 @@ class scheduler {
       in_flight_.erase(*i);
     }
     slot.chunks = slot.items = 0;
-    bool any = false;
-    for (auto& s : producers_) any = any || s.alive;
-    if (!any) {
-      std::string what = "every producer is lost (";
-      for (std::size_t i = 0; i < producers_.size(); ++i)
-        what += (i ? ", " : "") + producers_[i].where.str();
-      fail(std::make_exception_ptr(node_error(what + "); " + std::to_string(retry_.size()) +
-                                              " chunk(s) of work could not be "
-                                              "done: create a new runner")));
-      retry_.clear();
-    }
+    check_survivors();
     pump();
+  }
+
+  /// Fails the run with node_error when no producer is left to take its work.
+  void check_survivors() {
+    if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return s.alive; })) return;
+    std::string what = "every producer is lost (";
+    for (std::size_t i = 0; i < producers_.size(); ++i)
+      what += (i ? ", " : "") + producers_[i].where.str();
+    fail(std::make_exception_ptr(node_error(what + "); " + std::to_string(retry_.size()) +
+                                            " chunk(s) of work could not be done: create a new "
+                                            "runner, with reachable nodes")));
+    retry_.clear();
   }
 
   void adapt_chunk_size(std::size_t n, std::int64_t busy_ns) {

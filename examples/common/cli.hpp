@@ -1,8 +1,11 @@
 // Command-line flags shared by every example (API.md §6), parsed with CLI11.
 #pragma once
 
+#include <pthread.h>
+
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -14,20 +17,32 @@ namespace example {
 
 struct flags {
   std::string devices = "cpu,cpu";
+  bool devices_given = false;
   std::size_t items = 100;
   bool ordered = false;
   double work_ms = 0;
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
 
+  troupe::tls tls() const { return {tls_cert, tls_key, tls_ca, {}}; }
+
+  /// --devices, or the devices of the --nodes (plus --devices when given too).
   std::vector<troupe::device> device_list() const {
     std::vector<troupe::device> out;
+    if (!nodes.empty()) out = troupe::cluster::connect(split(nodes), tls()).devices();
+    if (nodes.empty() || devices_given)
+      for (auto& spec : split(devices)) out.emplace_back(spec);
+    return out;
+  }
+
+  static std::vector<std::string> split(const std::string& list) {
+    std::vector<std::string> out;
     std::size_t start = 0;
-    while (start <= devices.size()) {
-      auto comma = devices.find(',', start);
-      auto spec =
-          devices.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-      if (!spec.empty()) out.emplace_back(spec);
+    while (start <= list.size()) {
+      auto comma = list.find(',', start);
+      auto item =
+          list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      if (!item.empty()) out.push_back(item);
       if (comma == std::string::npos) break;
       start = comma + 1;
     }
@@ -37,25 +52,46 @@ struct flags {
 
 /// Adds the common flags to `app`; examples add their own before parsing.
 inline void add_flags(CLI::App& app, flags& f) {
-  app.add_option("--devices", f.devices, "comma-separated device specs, e.g. cpu,cpu or cuda:0");
+  app.add_option("--devices", f.devices, "comma-separated device specs, e.g. cpu,cpu or cuda:0")
+      ->each([&f](const std::string&) { f.devices_given = true; });
   app.add_option("--items", f.items, "how many input items");
   app.add_flag("--ordered", f.ordered, "use the ordered runner");
   app.add_option("--work-ms", f.work_ms, "simulated device time per item, in ms");
-  app.add_option("--serve", f.serve, "run as a node on HOST:PORT (not implemented yet)");
-  app.add_option("--nodes", f.nodes, "HOST:PORT list of nodes to use (not implemented yet)");
-  app.add_option("--tls-cert", f.tls_cert, "TLS certificate (not implemented yet)");
-  app.add_option("--tls-key", f.tls_key, "TLS key (not implemented yet)");
-  app.add_option("--tls-ca", f.tls_ca, "TLS CA (not implemented yet)");
+  app.add_option("--serve", f.serve, "run as a node on HOST:PORT until SIGINT/SIGTERM");
+  app.add_option("--nodes", f.nodes, "comma-separated HOST:PORT of nodes whose devices to use");
+  app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");
+  app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
+  app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");
   app.add_flag("-v,--verbose", f.verbose, "log troupe's diagnostics to stderr");
 }
 
-/// Checks flags that this version cannot honour yet; returns an exit code, or -1 to go on.
+/// Serves this program's devices as a node until SIGINT or SIGTERM.
+inline int serve(const flags& f) {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);  // before CAF starts its threads
+  auto node = troupe::node::serve(f.serve, f.device_list(), f.tls());
+  std::cout << "serving on " << node.address() << std::endl;
+  int signal = 0;
+  sigwait(&stop_signals, &signal);
+  node.stop();
+  std::cout << "stopped" << std::endl;
+  return 0;
+}
+
+/// Handles --serve and --verbose; returns an exit code, or -1 to go on with the example.
 inline int check_flags(const flags& f) {
   if (f.verbose) troupe::log_to_stderr(troupe::log_level::debug);
-  if (!f.serve.empty() || !f.nodes.empty() || !f.tls_cert.empty()) {
-    std::cerr << "error: --serve, --nodes and the TLS flags need multi-node support, which this "
-                 "version of troupe does not have yet\n";
-    return 2;
+  if (!f.serve.empty()) {
+    int rc = 1;
+    try {
+      rc = serve(f);
+    } catch (const std::exception& e) {
+      std::cerr << "error: " << e.what() << "\n";
+    }
+    return rc;
   }
   return -1;
 }

@@ -100,10 +100,7 @@ std::vector<device> gpus() {
 }
 
 std::string why_unavailable(const device& d) {
-  if (!d.is_local())
-    return "device " + d.str() +
-           " is on a remote node, and this version of troupe has no "
-           "network support yet";
+  if (!d.is_local()) return {};  // its node decides
   if (d.is_cpu()) return {};
 #if !defined(TROUPE_WITH_CUDA)
   return "device " + d.str() +

@@ -17,6 +17,7 @@
 #include "troupe/generate.hpp"
 #include "troupe/job.hpp"
 #include "troupe/options.hpp"
+#include "troupe/registry.hpp"
 
 namespace troupe {
 
@@ -34,7 +35,7 @@ class basic_runner {
   /// Starts one producer per device entry; returns once every producer's constructor has run.
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
       : rt_(std::make_unique<detail::runtime>(std::move(devices), std::move(cfg), std::move(opts),
-                                              &spawn_producer)) {}
+                                              job_name(typeid(Job)), &spawn_producer)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
   explicit basic_runner(std::size_t cpu_producers, config cfg = {}, options opts = {})
       : basic_runner(cpus(cpu_producers), std::move(cfg), std::move(opts)) {}

@@ -24,7 +24,7 @@ namespace troupe::testing {
 /// An actor system for tests, with the settings troupe's runners use.
 class test_system {
  public:
-  test_system() : cfg_(detail::make_system_config()), sys_(*cfg_) {}
+  test_system() : cfg_(detail::make_system_config(false)), sys_(*cfg_) {}
   caf::actor_system& get() { return sys_; }
 
  private:

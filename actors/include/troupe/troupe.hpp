@@ -7,5 +7,7 @@
 #include "troupe/error.hpp"
 #include "troupe/generate.hpp"
 #include "troupe/log.hpp"
+#include "troupe/node.hpp"
 #include "troupe/options.hpp"
+#include "troupe/register.hpp"
 #include "troupe/runner.hpp"

@@ -59,9 +59,10 @@ void register_batch_type(const std::string& name, const std::type_info& type,
 std::string batch_type_name(const std::type_info& type);
 std::unique_ptr<batch_base> make_batch(const std::string& name);
 
-/// Registers std::vector<T> batches under `name` (the same name in every process).
+/// Registers std::vector<T> batches under `name` (the same name in every process; by default
+/// the type's mangled name, equal in programs built by the same compiler).
 template <class T>
-void register_batch_type(const std::string& name) {
+void register_batch_type(const std::string& name = typeid(T).name()) {
   static_assert(caf::detail::is_serializable<T>::value,
                 "a batch type that crosses the network needs an inspect() overload");
   register_batch_type(name, typeid(T), [] { return std::make_unique<batch_of<T>>(); });

@@ -14,8 +14,10 @@
 #include <caf/meta/type_name.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "troupe/batch.hpp"
+#include "troupe/config.hpp"
 #include "troupe/error.hpp"
 
 namespace troupe {
@@ -103,5 +105,40 @@ errc error_code(const caf::error& err);
 
 /// The text of a troupe error, or CAF's description of one of its own.
 std::string error_text(const caf::error& err);
+
+}  // namespace troupe
+
+namespace troupe {
+
+// -- node control (API.md §6) ------------------------------------------------------------------
+
+/// The version of troupe's node protocol; peers with another version are refused.
+constexpr std::uint32_t node_protocol_version = 1;
+
+using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
+
+/// A node's answer to hello_atom: its protocol version and the devices it offers.
+struct node_hello {
+  std::uint32_t version = 0;
+  std::vector<std::string> devices;
+};
+
+/// Asks a node to spawn one producer of a registered job on one of its devices.
+/// The node answers with the producer's handle, or an error.
+struct spawn_producer {
+  std::string job;
+  std::string device;
+  config cfg;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
+  return f(caf::meta::type_name("troupe.node_hello"), x.version, x.devices);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, spawn_producer& x) {
+  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.device, x.cfg);
+}
 
 }  // namespace troupe

@@ -13,6 +13,7 @@
 #include "troupe/config.hpp"
 #include "troupe/detail/source.hpp"
 #include "troupe/device.hpp"
+#include "troupe/node.hpp"
 #include "troupe/options.hpp"
 
 namespace troupe::detail {
@@ -40,7 +41,9 @@ class runtime {
 
   /// Starts one producer per device and waits until each has been constructed.
   /// Throws invalid_argument, device_unavailable or init_error.
-  runtime(std::vector<device> devices, config cfg, options opts, const producer_spawner& spawn);
+  /// `job`: the job's registered name ("" if none), needed for remote devices.
+  runtime(std::vector<device> devices, config cfg, options opts, std::string job,
+          const producer_spawner& spawn);
   ~runtime();
   runtime(const runtime&) = delete;
   runtime& operator=(const runtime&) = delete;
@@ -54,6 +57,9 @@ class runtime {
 
  private:
   void shutdown(std::vector<caf::actor> started) noexcept;
+  /// Spawns one producer per device: locally, or through the device's node.
+  std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings,
+                                    const producer_spawner& spawn);
 
   std::vector<device> devices_;
   config cfg_;
@@ -65,11 +71,9 @@ class runtime {
   std::unique_ptr<caf::actor_system> sys_;
   std::vector<caf::actor> producers_;
   caf::actor scheduler_;
+  caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
   std::shared_ptr<stats_box> stats_;
 };
-
-/// The actor system settings of every runner (work sharing, CAF's own logging quiet).
-std::unique_ptr<caf::actor_system_config> make_system_config();
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp).
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,

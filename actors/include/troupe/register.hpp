@@ -1,0 +1,38 @@
+// TROUPE_REGISTER_JOB(job): makes a job runnable by name on nodes of this program, and lets
+// runners of this program use remote devices for it. Write it at namespace scope, in the
+// coordinator's program and in every node's program. The job's input and output types must be
+// serializable by CAF (an inspect() overload; include <troupe/torch.hpp> for tensors).
+#pragma once
+
+#include <caf/actor_system.hpp>
+#include <caf/detail/type_traits.hpp>
+
+#include "troupe/batch.hpp"
+#include "troupe/detail/job_actors.hpp"
+#include "troupe/registry.hpp"
+
+namespace troupe {
+
+template <class Job>
+bool register_job_type(const char* name) {
+  using traits = detail::job_traits<Job>;
+  static_assert(caf::detail::is_serializable<typename traits::input_type>::value &&
+                    caf::detail::is_serializable<typename traits::output_type>::value,
+                "troupe: TROUPE_REGISTER_JOB needs input and output types that CAF can "
+                "serialize: give them an inspect() overload (include <troupe/torch.hpp> for "
+                "tensors)");
+  register_batch_type<typename traits::input_type>();
+  register_batch_type<typename traits::output_type>();
+  return register_job(name, typeid(Job),
+                      [](caf::actor_system& sys, const device& d, const config& cfg) {
+                        return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
+                      });
+}
+
+}  // namespace troupe
+
+#define TROUPE_DETAIL_CONCAT2(a, b) a##b
+#define TROUPE_DETAIL_CONCAT(a, b) TROUPE_DETAIL_CONCAT2(a, b)
+#define TROUPE_REGISTER_JOB(job)                                                                 \
+  [[maybe_unused]] static const bool TROUPE_DETAIL_CONCAT(troupe_job_registered_, __COUNTER__) = \
+      ::troupe::register_job_type<job>(#job)

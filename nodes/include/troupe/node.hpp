@@ -1,0 +1,101 @@
+// Several machines (API.md §6): any program linking troupe can serve as a node; coordinators
+// connect to nodes and run the ordinary runners over their devices ("HOST:PORT/cpu").
+// The transport is CAF's own network layer (middleman, BASP), optionally over mutual TLS.
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/fwd.hpp>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "troupe/device.hpp"
+#include "troupe/error.hpp"
+
+namespace troupe {
+
+/// Mutual TLS through CAF's OpenSSL module. A node with these settings refuses peers without a
+/// certificate signed by `ca`. Empty `cert` means plain TCP.
+struct tls {
+  std::string cert;        ///< PEM certificate file
+  std::string key;         ///< PEM private key file
+  std::string ca;          ///< PEM file of the CA that signs peers' certificates
+  std::string passphrase;  ///< of the key, if it has one
+  [[nodiscard]] bool enabled() const noexcept { return !cert.empty(); }
+};
+
+/// A node serving this process's devices to remote coordinators.
+class node {
+ public:
+  /// Publishes a node on HOST:PORT (port 0: any free port) offering `devices`, and returns once
+  /// it listens. Throws invalid_argument (bad address, bad TLS files) or node_error.
+  static node serve(const std::string& host_port, std::vector<device> devices, tls t = {});
+
+  node(node&&) noexcept;
+  node& operator=(node&&) noexcept;
+  ~node();
+
+  [[nodiscard]] std::uint16_t port() const;
+  /// "HOST:PORT" as coordinators should name it.
+  [[nodiscard]] std::string address() const;
+  /// Stops serving: unpublishes, ends every producer it spawned. Idempotent.
+  void stop();
+
+ private:
+  struct impl;
+  explicit node(std::unique_ptr<impl> p);
+  std::unique_ptr<impl> impl_;
+};
+
+/// A set of nodes this process has checked it can reach.
+class cluster {
+ public:
+  /// Connects to every node (within `deadline` each) and lists its devices. Throws node_error
+  /// naming the node and the reason. The TLS settings are remembered for these nodes, so that
+  /// runners over their devices use them.
+  static cluster connect(const std::vector<std::string>& nodes, tls t = {},
+                         std::chrono::milliseconds deadline = std::chrono::seconds{5});
+
+  /// Every device of every node, as "HOST:PORT/device".
+  [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
+  [[nodiscard]] const std::vector<std::string>& nodes() const noexcept { return nodes_; }
+
+ private:
+  std::vector<std::string> nodes_;
+  std::vector<device> devices_;
+};
+
+namespace detail {
+
+struct host_port {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+/// Parses "HOST:PORT"; throws invalid_argument quoting it.
+host_port parse_host_port(const std::string& spec);
+
+/// The actor system settings troupe uses: work sharing, CAF's own logging quiet; with
+/// `network`, the middleman, troupe's message types and heartbeats; with TLS, CAF's OpenSSL
+/// module (key files are validated first: a bad key must not hang the handshake).
+std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const tls& t = {});
+
+/// Thrown by connect_node when the node did not answer in time (the attempt goes on, on a
+/// helper thread that uses the actor system: keep the system alive).
+class connect_timeout : public node_error {
+ public:
+  using node_error::node_error;
+};
+
+/// Connects to the node at `address` and checks its protocol version; returns the node actor
+/// and fills `devices`. Throws node_error naming the node and the reason.
+caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
+                        std::chrono::milliseconds deadline, std::vector<std::string>* devices);
+
+/// The TLS settings cluster::connect remembered for `address` (empty when none).
+tls tls_for(const std::string& address);
+
+}  // namespace detail
+}  // namespace troupe

@@ -1,0 +1,32 @@
+// The registry of jobs a program can run on behalf of remote coordinators. A node only spawns
+// producers of jobs registered here (TROUPE_REGISTER_JOB, <troupe/register.hpp>).
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/fwd.hpp>
+#include <functional>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "troupe/config.hpp"
+#include "troupe/device.hpp"
+
+namespace troupe {
+
+using producer_factory =
+    std::function<caf::actor(caf::actor_system&, const device&, const config&)>;
+
+/// Registers `job` under `name`; returns true (for static registration).
+bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn);
+
+/// The factory of the job registered under `name`, or an empty function.
+producer_factory find_job(const std::string& name);
+
+/// The registered name of `job`, or "" when it is not registered.
+std::string job_name(const std::type_info& job);
+
+/// Every registered job name, sorted.
+std::vector<std::string> registered_jobs();
+
+}  // namespace troupe
