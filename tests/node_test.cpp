@@ -1,0 +1,215 @@
+// Several machines on loopback (API.md §6): real node processes, killed and frozen mid-run.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "remote_jobs.hpp"
+
+TROUPE_REGISTER_JOB(remote_squares);
+
+namespace {
+
+/// A job this program registers and the test nodes do not.
+struct only_here {
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+};
+TROUPE_REGISTER_JOB(only_here);
+
+/// One troupe_test_node process, ended (SIGKILL) by the destructor.
+class node_process {
+ public:
+  explicit node_process(const std::string& devices, std::vector<std::string> extra = {}) {
+    int out[2];
+    if (pipe(out) != 0) throw std::runtime_error("pipe");
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      std::vector<std::string> args{TROUPE_TEST_NODE, "--serve", "127.0.0.1:0", "--devices",
+                                    devices};
+      args.insert(args.end(), extra.begin(), extra.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    FILE* in = fdopen(out[0], "r");
+    char line[256] = {0};
+    // "serving on 127.0.0.1:PORT" (ctest's timeout bounds this read)
+    if (fgets(line, sizeof line, in) == nullptr) throw std::runtime_error("node did not start");
+    std::string text = line;
+    address_ = text.substr(text.find("127.0.0.1"));
+    address_.erase(address_.find_last_not_of("\r\n") + 1);
+    out_ = in;
+  }
+  ~node_process() {
+    kill(SIGCONT);
+    kill(SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    if (out_) fclose(out_);
+  }
+  void kill(int sig) const { ::kill(pid_, sig); }
+  const std::string& address() const { return address_; }
+  std::uint16_t port() const {
+    return static_cast<std::uint16_t>(std::stoi(address_.substr(address_.rfind(':') + 1)));
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  std::string address_;
+};
+
+std::vector<std::int64_t> iota(std::int64_t n) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+std::int64_t sum_of_squares(std::int64_t n) {
+  std::int64_t s = 0;
+  for (std::int64_t i = 0; i < n; ++i) s += i * i;
+  return s;
+}
+
+troupe::config slow(std::int64_t us) {
+  troupe::config cfg;
+  cfg.set("sleep_us", us);
+  return cfg;
+}
+
+/// Sends `sig` to `node` once the runner's producers have finished `items` items.
+void signal_after(const node_process& node, troupe::options& opts, int sig, std::uint64_t items) {
+  auto sent = std::make_shared<std::atomic<bool>>(false);
+  opts.on_progress = [&node, sig, items, sent](const troupe::progress& p) {
+    if (p.done >= items && !sent->exchange(true)) node.kill(sig);
+  };
+}
+
+}  // namespace
+
+TEST(Nodes, TwoNodesPlusLocalProducersGiveTheLocalResult) {
+  node_process a{"cpu,cpu"}, b{"cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()});
+  ASSERT_EQ(c.devices().size(), 3u);
+  EXPECT_EQ(c.devices()[0], troupe::device{a.address() + "/cpu"});
+  auto devices = c.devices();
+  devices.push_back("cpu");
+  troupe::ordered_runner<remote_squares> runner{devices};
+  EXPECT_EQ(runner.run(iota(5000)), sum_of_squares(5000));
+  EXPECT_EQ(runner.run(iota(10)), sum_of_squares(10));  // several runs
+  auto s = runner.stats();
+  std::uint64_t remote_items = 0;
+  for (std::size_t i = 0; i < 3; ++i) remote_items += s.producers[i].items;
+  EXPECT_GT(remote_items, 0u);  // the nodes did take work
+}
+
+TEST(Nodes, SigkillOfOneNodeMidRunStillGivesTheExactResult) {
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()});
+  troupe::options opts;
+  signal_after(a, opts, SIGKILL, 200);
+  troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+  EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));
+  auto s = runner.stats();
+  EXPECT_FALSE(s.producers[0].alive);
+  EXPECT_TRUE(s.producers[2].alive);
+}
+
+TEST(Nodes, SigstopOfOneNodeMidRunGivesTheExactResult) {
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()});
+  troupe::options opts;
+  signal_after(a, opts, SIGSTOP, 200);
+  troupe::ordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+  // Heartbeats give the frozen node up after ~1.5 s; its chunks go to the other node.
+  EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));
+  EXPECT_FALSE(runner.stats().producers[0].alive);
+}
+
+TEST(Nodes, LosingEveryNodeIsNodeErrorAndANewNodeCanBeUsed) {
+  {
+    node_process a{"cpu"};
+    auto c = troupe::cluster::connect({a.address()});
+    troupe::options opts;
+    signal_after(a, opts, SIGKILL, 50);
+    troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+    try {
+      runner.run(iota(1000));
+      FAIL() << "expected node_error";
+    } catch (const troupe::node_error& e) {
+      EXPECT_NE(std::string{e.what()}.find(a.address()), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(runner.run({1}), troupe::node_error);  // still no producer: no hang
+  }
+  node_process fresh{"cpu"};  // nothing to restart: a new connect just works
+  auto c = troupe::cluster::connect({fresh.address()});
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+}
+
+TEST(Nodes, UnreachableNodesAndUnknownJobsAreClearErrors) {
+  try {
+    troupe::cluster::connect({"127.0.0.1:1"});
+    FAIL();
+  } catch (const troupe::node_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("127.0.0.1:1"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(troupe::cluster::connect({"no-port"}), troupe::invalid_argument);
+  node_process a{"cpu"};
+  try {
+    troupe::unordered_runner<only_here> runner{std::vector<troupe::device>{a.address() + "/cpu"}};
+    FAIL();
+  } catch (const troupe::node_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("does not run job 'only_here'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(troupe::unordered_runner<remote_squares>(
+                   std::vector<troupe::device>{a.address() + "/cuda:0"}),
+               troupe::device_unavailable);
+}
+
+namespace {
+void send_raw(std::uint16_t port, const std::string& bytes) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  (void)!write(fd, bytes.data(), bytes.size());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  close(fd);
+}
+}  // namespace
+
+TEST(Nodes, GarbageOnTheNodePortLeavesItServing) {
+  node_process a{"cpu"};
+  std::mt19937 rng{42};
+  std::string noise(64 * 1024, '\0');
+  for (auto& ch : noise) ch = static_cast<char>(rng());
+  send_raw(a.port(), noise);
+  send_raw(a.port(), std::string(3, '\0'));  // a truncated frame
+  // A header-sized frame announcing a 4 GiB payload that never comes.
+  std::string huge(40, '\0');
+  for (int i = 4; i < 8; ++i) huge[i] = '\xff';
+  send_raw(a.port(), huge);
+  auto c = troupe::cluster::connect({a.address()});
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+}

@@ -1,0 +1,18 @@
+// A node program for the node tests: serves remote_squares with the examples' flags
+// (--serve HOST:PORT --devices LIST [--tls-cert F --tls-key F --tls-ca F]).
+#include "common/cli.hpp"
+#include "remote_jobs.hpp"
+
+TROUPE_REGISTER_JOB(remote_squares);
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe test node"};
+  example::flags f;
+  example::add_flags(app, f);
+  CLI11_PARSE(app, argc, argv);
+  if (f.serve.empty()) {
+    std::cerr << "usage: troupe_test_node --serve HOST:PORT --devices LIST\n";
+    return 2;
+  }
+  return example::check_flags(f);
+}
