@@ -213,3 +213,81 @@ TEST(Nodes, GarbageOnTheNodePortLeavesItServing) {
   troupe::unordered_runner<remote_squares> runner{c.devices()};
   EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
 }
+
+namespace {
+
+/// Certificates made once per test process by tests/make_test_certs.sh.
+const std::string& cert_dir() {
+  static const std::string dir = [] {
+    char tmpl[] = "/tmp/troupe-certs-XXXXXX";
+    std::string d = mkdtemp(tmpl);
+    std::string cmd = std::string{TROUPE_MAKE_CERTS} + " " + d;
+    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("making test certificates failed");
+    return d;
+  }();
+  return dir;
+}
+
+troupe::tls tls_of(const std::string& who, const std::string& ca = "ca") {
+  auto d = cert_dir() + "/";
+  return {d + who + ".pem", d + who + ".key", d + ca + ".pem", {}};
+}
+
+std::vector<std::string> tls_flags(const troupe::tls& t) {
+  return {"--tls-cert", t.cert, "--tls-key", t.key, "--tls-ca", t.ca};
+}
+
+}  // namespace
+
+/// Runs the sum_of_squares example as a coordinator of `node` in a child process (a process has
+/// one TLS identity) and returns what it printed.
+std::string coordinate(const std::string& node, const std::vector<std::string>& flags) {
+  std::string cmd = std::string{TROUPE_EXAMPLE} + " --items 10 --nodes " + node;
+  for (auto& f : flags) cmd += " " + f;
+  cmd += " 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[512];
+  while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  pclose(p);
+  return out;
+}
+
+// This process's network identity is the client certificate: ctest runs each test in a
+// process of its own.
+TEST(NodesTls, ServesPeersWithACertificateOfItsCaAndRefusesOthers) {
+  node_process a{"cpu,cpu", tls_flags(tls_of("node"))};
+  // No certificate at all, or one signed by another CA: refused, with the node named.
+  // (Refused before our own run starts: with CAF 0.17.6's OpenSSL module a failed handshake can
+  // drop the node's other TLS connections; see docs/deploy.md.)
+  auto plain = coordinate(a.address(), {});
+  EXPECT_NE(plain.find("error: cannot use node " + a.address()), std::string::npos) << plain;
+  auto intruder = coordinate(a.address(), tls_flags(tls_of("intruder")));
+  EXPECT_NE(intruder.find("error: cannot use node " + a.address()), std::string::npos) << intruder;
+  // A peer with a certificate of the node's CA is served.
+  auto c = troupe::cluster::connect({a.address()}, tls_of("client"));
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(500)), sum_of_squares(500));
+  EXPECT_EQ(runner.run(iota(10)), sum_of_squares(10));
+}
+
+TEST(NodesTls, BadKeyFilesAreRejectedBeforeAnyConnection) {
+  auto t = tls_of("client");
+  EXPECT_NO_THROW(troupe::check_tls(t));
+  t.key = cert_dir() + "/client-encrypted.key";
+  t.passphrase = "secret";
+  EXPECT_NO_THROW(troupe::check_tls(t));
+  t.passphrase = "wrong";
+  try {
+    troupe::cluster::connect({"127.0.0.1:1"}, t);
+    FAIL();
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("client-encrypted.key"), std::string::npos) << e.what();
+  }
+  t.passphrase = "";  // a protected key and no passphrase: an error, never a prompt
+  EXPECT_THROW(troupe::check_tls(t), troupe::invalid_argument);
+  t.key = cert_dir() + "/missing.key";
+  EXPECT_THROW(troupe::node::serve("127.0.0.1:0", {"cpu"}, t), troupe::invalid_argument);
+  t.key = cert_dir() + "/ca.pem";  // not a key
+  EXPECT_THROW(troupe::check_tls(t), troupe::invalid_argument);
+}

@@ -61,15 +61,16 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
   tls settings;
   for (auto& d : devices_)
     if (!d.is_local()) settings = tls_for(d.node());
-  sys_cfg_ = make_system_config(network, settings);
-  sys_ = std::make_unique<caf::actor_system>(*sys_cfg_);
+  if (network) {
+    sys_ = &network_system(settings);
+  } else {
+    sys_cfg_ = make_system_config(false);
+    own_sys_ = std::make_unique<caf::actor_system>(*sys_cfg_);
+    sys_ = own_sys_.get();
+  }
   std::vector<caf::actor> spawned;
   try {
     spawned = spawn_all(job, settings, spawn);
-  } catch (const connect_timeout&) {
-    (void)sys_.release();  // a connection attempt still uses the system: keep it alive
-    (void)sys_cfg_.release();
-    throw;
   } catch (...) {
     shutdown({});
     throw;
@@ -187,7 +188,7 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
     scheduler_ = nullptr;
     anchor_ = nullptr;
     producers_.clear();
-    sys_.reset();  // waits for every actor to terminate
+    own_sys_.reset();  // waits for every actor to terminate (the network system stays)
     sys_cfg_.reset();
   } catch (const std::exception& e) {
     log(log_level::error, std::string{"shutting down the runner failed: "} + e.what());

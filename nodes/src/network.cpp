@@ -34,9 +34,10 @@ int passphrase_callback(char* buf, int size, int, void* user) {
   return static_cast<int>(pass.size());
 }
 
-/// Reads the key and certificates with OpenSSL before CAF does: CAF's module throws inside its
-/// own thread on a bad key or passphrase, and the connection attempt then hangs.
-void validate_tls(const tls& t) {
+}  // namespace
+}  // namespace detail
+
+void check_tls(const tls& t) {
   if (t.key.empty() || t.ca.empty())
     throw invalid_argument(
         "TLS needs a certificate, a key and a CA file (--tls-cert, --tls-key, "
@@ -53,13 +54,16 @@ void validate_tls(const tls& t) {
     X509_free(x);
   }
   auto f = open(t.key);
-  EVP_PKEY* key = PEM_read_PrivateKey(f.get(), nullptr, &passphrase_callback,
+  EVP_PKEY* key = PEM_read_PrivateKey(f.get(), nullptr, &detail::passphrase_callback,
                                       const_cast<std::string*>(&t.passphrase));
   if (key == nullptr)
     throw invalid_argument("TLS key '" + t.key +
                            "' cannot be read: not a PEM key, or a wrong or missing passphrase");
   EVP_PKEY_free(key);
 }
+
+namespace detail {
+namespace {
 
 std::mutex tls_mutex;
 std::map<std::string, tls>& remembered_tls() {
@@ -103,7 +107,7 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   cfg->set("middleman.heartbeat-interval", caf::timespan{std::chrono::milliseconds{200}});
   cfg->set("middleman.connection-timeout", caf::timespan{std::chrono::milliseconds{1500}});
   if (t.enabled()) {
-    validate_tls(t);
+    check_tls(t);
     cfg->load<caf::openssl::manager>();
     cfg->openssl_certificate = t.cert;
     cfg->openssl_key = t.key;
@@ -133,9 +137,9 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
     }
   }}.detach();
   if (done.wait_for(deadline) != std::future_status::ready)
-    throw connect_timeout("cannot use node " + address + ": no answer within " +
-                          std::to_string(deadline.count()) +
-                          " ms (is it frozen, or does it expect TLS?)");
+    throw node_error("cannot use node " + address + ": no answer within " +
+                     std::to_string(deadline.count()) +
+                     " ms (is it frozen, or does it expect TLS?)");
   caf::expected<caf::actor> handle{caf::error{}};
   try {
     handle = done.get();
@@ -160,6 +164,24 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
           });
   if (!refused.empty()) throw fail(refused);
   return *handle;
+}
+
+caf::actor_system& network_system(const tls& t) {
+  static std::mutex mtx;
+  static caf::actor_system* sys = nullptr;  // never destroyed: connections may outlive anything
+  static tls settings;
+  if (t.enabled()) check_tls(t);
+  std::lock_guard<std::mutex> guard{mtx};
+  if (sys == nullptr) {
+    auto cfg = make_system_config(true, t).release();
+    sys = new caf::actor_system(*cfg);
+    settings = t;
+  } else if (t.cert != settings.cert || t.key != settings.key || t.ca != settings.ca) {
+    throw invalid_argument(
+        "this process already uses the network with other TLS settings: one process, one TLS "
+        "identity");
+  }
+  return *sys;
 }
 
 tls tls_for(const std::string& address) {
@@ -237,8 +259,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
 }  // namespace
 
 struct node::impl {
-  std::unique_ptr<caf::actor_system_config> cfg;
-  std::unique_ptr<caf::actor_system> sys;
+  caf::actor_system* sys = nullptr;
   caf::actor actor;
   std::string host;
   std::uint16_t port = 0;
@@ -265,8 +286,7 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
   }
   auto p = std::make_unique<impl>();
-  p->cfg = detail::make_system_config(true, t);
-  p->sys = std::make_unique<caf::actor_system>(*p->cfg);
+  p->sys = &detail::network_system(t);
   p->actor = p->sys->spawn(node_actor, std::move(devices));
   p->host = hp.host;
   auto port = t.enabled() ? caf::openssl::publish(p->actor, hp.port, hp.host.c_str(), true)
@@ -297,8 +317,6 @@ void node::stop() {
     caf::anon_send_exit(impl_->actor, caf::exit_reason::user_shutdown);
     impl_->actor = nullptr;
   }
-  impl_->sys.reset();
-  impl_->cfg.reset();
   impl_.reset();
 }
 
@@ -308,20 +326,12 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
                          std::chrono::milliseconds deadline) {
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
   cluster c;
-  auto cfg = detail::make_system_config(true, t);
-  auto sys = std::make_unique<caf::actor_system>(*cfg);
-  try {
-    for (auto& address : nodes) {
-      std::vector<std::string> offered;
-      detail::connect_node(*sys, address, t, deadline, &offered);
-      c.nodes_.push_back(address);
-      for (auto& d : offered) c.devices_.emplace_back(address + "/" + d);
-    }
-  } catch (const detail::connect_timeout&) {
-    // The connection attempt is still running on its helper thread: keep its system alive.
-    (void)sys.release();
-    (void)cfg.release();
-    throw;
+  auto& sys = detail::network_system(t);
+  for (auto& address : nodes) {
+    std::vector<std::string> offered;
+    detail::connect_node(sys, address, t, deadline, &offered);
+    c.nodes_.push_back(address);
+    for (auto& d : offered) c.devices_.emplace_back(address + "/" + d);
   }
   std::lock_guard<std::mutex> guard{detail::tls_mutex};
   for (auto& address : nodes) detail::remembered_tls()[address] = t;

@@ -26,6 +26,12 @@ struct tls {
   [[nodiscard]] bool enabled() const noexcept { return !cert.empty(); }
 };
 
+/// Reads the certificate, key (with its passphrase) and CA files with OpenSSL; throws
+/// invalid_argument saying which file is wrong. Done before any TLS connection: CAF's module
+/// fails inside its own thread on a bad key or passphrase, and the handshake then hangs.
+/// A process has one TLS identity: every networked part of it uses the same settings.
+void check_tls(const tls& t);
+
 /// A node serving this process's devices to remote coordinators.
 class node {
  public:
@@ -82,12 +88,13 @@ host_port parse_host_port(const std::string& spec);
 /// module (key files are validated first: a bad key must not hang the handshake).
 std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const tls& t = {});
 
-/// Thrown by connect_node when the node did not answer in time (the attempt goes on, on a
-/// helper thread that uses the actor system: keep the system alive).
-class connect_timeout : public node_error {
- public:
-  using node_error::node_error;
-};
+/// The one actor system that every networked part of this process shares: runners with remote
+/// devices, nodes, cluster::connect. (CAF 0.17 gives every actor system of a process the same
+/// node id, so two systems of one process on the network confuse their peers: when one closes
+/// its connection, a node drops the other's actors too.) Created on first use with TLS settings
+/// `t`; a later use with other TLS settings throws invalid_argument. It lives until the process
+/// exits.
+caf::actor_system& network_system(const tls& t);
 
 /// Connects to the node at `address` and checks its protocol version; returns the node actor
 /// and fills `devices`. Throws node_error naming the node and the reason.

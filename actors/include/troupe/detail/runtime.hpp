@@ -68,7 +68,8 @@ class runtime {
   bool open_ = false;
   std::uint64_t next_run_ = 1;
   std::unique_ptr<caf::actor_system_config> sys_cfg_;
-  std::unique_ptr<caf::actor_system> sys_;
+  std::unique_ptr<caf::actor_system> own_sys_;  ///< a local-only runner's own system
+  caf::actor_system* sys_ = nullptr;            ///< own_sys_, or the process's network system
   std::vector<caf::actor> producers_;
   caf::actor scheduler_;
   caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
