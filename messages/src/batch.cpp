@@ -1,5 +1,6 @@
 #include "troupe/batch.hpp"
 
+#include <caf/binary_deserializer.hpp>
 #include <mutex>
 #include <typeindex>
 #include <unordered_map>
@@ -40,6 +41,11 @@ std::unique_ptr<batch_base> make_batch(const std::string& name) {
   std::lock_guard<std::mutex> guard{r.mtx};
   auto i = r.by_name.find(name);
   return i == r.by_name.end() ? nullptr : i->second();
+}
+
+std::size_t detail::bytes_left(caf::deserializer& source) noexcept {
+  if (auto binary = dynamic_cast<caf::binary_deserializer*>(&source)) return binary->remaining();
+  return static_cast<std::size_t>(-1);
 }
 
 caf::error batch::save_to(caf::serializer& sink) const {

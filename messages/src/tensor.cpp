@@ -31,11 +31,37 @@ bool known_dtype(std::int8_t code) {
   }
 }
 
+
+/// An uninitialized CPU tensor for the given wire header, after checking that dtype, shape and
+/// byte count agree.
+at::Tensor empty_for(std::int8_t dtype, const std::vector<std::int64_t>& shape,
+                     std::uint64_t nbytes) {
+  if (!known_dtype(dtype))
+    throw protocol_error("tensor with unknown dtype code " + std::to_string(dtype));
+  auto type = static_cast<c10::ScalarType>(dtype);
+  std::uint64_t count = 1;
+  for (auto d : shape) {
+    if (d < 0) throw protocol_error("tensor with a negative dimension");
+    if (d != 0 && count > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(d))
+      throw protocol_error("tensor shape overflows");
+    count *= static_cast<std::uint64_t>(d);
+  }
+  auto item = static_cast<std::uint64_t>(c10::elementSize(type));
+  if (count > std::numeric_limits<std::uint64_t>::max() / item || count * item != nbytes)
+    throw protocol_error("tensor byte count " + std::to_string(nbytes) +
+                         " does not match its shape and dtype");
+  return at::empty(shape, at::TensorOptions().dtype(type));
+}
+
+at::Tensor host_contiguous(const at::Tensor& t) {
+  if (!t.defined()) throw protocol_error("cannot send an undefined tensor");
+  return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+}
+
 }  // namespace
 
 wire_tensor to_wire(const at::Tensor& t) {
-  if (!t.defined()) throw protocol_error("cannot send an undefined tensor");
-  auto host = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+  auto host = host_contiguous(t);
   wire_tensor w;
   w.dtype = static_cast<std::int8_t>(host.scalar_type());
   w.shape.assign(host.sizes().begin(), host.sizes().end());
@@ -45,39 +71,38 @@ wire_tensor to_wire(const at::Tensor& t) {
 }
 
 at::Tensor from_wire(const wire_tensor& w) {
-  if (!known_dtype(w.dtype))
-    throw protocol_error("tensor with unknown dtype code " + std::to_string(w.dtype));
-  auto type = static_cast<c10::ScalarType>(w.dtype);
-  std::uint64_t count = 1;
-  for (auto d : w.shape) {
-    if (d < 0) throw protocol_error("tensor with a negative dimension");
-    if (d != 0 && count > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(d))
-      throw protocol_error("tensor shape overflows");
-    count *= static_cast<std::uint64_t>(d);
-  }
-  auto item = static_cast<std::uint64_t>(c10::elementSize(type));
-  if (count > std::numeric_limits<std::uint64_t>::max() / item || count * item != w.bytes.size())
-    throw protocol_error("tensor byte count " + std::to_string(w.bytes.size()) +
-                         " does not match its shape and dtype");
-  auto t = at::empty(w.shape, at::TensorOptions().dtype(type));
+  auto t = empty_for(w.dtype, w.shape, w.bytes.size());
   if (!w.bytes.empty()) std::memcpy(t.data_ptr(), w.bytes.data(), w.bytes.size());
   return t;
 }
 
+// On the network a tensor is: dtype, shape, byte count, then its bytes in one raw block, written
+// from and read into the tensor's own storage (no intermediate copy).
 caf::error save_tensor(caf::serializer& sink, const at::Tensor& t) {
   try {
-    auto w = to_wire(t);
-    return sink(w);
+    auto host = host_contiguous(t);
+    auto dtype = static_cast<std::int8_t>(host.scalar_type());
+    std::vector<std::int64_t> shape(host.sizes().begin(), host.sizes().end());
+    std::uint64_t nbytes = host.nbytes();
+    if (auto err = sink(dtype, shape, nbytes)) return err;
+    return nbytes ? sink.apply_raw(nbytes, host.data_ptr()) : caf::error{};
   } catch (const std::exception& e) {
     return make_error(errc::protocol_error, e.what());
   }
 }
 
 caf::error load_tensor(caf::deserializer& source, at::Tensor& t) {
-  wire_tensor w;
-  if (auto err = source(w)) return err;
+  std::int8_t dtype = 0;
+  std::vector<std::int64_t> shape;
+  std::uint64_t nbytes = 0;
+  if (auto err = source(dtype, shape, nbytes)) return err;
+  if (nbytes > detail::bytes_left(source))
+    return make_error(errc::protocol_error, "tensor announces more bytes than its message holds");
   try {
-    t = from_wire(w);
+    auto fresh = empty_for(dtype, shape, nbytes);
+    if (nbytes)
+      if (auto err = source.apply_raw(nbytes, fresh.data_ptr())) return err;
+    t = std::move(fresh);
     return {};
   } catch (const std::exception& e) {
     return make_error(errc::protocol_error, e.what());

@@ -26,13 +26,14 @@ struct options {
   /// Items in flight per producer; 0 = automatic (two chunks per producer).
   std::size_t max_in_flight = 0;
   /// Items per message; 0 = automatic: it adapts so that a chunk takes about
-  /// `target_chunk_time` of producer time, from 1 item (slow items) up to `max_chunk_items`.
+  /// `target_chunk_time` of producer time, from 1 item (slow items) up to `max_chunk_items`
+  /// (and `max_chunk_bytes`).
   std::size_t chunk_size = 0;
   std::function<void(const progress&)> on_progress;
   /// Target producer time per chunk when chunk_size is automatic.
   std::chrono::microseconds target_chunk_time{2000};
   /// Upper bound of an automatic chunk, in items.
-  std::size_t max_chunk_items = 8192;
+  std::size_t max_chunk_items = 65536;
   /// A chunk is closed once its items hold this many bytes (memory stays bounded for big items).
   std::size_t max_chunk_bytes = std::size_t{4} << 20;
   /// Ordered runs: at most this many chunks between the oldest undelivered one and the newest

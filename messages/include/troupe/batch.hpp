@@ -10,6 +10,7 @@
 #include <caf/sec.hpp>
 #include <caf/serializer.hpp>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -18,6 +19,15 @@
 #include <vector>
 
 namespace troupe {
+
+namespace detail {
+/// Bytes left to read in `source` when it is a binary deserializer (BASP's), else SIZE_MAX.
+/// Loaders check announced sizes against it before allocating.
+std::size_t bytes_left(caf::deserializer& source) noexcept;
+
+template <class T>
+constexpr bool raw_items = std::is_arithmetic<T>::value && !std::is_same<T, bool>::value;
+}  // namespace detail
 
 class batch_base {
  public:
@@ -38,13 +48,24 @@ class batch_of final : public batch_base {
   [[nodiscard]] std::size_t size() const noexcept override { return items.size(); }
   [[nodiscard]] const std::type_info& item_type() const noexcept override { return typeid(T); }
   caf::error save(caf::serializer& sink) const override {
-    if constexpr (caf::detail::is_serializable<T>::value)
+    if constexpr (detail::raw_items<T>) {  // numbers: one raw block, not element by element
+      std::uint64_t n = items.size();
+      if (auto err = sink(n)) return err;
+      return sink.apply_raw(n * sizeof(T), const_cast<T*>(items.data()));
+    } else if constexpr (caf::detail::is_serializable<T>::value)
       return sink(const_cast<std::vector<T>&>(items));
     else
       return caf::make_error(caf::sec::state_not_serializable);
   }
   caf::error load(caf::deserializer& source) override {
-    if constexpr (caf::detail::is_serializable<T>::value)
+    if constexpr (detail::raw_items<T>) {
+      std::uint64_t n = 0;
+      if (auto err = source(n)) return err;
+      if (n > detail::bytes_left(source) / sizeof(T))
+        return caf::make_error(caf::sec::end_of_stream);
+      items.resize(n);
+      return source.apply_raw(n * sizeof(T), items.data());
+    } else if constexpr (caf::detail::is_serializable<T>::value)
       return source(items);
     else
       return caf::make_error(caf::sec::state_not_serializable);

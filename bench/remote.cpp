@@ -1,0 +1,167 @@
+// Remote benchmarks over loopback, side by side in one run:
+//   trivial items per second through two nodes (child processes of this program) vs local;
+//   64 MiB tensors through a node and back vs a plain TCP echo of the same bytes.
+// Usage: troupe_remote_bench [--items N] [--tensors K]      (children: --serve ... --devices ...)
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <thread>
+#include <troupe/torch.hpp>
+
+#include "common/cli.hpp"
+
+struct bench_squares {
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x * x; }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+TROUPE_REGISTER_JOB(bench_squares);
+
+struct echo_tensor {
+  struct producer {
+    at::Tensor work(const at::Tensor& t) { return t; }
+  };
+  struct consumer {
+    void work(const at::Tensor& t) { bytes += t.nbytes(); }
+    std::size_t end() { return bytes; }
+    std::size_t bytes = 0;
+  };
+};
+TROUPE_REGISTER_JOB(echo_tensor);
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+struct child_node {
+  pid_t pid = -1;
+  std::string address;
+  explicit child_node(const char* self) {
+    int out[2];
+    if (pipe(out) != 0) throw std::runtime_error("pipe");
+    pid = fork();
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      execl(self, self, "--serve", "127.0.0.1:0", "--devices", "cpu", nullptr);
+      _exit(127);
+    }
+    close(out[1]);
+    char line[128] = {0};
+    FILE* in = fdopen(out[0], "r");
+    if (fgets(line, sizeof line, in) == nullptr) throw std::runtime_error("node did not start");
+    address = std::string{line}.substr(11);
+    address.erase(address.find_last_not_of("\n") + 1);
+  }
+  ~child_node() {
+    kill(pid, SIGTERM);
+    waitpid(pid, nullptr, 0);
+  }
+};
+
+template <class Runner>
+double items_per_second(Runner& runner, std::int64_t n) {
+  double best = 1e9;
+  for (int r = 0; r < 3; ++r) {
+    std::int64_t i = 0;
+    auto t0 = clock_type::now();
+    runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+      if (i == n) return std::nullopt;
+      return i++;
+    }));
+    best = std::min(best, since(t0));
+  }
+  return n / best;
+}
+
+/// Sends `bytes` to an echo thread over loopback TCP and reads them back, `rounds` times.
+double tcp_echo_seconds(std::size_t bytes, int rounds) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  listen(listener, 1);
+  std::thread echo{[&] {
+    int fd = accept(listener, nullptr, nullptr);
+    std::vector<char> buf(1 << 20);
+    for (;;) {
+      auto n = read(fd, buf.data(), buf.size());
+      if (n <= 0) break;
+      for (ssize_t done = 0; done < n;) done += write(fd, buf.data() + done, n - done);
+    }
+    close(fd);
+  }};
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  std::vector<char> data(bytes, 1), back(bytes);
+  auto t0 = clock_type::now();
+  for (int r = 0; r < rounds; ++r) {
+    std::thread writer{[&] {
+      for (std::size_t done = 0; done < bytes;) done += write(fd, data.data() + done, bytes - done);
+    }};
+    for (std::size_t done = 0; done < bytes;) done += read(fd, back.data() + done, bytes - done);
+    writer.join();
+  }
+  double s = since(t0);
+  shutdown(fd, SHUT_WR);
+  echo.join();
+  close(fd);
+  close(listener);
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe remote benchmarks over loopback"};
+  example::flags f;
+  int tensors = 8;
+  std::int64_t items = 2'000'000;
+  example::add_flags(app, f);
+  app.add_option("--tensors", tensors, "64 MiB tensors sent through a node and back");
+  app.add_option("--count", items, "trivial items");
+  CLI11_PARSE(app, argc, argv);
+  if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
+
+  child_node a{argv[0]}, b{argv[0]};
+  troupe::unordered_runner<bench_squares> local{2};
+  double local_rate = items_per_second(local, items);
+  auto c = troupe::cluster::connect({a.address, b.address});
+  troupe::unordered_runner<bench_squares> remote{c.devices()};
+  double remote_rate = items_per_second(remote, items);
+  std::cout << "trivial items (" << items << " x*x, 2 producers):\n"
+            << "  local producers           : " << local_rate / 1e6 << " M items/s\n"
+            << "  2 nodes over loopback     : " << remote_rate / 1e6 << " M items/s ("
+            << 100 * remote_rate / local_rate << " % of local)\n";
+
+  const std::size_t bytes = std::size_t{64} << 20;
+  troupe::unordered_runner<echo_tensor> echo{std::vector<troupe::device>{c.devices()[0]}};
+  std::vector<at::Tensor> inputs(tensors, torch::ones({static_cast<std::int64_t>(bytes / 4)}));
+  echo.run(std::vector<at::Tensor>{inputs[0]});  // warm up the connection
+  auto t0 = clock_type::now();
+  auto echoed = echo.run(inputs);
+  double troupe_s = since(t0);
+  if (echoed != bytes * inputs.size()) return 1;
+  double tcp_s = tcp_echo_seconds(bytes, tensors);
+  double troupe_bw = 2.0 * bytes * tensors / troupe_s / 1e6, tcp_bw = 2.0 * bytes * tensors / tcp_s / 1e6;
+  std::cout << "64 MiB tensors through a node and back (" << tensors << " round trips):\n"
+            << "  troupe                    : " << troupe_bw << " MB/s\n"
+            << "  plain TCP echo            : " << tcp_bw << " MB/s\n"
+            << "  troupe / TCP              : " << 100 * troupe_bw / tcp_bw << " %\n";
+}
