@@ -111,3 +111,28 @@ TEST(Gpu, CudaWithoutGpuIsDeviceUnavailable) {
                troupe::device_unavailable);
   EXPECT_EQ(troupe::torch_device("cuda:1"), c10::Device(c10::kCUDA, 1));
 }
+
+TEST(Tensor, TruncatedOrLyingMessagesFailToLoad) {
+  caf::actor_system_config cfg;
+  caf::actor_system sys{cfg};
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  at::Tensor t = torch::ones({256, 256});
+  ASSERT_FALSE(sink(t));
+  for (std::size_t cut : {buf.size() - 1, buf.size() / 2, std::size_t{3}}) {
+    std::vector<char> part(buf.begin(), buf.begin() + static_cast<std::ptrdiff_t>(cut));
+    caf::binary_deserializer source{sys, part};
+    at::Tensor back;
+    EXPECT_TRUE(source(back)) << "loaded a tensor from " << cut << " of " << buf.size() << " bytes";
+  }
+  // A header announcing 1 TiB of float data that is not there: refused before allocating.
+  std::vector<char> lie;
+  caf::binary_serializer liar{sys, lie};
+  std::int8_t dtype = static_cast<std::int8_t>(at::kFloat);
+  std::vector<std::int64_t> shape{1LL << 38};
+  std::uint64_t nbytes = std::uint64_t{1} << 40;
+  ASSERT_FALSE(liar(dtype, shape, nbytes));
+  caf::binary_deserializer source{sys, lie};
+  at::Tensor back;
+  EXPECT_TRUE(source(back));
+}

@@ -194,3 +194,25 @@ TEST(Testing, ConsumerProbe) {
   EXPECT_THROW(failing.work({169}), troupe::consumer_error);
   EXPECT_THROW(failing.end(), troupe::consumer_error);
 }
+
+TEST(Messages, TruncatedOrLyingBatchesFailToLoad) {
+  caf::actor_system_config sys_cfg;
+  caf::actor_system sys{sys_cfg};
+  troupe::register_batch_type<std::int64_t>();
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  troupe::work_chunk w{1, 0, troupe::batch::of<std::int64_t>(std::vector<std::int64_t>(1000, 7))};
+  ASSERT_FALSE(sink(w));
+  std::vector<char> part(buf.begin(), buf.end() - 8);
+  troupe::work_chunk back;
+  caf::binary_deserializer source{sys, part};
+  EXPECT_TRUE(source(back));
+  // A count of 2^60 items with nothing behind it: refused before allocating.
+  std::vector<char> lie;
+  caf::binary_serializer liar{sys, lie};
+  std::uint64_t run = 1, first = 0, count = std::uint64_t{1} << 60;
+  std::string name = typeid(std::int64_t).name();
+  ASSERT_FALSE(liar(run, first, name, count));
+  caf::binary_deserializer lie_source{sys, lie};
+  EXPECT_TRUE(lie_source(back));
+}
