@@ -28,6 +28,15 @@ struct only_here {
 };
 TROUPE_REGISTER_JOB(only_here);
 
+/// The test nodes register a "mismatched" job of other types (int64 -> int64).
+struct string_mismatched {
+  struct producer {
+    std::int64_t work(const std::string& s) { return static_cast<std::int64_t>(s.size()); }
+  };
+};
+[[maybe_unused]] const bool mismatched_registered =
+    troupe::register_job_type<string_mismatched>("mismatched");
+
 /// One troupe_test_node process, ended (SIGKILL) by the destructor.
 class node_process {
  public:
@@ -177,6 +186,14 @@ TEST(Nodes, UnreachableNodesAndUnknownJobsAreClearErrors) {
     FAIL();
   } catch (const troupe::node_error& e) {
     EXPECT_NE(std::string{e.what()}.find("does not run job 'only_here'"), std::string::npos)
+        << e.what();
+  }
+  try {
+    troupe::unordered_runner<string_mismatched> runner{
+        std::vector<troupe::device>{a.address() + "/cpu"}};
+    FAIL();
+  } catch (const troupe::node_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("job 'mismatched' here takes"), std::string::npos)
         << e.what();
   }
   EXPECT_THROW(troupe::unordered_runner<remote_squares>(

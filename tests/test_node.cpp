@@ -5,6 +5,14 @@
 
 TROUPE_REGISTER_JOB(remote_squares);
 
+/// Registered here as int64 -> int64; the node tests register another "mismatched".
+struct mismatched {
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+};
+TROUPE_REGISTER_JOB(mismatched);
+
 int main(int argc, char** argv) {
   CLI::App app{"troupe test node"};
   example::flags f;

@@ -13,6 +13,7 @@
 #include "troupe/log.hpp"
 #include "troupe/messages.hpp"
 #include "troupe/node.hpp"
+#include "troupe/registry.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
 
@@ -141,7 +142,8 @@ std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& se
     }
     caf::error failed;
     caf::actor producer;
-    self->request(node, remote_reply_timeout, spawn_producer{job, d.local().str(), cfg_}, anchor_)
+    self->request(node, remote_reply_timeout,
+                  spawn_producer{job, find_job(job).signature, d.local().str(), cfg_}, anchor_)
         .receive([&](caf::actor& p) { producer = std::move(p); },
                  [&](caf::error& err) { failed = std::move(err); });
     if (failed) {

@@ -229,11 +229,16 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         return hello;
       },
       [self, st](spawn_producer& req, const caf::actor& owner) -> caf::result<caf::actor> {
-        auto spawn = find_job(req.job);
-        if (!spawn)
+        auto job = find_job(req.job);
+        if (!job.spawn)
           return make_error(errc::node_error, "this node does not run job '" + req.job +
                                                   "' (it registers: " + join(registered_jobs()) +
                                                   ")");
+        if (job.signature != req.signature)
+          return make_error(errc::node_error,
+                            "job '" + req.job + "' here takes " + job.signature +
+                                ", the coordinator's takes " + req.signature +
+                                ": build both programs from the same job definition");
         std::unique_ptr<device> d;
         try {
           d = std::make_unique<device>(req.device);
@@ -247,7 +252,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
           return make_error(errc::device_unavailable,
                             "this node offers " + join(offered) + ", not " + req.device);
         }
-        auto p = spawn(self->system(), *d, req.cfg);
+        auto p = job.spawn(self->system(), *d, req.cfg);
         auto& mine = st->producers_of[owner.address()];
         if (mine.empty()) self->monitor(owner);
         mine.push_back(p);

@@ -10,7 +10,7 @@ namespace {
 
 struct job_registry {
   std::mutex mtx;
-  std::map<std::string, producer_factory> by_name;
+  std::map<std::string, registered_job> by_name;
   std::map<std::type_index, std::string> names;
 };
 
@@ -21,19 +21,20 @@ job_registry& registry() {
 
 }  // namespace
 
-bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn) {
+bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn,
+                  std::string signature) {
   auto& r = registry();
   std::lock_guard<std::mutex> guard{r.mtx};
-  r.by_name[name] = std::move(spawn);
+  r.by_name[name] = registered_job{std::move(spawn), std::move(signature)};
   r.names[std::type_index{job}] = name;
   return true;
 }
 
-producer_factory find_job(const std::string& name) {
+registered_job find_job(const std::string& name) {
   auto& r = registry();
   std::lock_guard<std::mutex> guard{r.mtx};
   auto i = r.by_name.find(name);
-  return i == r.by_name.end() ? producer_factory{} : i->second;
+  return i == r.by_name.end() ? registered_job{} : i->second;
 }
 
 std::string job_name(const std::type_info& job) {

@@ -21,12 +21,16 @@ bool register_job_type(const char* name) {
                 "troupe: TROUPE_REGISTER_JOB needs input and output types that CAF can "
                 "serialize: give them an inspect() overload (include <troupe/torch.hpp> for "
                 "tensors)");
-  register_batch_type<typename traits::input_type>();
-  register_batch_type<typename traits::output_type>();
-  return register_job(name, typeid(Job),
-                      [](caf::actor_system& sys, const device& d, const config& cfg) {
-                        return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
-                      });
+  using in = typename traits::input_type;
+  using out = typename traits::output_type;
+  register_batch_type<in>();
+  register_batch_type<out>();
+  return register_job(
+      name, typeid(Job),
+      [](caf::actor_system& sys, const device& d, const config& cfg) {
+        return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
+      },
+      batch_type_name(typeid(in)) + " -> " + batch_type_name(typeid(out)));
 }
 
 }  // namespace troupe

@@ -127,6 +127,7 @@ struct node_hello {
 /// The node answers with the producer's handle, or an error.
 struct spawn_producer {
   std::string job;
+  std::string signature;  ///< the coordinator's "INPUT -> OUTPUT" type names
   std::string device;
   config cfg;
 };
@@ -138,7 +139,7 @@ typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, spawn_producer& x) {
-  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.device, x.cfg);
+  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.signature, x.device, x.cfg);
 }
 
 }  // namespace troupe

@@ -17,11 +17,18 @@ namespace troupe {
 using producer_factory =
     std::function<caf::actor(caf::actor_system&, const device&, const config&)>;
 
-/// Registers `job` under `name`; returns true (for static registration).
-bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn);
+struct registered_job {
+  producer_factory spawn;  ///< empty when no job has the name
+  /// "INPUT -> OUTPUT" batch type names: a coordinator and a node must agree on them.
+  std::string signature;
+};
 
-/// The factory of the job registered under `name`, or an empty function.
-producer_factory find_job(const std::string& name);
+/// Registers `job` under `name`; returns true (for static registration).
+bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn,
+                  std::string signature);
+
+/// The job registered under `name` (an empty `spawn` when there is none).
+registered_job find_job(const std::string& name);
 
 /// The registered name of `job`, or "" when it is not registered.
 std::string job_name(const std::type_info& job);
