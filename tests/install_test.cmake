@@ -11,6 +11,6 @@ function(step)
 endfunction()
 step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 step(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer_project -B ${app}
-     "-DCMAKE_PREFIX_PATH=${prefix}" "-DTorch_DIR=${TORCH_DIR}")
+     "-DCMAKE_PREFIX_PATH=${prefix}" "-DTorch_DIR=${TORCH_DIR}" "-DCMAKE_LIBRARY_PATH=${LIBRARY_PATH}")
 step(${CMAKE_COMMAND} --build ${app})
 step(${app}/app)
