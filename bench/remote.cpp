@@ -6,27 +6,17 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <unistd.h>
-
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <thread>
 #include <troupe/torch.hpp>
 
+#include "bench_jobs.hpp"
 #include "common/cli.hpp"
 
-struct bench_squares {
-  struct producer {
-    std::int64_t work(std::int64_t x) { return x * x; }
-  };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
-};
-TROUPE_REGISTER_JOB(bench_squares);
+TROUPE_REGISTER_JOB(squares);
 
 struct echo_tensor {
   struct producer {
@@ -140,10 +130,10 @@ int main(int argc, char** argv) {
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
 
   child_node a{argv[0]}, b{argv[0]};
-  troupe::unordered_runner<bench_squares> local{2};
+  troupe::unordered_runner<squares> local{2};
   double local_rate = items_per_second(local, items);
   auto c = troupe::cluster::connect({a.address, b.address});
-  troupe::unordered_runner<bench_squares> remote{c.devices()};
+  troupe::unordered_runner<squares> remote{c.devices()};
   double remote_rate = items_per_second(remote, items);
   std::cout << "trivial items (" << items << " x*x, 2 producers):\n"
             << "  local producers           : " << local_rate / 1e6 << " M items/s\n"
@@ -159,7 +149,8 @@ int main(int argc, char** argv) {
   double troupe_s = since(t0);
   if (echoed != bytes * inputs.size()) return 1;
   double tcp_s = tcp_echo_seconds(bytes, tensors);
-  double troupe_bw = 2.0 * bytes * tensors / troupe_s / 1e6, tcp_bw = 2.0 * bytes * tensors / tcp_s / 1e6;
+  double troupe_bw = 2.0 * bytes * tensors / troupe_s / 1e6,
+         tcp_bw = 2.0 * bytes * tensors / tcp_s / 1e6;
   std::cout << "64 MiB tensors through a node and back (" << tensors << " round trips):\n"
             << "  troupe                    : " << troupe_bw << " MB/s\n"
             << "  plain TCP echo            : " << tcp_bw << " MB/s\n"

@@ -14,6 +14,8 @@
 #include <troupe/troupe.hpp>
 #include <vector>
 
+#include "bench_jobs.hpp"
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -21,17 +23,6 @@ using clock_type = std::chrono::steady_clock;
 double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
-
-struct squares {
-  struct producer {
-    std::int64_t work(std::int64_t x) { return x * x; }
-  };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
-};
 
 struct sleeper {
   struct producer {
