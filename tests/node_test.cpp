@@ -13,10 +13,15 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <troupe/bulk.hpp>
 
 #include "remote_jobs.hpp"
 
 TROUPE_REGISTER_JOB(remote_squares);
+TROUPE_REGISTER_JOB(remote_blobs);
+#ifdef TROUPE_WITH_TORCH
+TROUPE_REGISTER_JOB(remote_tensors);
+#endif
 
 namespace {
 
@@ -127,6 +132,55 @@ TEST(Nodes, TwoNodesPlusLocalProducersGiveTheLocalResult) {
   for (std::size_t i = 0; i < 3; ++i) remote_items += s.producers[i].items;
   EXPECT_GT(remote_items, 0u);  // the nodes did take work
 }
+
+TEST(Nodes, LargeItemsAreSplitAndJoinedBothWays) {
+  node_process a{"cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  std::vector<std::vector<std::int64_t>> items{{}, {7}};
+  for (std::int64_t k = 0; k < 5; ++k) {  // 3.1 to 4.7 MB each, odd sizes
+    std::vector<std::int64_t> v(static_cast<std::size_t>(393'223 + 50'000 * k));
+    std::iota(v.begin(), v.end(), k * 1'000'000);
+    items.push_back(std::move(v));
+  }
+  auto before = troupe::bulk::totals();
+  troupe::ordered_runner<remote_blobs> runner{c.devices()};
+  auto out = runner.run(items);
+  ASSERT_EQ(out.size(), items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    auto want = items[i];
+    for (auto& x : want) x = 3 * x + 1;
+    EXPECT_EQ(out[i], want) << "item " << i;
+  }
+  auto after = troupe::bulk::totals();
+  EXPECT_GT(after.sent, before.sent);      // chunks went out as fragments
+  EXPECT_GT(after.joined, before.joined);  // and outputs came back as fragments
+  EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
+}
+
+#ifdef TROUPE_WITH_TORCH
+TEST(Nodes, TensorsCrossAsRawBytesExactly) {
+  node_process a{"cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  std::vector<at::Tensor> inputs{
+      at::arange(0, (3 << 18) + 7, at::kFloat),                            // 3 MiB, odd size
+      at::arange(0, 512 * 1024, at::kDouble).reshape({512, 1024}),         // 4 MiB, 2-d
+      at::arange(0, (1 << 20) + 3, at::kInt).to(at::kChar),                // 1 MiB + 3, int8
+      at::arange(0, 6, at::kLong).reshape({2, 3}).t(),                     // small, not contiguous
+      at::empty({0, 4}, at::kFloat),                                       // empty
+      at::randn({(1 << 22) + 1}, at::kFloat).slice(0, 1, (1 << 22) + 1)};  // 16 MiB, offset view
+  auto before = troupe::bulk::totals();
+  troupe::ordered_runner<remote_tensors> runner{c.devices()};
+  auto out = runner.run(inputs);
+  ASSERT_EQ(out.size(), inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    EXPECT_EQ(out[i].scalar_type(), inputs[i].scalar_type()) << "tensor " << i;
+    EXPECT_EQ(out[i].sizes(), inputs[i].sizes()) << "tensor " << i;
+    EXPECT_TRUE(at::equal(out[i], inputs[i] * 2)) << "tensor " << i;
+  }
+  EXPECT_GT(troupe::bulk::totals().joined, before.joined);
+  EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
+}
+#endif
 
 TEST(Nodes, SigkillOfOneNodeMidRunStillGivesTheExactResult) {
   node_process a{"cpu,cpu"}, b{"cpu,cpu"};

@@ -5,6 +5,12 @@
 #include <cstdint>
 #include <thread>
 #include <troupe/troupe.hpp>
+#include <vector>
+#ifdef TROUPE_WITH_TORCH
+#include <ATen/ATen.h>
+
+#include <troupe/tensor.hpp>
+#endif
 
 struct remote_squares {
   struct producer {
@@ -22,3 +28,32 @@ struct remote_squares {
     std::int64_t sum = 0;
   };
 };
+
+/// Large items (megabytes each): they cross the network as bulk fragments, both ways.
+struct remote_blobs {
+  struct producer {
+    std::vector<std::int64_t> work(std::vector<std::int64_t> xs) {
+      for (auto& x : xs) x = 3 * x + 1;
+      return xs;
+    }
+  };
+  struct consumer {
+    void work(std::vector<std::int64_t> ys) { all.push_back(std::move(ys)); }
+    std::vector<std::vector<std::int64_t>> end() { return std::move(all); }
+    std::vector<std::vector<std::int64_t>> all;
+  };
+};
+
+#ifdef TROUPE_WITH_TORCH
+/// Tensors through a node and back: doubled there.
+struct remote_tensors {
+  struct producer {
+    at::Tensor work(const at::Tensor& t) { return t * 2; }
+  };
+  struct consumer {
+    void work(at::Tensor t) { all.push_back(std::move(t)); }
+    std::vector<at::Tensor> end() { return std::move(all); }
+    std::vector<at::Tensor> all;
+  };
+};
+#endif

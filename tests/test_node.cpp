@@ -1,9 +1,14 @@
-// A node program for the node tests: serves remote_squares with the examples' flags
+// A node program for the node tests: serves remote_squares, remote_blobs (and remote_tensors) with
+// the examples' flags
 // (--serve HOST:PORT --devices LIST [--tls-cert F --tls-key F --tls-ca F]).
 #include "common/cli.hpp"
 #include "remote_jobs.hpp"
 
 TROUPE_REGISTER_JOB(remote_squares);
+TROUPE_REGISTER_JOB(remote_blobs);
+#ifdef TROUPE_WITH_TORCH
+TROUPE_REGISTER_JOB(remote_tensors);
+#endif
 
 /// Registered here as int64 -> int64; the node tests register another "mismatched".
 struct mismatched {

@@ -5,6 +5,7 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
+#include <troupe/bulk.hpp>
 #include <troupe/messages.hpp>
 #include <troupe/testing.hpp>
 
@@ -215,4 +216,92 @@ TEST(Messages, TruncatedOrLyingBatchesFailToLoad) {
   ASSERT_FALSE(liar(run, first, name, count));
   caf::binary_deserializer lie_source{sys, lie};
   EXPECT_TRUE(lie_source(back));
+}
+
+namespace {
+
+/// Sends `b` the way a peer does when it is large: every fragment, then the reference, each
+/// through CAF's binary serializers; `skip` names a fragment to lose on the way.
+troupe::batch through_fragments(caf::actor_system& sys, const troupe::batch& b,
+                                std::size_t* fragments = nullptr, std::uint64_t skip = ~0ull) {
+  auto p = troupe::bulk::payload::capture(b);
+  auto id = troupe::bulk::next_stream_id();
+  std::uint64_t n = 0;
+  for (std::uint64_t off = 0; off < p->size(); off += troupe::bulk::fragment_bytes, ++n) {
+    auto len = std::min<std::uint64_t>(troupe::bulk::fragment_bytes, p->size() - off);
+    troupe::bulk::fragment f{id, off, p->size(), len, p};
+    std::vector<char> buf;
+    caf::binary_serializer sink{sys, buf};
+    EXPECT_FALSE(sink(f));
+    if (n == skip) continue;
+    troupe::bulk::fragment back;
+    caf::binary_deserializer source{sys, buf};
+    EXPECT_FALSE(source(back));
+    EXPECT_EQ(back.size, len);
+  }
+  if (fragments) *fragments = n;
+  auto ref = round_trip(sys, troupe::bulk::reference(id, p->size(), b.size()));
+  EXPECT_EQ(troupe::bulk::stream_of(ref), id);
+  return troupe::bulk::resolve(ref);
+}
+
+}  // namespace
+
+TEST(BulkPayloads, LargeBatchesAreSplitAndJoinedExactly) {
+  caf::actor_system_config sys_cfg;
+  caf::actor_system sys{sys_cfg};
+  troupe::register_batch_type<std::int64_t>();
+  troupe::register_batch_type<std::string>();
+
+  std::vector<std::int64_t> numbers(300'000);  // one 2.4 MB raw block, sent by reference
+  for (std::size_t i = 0; i < numbers.size(); ++i) numbers[i] = static_cast<std::int64_t>(i * i);
+  std::size_t fragments = 0;
+  auto back = through_fragments(sys, troupe::batch::of(numbers), &fragments);
+  EXPECT_EQ(fragments, 3u);
+  ASSERT_NE(back.as<std::int64_t>(), nullptr);
+  EXPECT_EQ(back.as<std::int64_t>()->items, numbers);
+
+  std::vector<std::string> words;  // many small values, copied inline
+  for (int i = 0; i < 60'000; ++i)
+    words.push_back(std::string(static_cast<std::size_t>(i % 37), 'a' + i % 26));
+  auto back_words = through_fragments(sys, troupe::batch::of(words), &fragments);
+  EXPECT_GE(fragments, 2u);
+  ASSERT_NE(back_words.as<std::string>(), nullptr);
+  EXPECT_EQ(back_words.as<std::string>()->items, words);
+
+  auto small = through_fragments(sys, troupe::batch::of<std::int64_t>({4, 5}), &fragments);
+  EXPECT_EQ(fragments, 1u);
+  EXPECT_EQ(small.as<std::int64_t>()->items, (std::vector<std::int64_t>{4, 5}));
+  EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
+}
+
+TEST(BulkPayloads, LostLyingOrUnknownFragmentsAreErrors) {
+  caf::actor_system_config sys_cfg;
+  caf::actor_system sys{sys_cfg};
+  troupe::register_batch_type<std::int64_t>();
+  auto big = troupe::batch::of(std::vector<std::int64_t>(400'000, 3));
+  // A lost fragment: the reference fails to resolve, and nothing stays behind.
+  EXPECT_THROW(through_fragments(sys, big, nullptr, 1), troupe::protocol_error);
+  EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
+  // A reference whose fragments never came.
+  EXPECT_THROW(troupe::bulk::resolve(troupe::bulk::reference(42, 4096, 1)), troupe::protocol_error);
+
+  auto load = [&](std::uint64_t offset, std::uint64_t total, std::uint64_t size, std::size_t bytes,
+                  std::uint64_t stream = troupe::bulk::next_stream_id()) {
+    std::vector<char> buf;
+    caf::binary_serializer sink{sys, buf};
+    EXPECT_FALSE(sink(stream, offset, total, size));
+    buf.resize(buf.size() + bytes, 'x');
+    troupe::bulk::fragment f;
+    caf::binary_deserializer source{sys, buf};
+    return source(f);
+  };
+  auto id = troupe::bulk::next_stream_id();
+  EXPECT_FALSE(load(0, 10, 10, 10, id));  // well formed, but its bytes are no batch
+  EXPECT_THROW(troupe::bulk::resolve(troupe::bulk::reference(id, 10, 1)), troupe::protocol_error);
+  EXPECT_TRUE(load(8, 10, 4, 4));                             // past its stream's end
+  EXPECT_TRUE(load(0, 1 << 20, 1 << 20, 100));                // more than it holds
+  EXPECT_TRUE(load(0, troupe::bulk::max_total + 1, 10, 10));  // a stream too large
+  EXPECT_TRUE(load(~0ull - 5, ~0ull, 10, 10));                // offsets that overflow
+  EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
 }

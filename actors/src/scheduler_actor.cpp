@@ -10,6 +10,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "troupe/bulk.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
@@ -135,7 +136,8 @@ class scheduler {
     slot.items += c.items.size();
     auto id = c.id;
     auto run = run_->id;
-    work_chunk msg{run, c.first, c.items};
+    // A large chunk for a remote producer travels as fragments, then a small reference.
+    work_chunk msg{run, c.first, bulk::split_for(self_, slot.handle, c.items)};
     in_flight_.emplace(id, std::move(c));
     self_->request(slot.handle, caf::infinite, std::move(msg))
         .then([this, id, run, p](chunk_result& r) { on_result(p, id, run, r); },
@@ -145,6 +147,16 @@ class scheduler {
   // -- results -----------------------------------------------------------------------------
 
   void on_result(std::size_t from, std::uint64_t id, std::uint64_t run, chunk_result& r) {
+    // Joined first, even for an answer dropped below, so that its fragments are released.
+    try {
+      r.outputs = bulk::resolve(r.outputs);
+    } catch (const std::exception& e) {
+      r.outputs = {};
+      if (r.ok()) {
+        r.code = errc::protocol_error;
+        r.what = e.what();
+      }
+    }
     if (!run_ || run_->id != run) return;  // a late answer from a run that already ended
     auto i = in_flight_.find(id);
     // Given up on: its producer was declared lost, and the chunk may be running elsewhere now.
@@ -365,7 +377,10 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                                        std::shared_ptr<stats_box> box) mutable -> caf::behavior {
     auto st = std::make_shared<scheduler>(self, std::move(producers), std::move(devices),
                                           std::move(opts), std::move(box));
-    return {[st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); }};
+    return {
+        [st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); },
+        [](const bulk::fragment&) {},  // joined while it was deserialized
+    };
   };
   return sys.spawn<caf::detached>(std::move(init), std::move(stats));
 }

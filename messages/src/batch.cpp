@@ -5,6 +5,8 @@
 #include <typeindex>
 #include <unordered_map>
 
+#include "troupe/bulk.hpp"
+
 namespace troupe {
 namespace {
 
@@ -45,11 +47,14 @@ std::unique_ptr<batch_base> make_batch(const std::string& name) {
 
 std::size_t detail::bytes_left(caf::deserializer& source) noexcept {
   if (auto binary = dynamic_cast<caf::binary_deserializer*>(&source)) return binary->remaining();
+  if (auto joined = dynamic_cast<bulk::reader*>(&source)) return joined->remaining();
   return static_cast<std::size_t>(-1);
 }
 
 caf::error batch::save_to(caf::serializer& sink) const {
-  std::string name = ptr_ ? batch_type_name(ptr_->item_type()) : std::string{"-"};
+  std::string name = !ptr_                            ? std::string{"-"}
+                     : bulk::is_reference(ptr_.get()) ? std::string{"@bulk"}
+                                                      : batch_type_name(ptr_->item_type());
   if (name.empty()) return caf::make_error(caf::sec::state_not_serializable);
   if (auto err = sink(name)) return err;
   return ptr_ ? ptr_->save(sink) : caf::error{};
@@ -62,7 +67,7 @@ caf::error batch::load_from(caf::deserializer& source) {
     ptr_.reset();
     return {};
   }
-  auto fresh = make_batch(name);
+  auto fresh = name == "@bulk" ? bulk::make_reference_batch() : make_batch(name);
   if (!fresh) return caf::make_error(caf::sec::unknown_type);
   if (auto err = fresh->load(source)) return err;
   ptr_ = std::move(fresh);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "troupe/bulk.hpp"
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
 
@@ -31,11 +32,9 @@ bool known_dtype(std::int8_t code) {
   }
 }
 
-
-/// An uninitialized CPU tensor for the given wire header, after checking that dtype, shape and
-/// byte count agree.
-at::Tensor empty_for(std::int8_t dtype, const std::vector<std::int64_t>& shape,
-                     std::uint64_t nbytes) {
+/// The dtype of a wire header, after checking that dtype, shape and byte count agree.
+c10::ScalarType check_header(std::int8_t dtype, const std::vector<std::int64_t>& shape,
+                             std::uint64_t nbytes) {
   if (!known_dtype(dtype))
     throw protocol_error("tensor with unknown dtype code " + std::to_string(dtype));
   auto type = static_cast<c10::ScalarType>(dtype);
@@ -50,7 +49,13 @@ at::Tensor empty_for(std::int8_t dtype, const std::vector<std::int64_t>& shape,
   if (count > std::numeric_limits<std::uint64_t>::max() / item || count * item != nbytes)
     throw protocol_error("tensor byte count " + std::to_string(nbytes) +
                          " does not match its shape and dtype");
-  return at::empty(shape, at::TensorOptions().dtype(type));
+  return type;
+}
+
+/// An uninitialized CPU tensor for the given wire header.
+at::Tensor empty_for(std::int8_t dtype, const std::vector<std::int64_t>& shape,
+                     std::uint64_t nbytes) {
+  return at::empty(shape, at::TensorOptions().dtype(check_header(dtype, shape, nbytes)));
 }
 
 at::Tensor host_contiguous(const at::Tensor& t) {
@@ -99,6 +104,17 @@ caf::error load_tensor(caf::deserializer& source, at::Tensor& t) {
   if (nbytes > detail::bytes_left(source))
     return make_error(errc::protocol_error, "tensor announces more bytes than its message holds");
   try {
+    // A large tensor of a joined bulk payload aliases the join buffer: no copy.
+    if (auto* joined = dynamic_cast<bulk::reader*>(&source);
+        joined != nullptr && nbytes >= bulk::block_min) {
+      auto type = check_header(dtype, shape, nbytes);
+      auto [data, keep] = joined->view(static_cast<std::size_t>(nbytes));
+      if (data == nullptr) return caf::make_error(caf::sec::end_of_stream);
+      t = at::from_blob(
+          data, shape, [keep = std::move(keep)](void*) mutable { keep.reset(); },
+          at::TensorOptions().dtype(type));
+      return {};
+    }
     auto fresh = empty_for(dtype, shape, nbytes);
     if (nbytes)
       if (auto err = source.apply_raw(nbytes, fresh.data_ptr())) return err;

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "troupe/bulk.hpp"
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
 #include "troupe/node.hpp"
@@ -99,10 +100,15 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   cfg->load<caf::io::middleman>();
   cfg->add_message_type<work_chunk>("troupe.work_chunk");
   cfg->add_message_type<chunk_result>("troupe.chunk_result");
+  cfg->add_message_type<bulk::fragment>("troupe.bulk_fragment");
   cfg->add_message_type<init_done>("troupe.init_done");
   cfg->add_message_type<consume_ack>("troupe.consume_ack");
   cfg->add_message_type<node_hello>("troupe.node_hello");
   cfg->add_message_type<spawn_producer>("troupe.spawn_producer");
+  // Messages are deserialized on the multiplexer thread itself: a BASP worker would first copy
+  // every received payload (bulk fragments included) into a buffer of its own.
+  cfg->set("middleman.workers", std::size_t{0});
+  cfg->set("scheduler.max-throughput", std::size_t{1});
   // Heartbeats on both sides: a frozen peer is given up on after ~connection-timeout.
   cfg->set("middleman.heartbeat-interval", caf::timespan{std::chrono::milliseconds{200}});
   cfg->set("middleman.connection-timeout", caf::timespan{std::chrono::milliseconds{1500}});

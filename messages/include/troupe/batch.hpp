@@ -102,6 +102,9 @@ class batch {
   [[nodiscard]] bool empty() const noexcept { return size() == 0; }
   [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
+  /// The type-erased items (nullptr for no batch).
+  [[nodiscard]] const batch_base* get() const noexcept { return ptr_.get(); }
+
   /// The items as T, or nullptr when the batch is empty-handed or holds another type.
   template <class T>
   [[nodiscard]] batch_of<T>* as() const noexcept {

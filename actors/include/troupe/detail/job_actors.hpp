@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "troupe/bulk.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/job.hpp"
 #include "troupe/messages.hpp"
@@ -47,7 +48,15 @@ struct producer_state {
 
   chunk_result work(const work_chunk& w) {
     chunk_result r{w.run, w.first, {}, 0, errc::none, 0, {}};
-    auto* items = w.items.as<in>();
+    batch joined;
+    try {
+      joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
+    } catch (const std::exception& e) {
+      r.code = errc::protocol_error;
+      r.what = e.what();
+      return r;
+    }
+    auto* items = joined.as<in>();
     if (items == nullptr || !producer) {
       r.code = errc::protocol_error;
       r.what = producer ? "work chunk holds items of another type than the job's input"
@@ -107,7 +116,15 @@ caf::behavior producer_actor(caf::event_based_actor* self, device d, config cfg)
   });
   return {
       [st](init_atom) { return st->init(); },
-      [st](const work_chunk& w) { return st->work(w); },
+      [self, st](const work_chunk& w) {
+        auto r = st->work(w);
+        // Large outputs for a remote scheduler go back as fragments, then a small reference.
+        if (r.ok())
+          r.outputs =
+              bulk::split_for(self, caf::actor_cast<caf::actor>(self->current_sender()), r.outputs);
+        return r;
+      },
+      [](const bulk::fragment&) {},  // joined while it was deserialized
       [st](end_atom) { return st->end(); },
   };
 }
