@@ -8,7 +8,7 @@ TORCH_VERSION=2.15.0
 VENV=${TROUPE_VENV:-/opt/troupe-venv}
 
 packages=(build-essential cmake git python3 python3-venv libcaf-dev libcli11-dev libgtest-dev
-          libgmock-dev libbenchmark-dev libssl-dev openssl)
+          libgmock-dev libbenchmark-dev libssl-dev openssl iproute2)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
