@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -329,8 +330,6 @@ std::string coordinate(const std::string& node, const std::vector<std::string>& 
 TEST(NodesTls, ServesPeersWithACertificateOfItsCaAndRefusesOthers) {
   node_process a{"cpu,cpu", tls_flags(tls_of("node"))};
   // No certificate at all, or one signed by another CA: refused, with the node named.
-  // (Refused before our own run starts: with CAF 0.17.6's OpenSSL module a failed handshake can
-  // drop the node's other TLS connections; see docs/deploy.md.)
   auto plain = coordinate(a.address(), {});
   EXPECT_NE(plain.find("error: cannot use node " + a.address()), std::string::npos) << plain;
   auto intruder = coordinate(a.address(), tls_flags(tls_of("intruder")));
@@ -340,6 +339,28 @@ TEST(NodesTls, ServesPeersWithACertificateOfItsCaAndRefusesOthers) {
   troupe::unordered_runner<remote_squares> runner{c.devices()};
   EXPECT_EQ(runner.run(iota(500)), sum_of_squares(500));
   EXPECT_EQ(runner.run(iota(10)), sum_of_squares(10));
+}
+
+TEST(NodesTls, PeersRefusedDuringARunLeaveItUndisturbed) {
+  node_process a{"cpu,cpu", tls_flags(tls_of("node"))};
+  auto c = troupe::cluster::connect({a.address()}, tls_of("client"));
+  troupe::options opts;
+  int refused = 0;
+  // In the middle of the run (the scheduler waits inside on_progress, so the run cannot end
+  // meanwhile): a plain peer and a foreign-CA peer fail their handshakes with the node.
+  opts.on_progress = [&, done = false](const troupe::progress& p) mutable {
+    if (done || p.done < 50) return;
+    done = true;
+    for (auto& flags : {std::vector<std::string>{}, tls_flags(tls_of("intruder"))})
+      if (coordinate(a.address(), flags).find("error: cannot use node") != std::string::npos)
+        refused += 1;
+  };
+  troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+  EXPECT_EQ(runner.run(iota(400)), sum_of_squares(400));
+  EXPECT_EQ(refused, 2);
+  auto s = runner.stats();
+  EXPECT_TRUE(s.producers[0].alive && s.producers[1].alive);  // the node was never given up on
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
 }
 
 TEST(NodesTls, BadKeyFilesAreRejectedBeforeAnyConnection) {

@@ -1,4 +1,7 @@
+#include <dlfcn.h>
+#include <openssl/err.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
 
 #include <algorithm>
@@ -350,3 +353,52 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
 }
 
 }  // namespace troupe
+
+// -- a workaround for CAF 0.17.6's OpenSSL module ------------------------------------------------
+//
+// OpenSSL's error queue is per thread and must be empty before each TLS I/O call, or
+// SSL_get_error() misreads an ordinary "would block" as a fatal error. CAF 0.17.6 never clears
+// it, and runs every TLS connection of a process on its one multiplexer thread: a peer failing
+// its handshake left errors behind, and the next read on any other connection (a coordinator's,
+// mid-run) then dropped that connection. These definitions come first in symbol lookup (they are
+// in the program, and libcaf_openssl refers to them), clear the queue, and call OpenSSL's own.
+// Tested by NodesTls.PeersRefusedDuringARunLeaveItUndisturbed.
+namespace {
+template <class Fn>
+Fn openssl_function(const char* name) {
+  auto* f = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+  if (f == nullptr) {
+    std::fprintf(stderr, "troupe: cannot find OpenSSL's %s: %s\n", name, dlerror());
+    std::abort();
+  }
+  return f;
+}
+}  // namespace
+
+extern "C" {
+
+int SSL_read(SSL* ssl, void* buf, int num) {
+  static auto real = openssl_function<int (*)(SSL*, void*, int)>("SSL_read");
+  ERR_clear_error();
+  return real(ssl, buf, num);
+}
+
+int SSL_write(SSL* ssl, const void* buf, int num) {
+  static auto real = openssl_function<int (*)(SSL*, const void*, int)>("SSL_write");
+  ERR_clear_error();
+  return real(ssl, buf, num);
+}
+
+int SSL_accept(SSL* ssl) {
+  static auto real = openssl_function<int (*)(SSL*)>("SSL_accept");
+  ERR_clear_error();
+  return real(ssl);
+}
+
+int SSL_connect(SSL* ssl) {
+  static auto real = openssl_function<int (*)(SSL*)>("SSL_connect");
+  ERR_clear_error();
+  return real(ssl);
+}
+
+}  // extern "C"
