@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(1);
     auto inputs = torch::randn({rows, example::mlp_features});
     std::int64_t next = 0;
-    troupe::ordered_runner<batched_inference> runner{f.device_list()};
+    troupe::ordered_runner<batched_inference> runner{f.device_list(), {}, f.options()};
     auto outputs = runner.run(troupe::generate([&]() -> std::optional<at::Tensor> {
       if (next >= rows) return std::nullopt;
       auto b = inputs.slice(0, next, std::min(next + batch, rows));

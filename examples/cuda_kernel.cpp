@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   return example::guarded([&] {
-    troupe::unordered_runner<square_on_gpu> runner{devices};
+    troupe::unordered_runner<square_on_gpu> runner{devices, {}, f.options()};
     std::vector<std::vector<float>> inputs(f.items, std::vector<float>(1000, 2.0f));
     std::cout << "result: " << runner.run(inputs) << "\n";  // items * 1000 * 4
   });

@@ -43,9 +43,10 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = static_cast<std::int64_t>(i);
     std::int64_t result = 0;
     if (f.ordered)
-      result = troupe::ordered_runner<sum_of_powers>{f.device_list(), cfg}.run(inputs);
+      result = troupe::ordered_runner<sum_of_powers>{f.device_list(), cfg, f.options()}.run(inputs);
     else
-      result = troupe::unordered_runner<sum_of_powers>{f.device_list(), cfg}.run(inputs);
+      result =
+          troupe::unordered_runner<sum_of_powers>{f.device_list(), cfg, f.options()}.run(inputs);
     std::cout << "result: " << result << "\n";
   });
 }

@@ -44,10 +44,10 @@ int main(int argc, char** argv) {
     cfg.set("work_ms", f.work_ms);
     std::int64_t result = 0;
     if (f.ordered) {
-      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg};
+      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options()};
       result = run_all(runner, f.items);
     } else {
-      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg};
+      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options()};
       result = run_all(runner, f.items);
     }
     std::cout << "result: " << result << "\n";

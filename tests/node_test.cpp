@@ -206,6 +206,20 @@ TEST(Nodes, SigstopOfOneNodeMidRunGivesTheExactResult) {
   EXPECT_FALSE(runner.stats().producers[0].alive);
 }
 
+TEST(Nodes, AProducerHungInsideWorkIsGivenUpOnWithWorkTimeout) {
+  node_process a{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  troupe::config cfg;
+  cfg.set("hang_on", std::int64_t{5});  // one producer on the node never returns from item 5,
+  troupe::options opts;                 // while the node itself keeps answering heartbeats
+  opts.work_timeout = std::chrono::milliseconds{1000};
+  troupe::unordered_runner<remote_squares> runner{c.devices(), cfg, opts};
+  EXPECT_EQ(runner.run(iota(300)), sum_of_squares(300));  // item 5 retried, exactly once
+  auto s = runner.stats();
+  EXPECT_NE(s.producers[0].alive, s.producers[1].alive);  // only the stuck one was given up on
+  EXPECT_EQ(runner.run(iota(20)), sum_of_squares(20));
+}
+
 TEST(Nodes, LosingEveryNodeIsNodeErrorAndANewNodeCanBeUsed) {
   {
     node_process a{"cpu"};

@@ -1,6 +1,7 @@
 // The job that test nodes and the node tests both register (the same name in both programs).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <thread>
@@ -15,12 +16,18 @@
 struct remote_squares {
   struct producer {
     producer(const troupe::device&, const troupe::config& cfg)
-        : sleep_us(cfg.get_or<std::int64_t>("sleep_us", 0)) {}
+        : sleep_us(cfg.get_or<std::int64_t>("sleep_us", 0)),
+          hang_on(cfg.get_or<std::int64_t>("hang_on", -1)) {}
     std::int64_t work(std::int64_t x) {
       if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      // Like a native call that never returns (until the node is killed): the first producer of
+      // the process to get item `hang_on` is stuck; a retry elsewhere goes through.
+      if (x == hang_on && !hung.exchange(true)) std::this_thread::sleep_for(std::chrono::hours{1});
       return x * x;
     }
     std::int64_t sleep_us;
+    std::int64_t hang_on;
+    static inline std::atomic<bool> hung{false};
   };
   struct consumer {
     void work(std::int64_t y) { sum += y; }

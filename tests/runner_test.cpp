@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <numeric>
 #include <sstream>
@@ -319,4 +320,44 @@ TEST(Runner, LargeGeneratorInputKeepsMemoryBounded) {
   auto growth_mib = (peak_rss_kib() - before) / 1024;
   EXPECT_EQ(total, items * size + (items / 2) * (size / 4096));
   EXPECT_LT(growth_mib, 256u) << "peak memory grew by " << growth_mib << " MiB";
+}
+
+namespace {
+
+/// Item 7 blocks its producer (as a hung native call would) until the test releases it; the
+/// retry on another producer does not block.
+struct hangs_once {
+  static inline std::promise<void> release;
+  static inline std::atomic<bool> hung{false};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (x == 7 && !hung.exchange(true)) release.get_future().wait();
+      return x * x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+}  // namespace
+
+TEST(Runner, WorkTimeoutGivesUpOnAStuckProducerAndRetriesItsItems) {
+  troupe::options opts;
+  opts.work_timeout = std::chrono::milliseconds{500};
+  {
+    troupe::unordered_runner<hangs_once> runner{2, {}, opts};
+    std::vector<std::int64_t> xs(200);
+    std::iota(xs.begin(), xs.end(), 0);
+    std::int64_t want = 0;
+    for (auto x : xs) want += x * x;
+    EXPECT_EQ(runner.run(xs), want);  // exactly once, item 7 done by the other producer
+    EXPECT_TRUE(hangs_once::hung);
+    auto s = runner.stats();
+    EXPECT_NE(s.producers[0].alive, s.producers[1].alive);          // the stuck one was given up on
+    EXPECT_EQ(runner.run(std::vector<std::int64_t>{1, 2, 3}), 14);  // on the survivor
+    hangs_once::release.set_value();  // the native call returns at last; close() ends it
+  }
 }

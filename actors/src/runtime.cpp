@@ -6,6 +6,7 @@
 #include <caf/atom.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/scoped_actor.hpp>
+#include <caf/sec.hpp>
 #include <caf/send.hpp>
 #include <map>
 
@@ -163,6 +164,7 @@ runtime::~runtime() {
 }
 
 void runtime::shutdown(std::vector<caf::actor> started) noexcept {
+  bool stuck = false;  // a local producer never came back from work()
   try {
     {
       caf::scoped_actor self{*sys_};
@@ -171,12 +173,16 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
       for (std::size_t i = 0; i < started.size(); ++i) {
         bool alive = i >= known.producers.size() || known.producers[i].alive;
         bool local = started[i].node() == sys_->node();
-        if (alive) {
-          // A request to a dead node is never answered by CAF 0.17: bound the wait.
-          auto timeout = local ? caf::duration{caf::infinite} : caf::duration{remote_end_timeout};
+        if (alive || local) {
+          // A request to a dead node is never answered by CAF 0.17: bound the wait. A local
+          // producer given up on (options::work_timeout) may still be inside work(): bound that
+          // wait too, and leave it behind if it does not come back.
+          auto timeout =
+              local && alive ? caf::duration{caf::infinite} : caf::duration{remote_end_timeout};
           self->request(started[i], timeout, end_atom::value)
               .receive([](const consume_ack&) {},
                        [&](const caf::error& err) {
+                         if (local && !alive && err == caf::sec::request_timeout) stuck = true;
                          log(log_level::warn, "ending producer " + entry_name(devices_, i) +
                                                   " failed: " + error_text(err));
                        });
@@ -190,6 +196,14 @@ void runtime::shutdown(std::vector<caf::actor> started) noexcept {
     scheduler_ = nullptr;
     anchor_ = nullptr;
     producers_.clear();
+    if (stuck && own_sys_) {
+      // ~actor_system would wait for the stuck producer forever: leave the system behind.
+      log(log_level::warn,
+          "a producer is still stuck inside work(); its thread and this runner's actor system "
+          "are left running");
+      (void)own_sys_.release();
+      (void)sys_cfg_.release();
+    }
     own_sys_.reset();  // waits for every actor to terminate (the network system stays)
     sys_cfg_.reset();
   } catch (const std::exception& e) {

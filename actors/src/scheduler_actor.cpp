@@ -37,7 +37,11 @@ struct chunk {
   std::uint64_t first = 0;  ///< index of its first item in the run's input
   batch items;
   std::size_t producer = 0;
+  clock_type::time_point sent;  ///< when it was last dispatched
 };
+
+/// The scheduler's own timer for options::work_timeout (carries the run id).
+using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
 
 class scheduler {
  public:
@@ -71,10 +75,35 @@ class scheduler {
     if (opts_.chunk_size) chunk_size_ = opts_.chunk_size;
     check_survivors();
     pump();
+    if (run_ && opts_.work_timeout.count() > 0) schedule_stall_check();
+  }
+
+  /// options::work_timeout: gives up on producers whose oldest chunk is overdue.
+  void check_stalls(std::uint64_t run) {
+    if (!run_ || run_->id != run) return;  // the timer of a run that ended
+    auto now = clock_type::now();
+    std::vector<std::size_t> stuck;
+    for (auto& [id, c] : in_flight_)
+      if (now - c.sent >= opts_.work_timeout &&
+          std::find(stuck.begin(), stuck.end(), c.producer) == stuck.end())
+        stuck.push_back(c.producer);
+    for (auto p : stuck)
+      if (run_ && run_->id == run)
+        on_lost(p, run,
+                make_error(errc::node_error, "no answer to a chunk for " +
+                                                 std::to_string(opts_.work_timeout.count()) +
+                                                 " ms (options::work_timeout)"));
+    if (run_ && run_->id == run) schedule_stall_check();
   }
 
  private:
   // -- dispatch --------------------------------------------------------------------------
+
+  void schedule_stall_check() {
+    auto period = std::clamp<std::chrono::milliseconds>(
+        opts_.work_timeout / 4, std::chrono::milliseconds{10}, std::chrono::milliseconds{1000});
+    self_->delayed_send(self_, period, stall_check_atom::value, run_->id);
+  }
 
   bool window_open() const {
     if (backlog_ >= opts_.consumer_backlog) return false;
@@ -132,6 +161,7 @@ class scheduler {
   void dispatch(std::size_t p, chunk c) {
     auto& slot = producers_[p];
     c.producer = p;
+    c.sent = clock_type::now();
     slot.chunks += 1;
     slot.items += c.items.size();
     auto id = c.id;
@@ -379,6 +409,7 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                                           std::move(opts), std::move(box));
     return {
         [st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); },
+        [st](stall_check_atom, std::uint64_t run) { st->check_stalls(run); },
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };

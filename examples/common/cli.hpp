@@ -23,6 +23,14 @@ struct flags {
   double work_ms = 0;
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
+  std::int64_t work_timeout_ms = 0;
+
+  /// Runner options from the flags.
+  troupe::options options() const {
+    troupe::options o;
+    o.work_timeout = std::chrono::milliseconds{work_timeout_ms};
+    return o;
+  }
 
   troupe::tls tls() const { return {tls_cert, tls_key, tls_ca, {}}; }
 
@@ -57,6 +65,8 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--items", f.items, "how many input items");
   app.add_flag("--ordered", f.ordered, "use the ordered runner");
   app.add_option("--work-ms", f.work_ms, "simulated device time per item, in ms");
+  app.add_option("--work-timeout-ms", f.work_timeout_ms,
+                 "give up on a producer that has not answered a chunk for this long (0: never)");
   app.add_option("--serve", f.serve, "run as a node on HOST:PORT until SIGINT/SIGTERM");
   app.add_option("--nodes", f.nodes, "comma-separated HOST:PORT of nodes whose devices to use");
   app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");

@@ -41,6 +41,12 @@ struct options {
   std::size_t reorder_window = 0;
   /// Chunks sent to the consumer but not yet consumed before dispatch pauses.
   std::size_t consumer_backlog = 4;
+  /// A producer that has not answered a chunk this long after it was sent is treated as lost
+  /// (stuck in a native call, deadlocked): its chunks go to the other producers and a late
+  /// answer is dropped. 0 = never. Off by default because items may legitimately take minutes;
+  /// set it above the slowest chunk you expect. (A frozen or unreachable node is noticed by
+  /// heartbeats within ~1.5 s without it.)
+  std::chrono::milliseconds work_timeout{0};
 };
 
 struct producer_stats {
