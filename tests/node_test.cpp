@@ -353,6 +353,16 @@ TEST(NodesTls, ServesPeersWithACertificateOfItsCaAndRefusesOthers) {
   troupe::unordered_runner<remote_squares> runner{c.devices()};
   EXPECT_EQ(runner.run(iota(500)), sum_of_squares(500));
   EXPECT_EQ(runner.run(iota(10)), sum_of_squares(10));
+  // Large items cross as bulk fragments over TLS too.
+  std::vector<std::int64_t> big(600'000);
+  std::iota(big.begin(), big.end(), 5);
+  auto before = troupe::bulk::totals();
+  troupe::ordered_runner<remote_blobs> blobs{c.devices()};
+  auto out = blobs.run(std::vector<std::vector<std::int64_t>>{big});
+  ASSERT_EQ(out.size(), 1u);
+  for (auto& x : big) x = 3 * x + 1;
+  EXPECT_EQ(out[0], big);
+  EXPECT_GT(troupe::bulk::totals().joined, before.joined);
 }
 
 TEST(NodesTls, PeersRefusedDuringARunLeaveItUndisturbed) {
