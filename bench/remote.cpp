@@ -1,7 +1,8 @@
 // Remote benchmarks over loopback, side by side in one run:
 //   trivial items per second through two nodes (child processes of this program) vs local;
 //   64 MiB tensors through a node and back vs a plain TCP echo of the same bytes.
-// Usage: troupe_remote_bench [--count N] [--tensors K] [--huge-mib M]      (children: --serve ... --devices ...)
+// Usage: troupe_remote_bench [--count N] [--tensors K] [--huge-mib M] [--tls-cert F --tls-key F
+//        --tls-ca F]      (children: --serve ... --devices ...)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -46,13 +47,20 @@ double since(clock_type::time_point t0) {
 struct child_node {
   pid_t pid = -1;
   std::string address;
-  explicit child_node(const char* self) {
+  child_node(const char* self, const example::flags& f) {
     int out[2];
     if (pipe(out) != 0) throw std::runtime_error("pipe");
     pid = fork();
     if (pid == 0) {
       dup2(out[1], STDOUT_FILENO);
-      execl(self, self, "--serve", "127.0.0.1:0", "--devices", "cpu", nullptr);
+      std::vector<std::string> args{self, "--serve", "127.0.0.1:0", "--devices", "cpu"};
+      if (!f.tls_cert.empty())  // the same identity as the coordinator: enough for a benchmark
+        args.insert(args.end(),
+                    {"--tls-cert", f.tls_cert, "--tls-key", f.tls_key, "--tls-ca", f.tls_ca});
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(self, argv.data());
       _exit(127);
     }
     close(out[1]);
@@ -139,10 +147,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
 
-  child_node a{argv[0]}, b{argv[0]};
+  child_node a{argv[0], f}, b{argv[0], f};
   troupe::unordered_runner<squares> local{2};
   double local_rate = items_per_second(local, items);
-  auto c = troupe::cluster::connect({a.address, b.address});
+  auto c = troupe::cluster::connect({a.address, b.address}, f.tls());
   troupe::unordered_runner<squares> remote{c.devices()};
   double remote_rate = items_per_second(remote, items);
   std::cout << "trivial items (" << items << " x*x, 2 producers):\n"
@@ -154,7 +162,8 @@ int main(int argc, char** argv) {
   troupe::unordered_runner<echo_tensor> echo{std::vector<troupe::device>{c.devices()[0]}};
   std::vector<at::Tensor> inputs;
   for (int i = 0; i < tensors; ++i)
-    inputs.push_back(torch::full({static_cast<std::int64_t>(bytes / 4)}, static_cast<float>(i + 1)));
+    inputs.push_back(
+        torch::full({static_cast<std::int64_t>(bytes / 4)}, static_cast<float>(i + 1)));
   echo.run(std::vector<at::Tensor>{inputs[0]});  // warm up the connection
   auto t0 = clock_type::now();
   auto echoed = echo.run(inputs);

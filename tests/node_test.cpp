@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -302,16 +303,21 @@ TEST(Nodes, GarbageOnTheNodePortLeavesItServing) {
 
 namespace {
 
-/// Certificates made once per test process by tests/make_test_certs.sh.
-const std::string& cert_dir() {
-  static const std::string dir = [] {
+/// Certificates made once per test process by tests/make_test_certs.sh, removed at its exit.
+struct temp_cert_dir {
+  std::string path;
+  temp_cert_dir() {
     char tmpl[] = "/tmp/troupe-certs-XXXXXX";
-    std::string d = mkdtemp(tmpl);
-    std::string cmd = std::string{TROUPE_MAKE_CERTS} + " " + d;
+    path = mkdtemp(tmpl);
+    std::string cmd = std::string{TROUPE_MAKE_CERTS} + " " + path;
     if (std::system(cmd.c_str()) != 0) throw std::runtime_error("making test certificates failed");
-    return d;
-  }();
-  return dir;
+  }
+  ~temp_cert_dir() { std::filesystem::remove_all(path); }
+};
+
+const std::string& cert_dir() {
+  static const temp_cert_dir dir;
+  return dir.path;
 }
 
 troupe::tls tls_of(const std::string& who, const std::string& ca = "ca") {
