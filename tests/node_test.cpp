@@ -178,6 +178,10 @@ TEST(Nodes, TensorsCrossAsRawBytesExactly) {
     EXPECT_EQ(out[i].scalar_type(), inputs[i].scalar_type()) << "tensor " << i;
     EXPECT_EQ(out[i].sizes(), inputs[i].sizes()) << "tensor " << i;
     EXPECT_TRUE(at::equal(out[i], inputs[i] * 2)) << "tensor " << i;
+    if (out[i].nbytes() >= troupe::bulk::block_min) {  // joined in place, at an aligned offset
+      auto address = reinterpret_cast<std::uintptr_t>(out[i].data_ptr());
+      EXPECT_EQ(address % troupe::bulk::alignment, 0u) << "tensor " << i;
+    }
   }
   EXPECT_GT(troupe::bulk::totals().joined, before.joined);
   EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
