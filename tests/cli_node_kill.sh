@@ -2,6 +2,7 @@
 # The acceptance run of API.md §6 with the example binary: two nodes on loopback, a coordinator
 # over both, one node killed with SIGKILL two seconds into the run; the result must be exact.
 set -euo pipefail
+source "$(dirname "$0")/node_lib.sh"
 bin=$1
 dir=$(mktemp -d)
 pids=()
@@ -11,11 +12,8 @@ for i in 1 2; do
   "$bin" --serve 127.0.0.1:0 --devices cpu,cpu > "$dir/node$i" &
   pids+=($!)
 done
-for i in 1 2; do
-  for _ in $(seq 100); do grep -q "serving on" "$dir/node$i" 2>/dev/null && break; sleep 0.1; done
-done
-a=$(sed -n 's/serving on //p' "$dir/node1")
-b=$(sed -n 's/serving on //p' "$dir/node2")
+a=$(served_address "$dir/node1")
+b=$(served_address "$dir/node2")
 ( sleep 2; kill -9 "${pids[0]}" ) &
 "$bin" --nodes "$a,$b" --items 3000 --work-ms 4 | tee "$dir/out"
 expected=$(python3 -c 'print(sum(x * x for x in range(3000)))')

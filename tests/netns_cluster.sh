@@ -6,6 +6,7 @@
 # iproute2; exits 77 (skipped, with the reason) where namespaces are not allowed. Nothing here
 # talks to any address outside these namespaces.
 set -euo pipefail
+source "$(dirname "$0")/node_lib.sh"
 bin=$1
 tag="tr$$"
 coord="${tag}c"
@@ -36,11 +37,8 @@ for i in 1 2; do
   ip netns exec "$ns" "$bin" --serve "10.231.$i.2:0" --devices cpu,cpu > "$dir/node$i" &
   pids+=($!)
 done
-for i in 1 2; do
-  for _ in $(seq 100); do grep -q "serving on" "$dir/node$i" 2>/dev/null && break; sleep 0.1; done
-done
-a=$(sed -n 's/serving on //p' "$dir/node1")
-b=$(sed -n 's/serving on //p' "$dir/node2")
+a=$(served_address "$dir/node1")
+b=$(served_address "$dir/node2")
 echo "nodes: $a (namespace ${tag}n1), $b (namespace ${tag}n2)"
 case "$a$b" in *127.0.0.1*) echo "a node serves on loopback, not its own address"; exit 1 ;; esac
 # The cut: node 1's end of its link goes down; its process keeps running, unreachable.

@@ -8,7 +8,6 @@
 #include <caf/binary_serializer.hpp>
 #include <caf/sec.hpp>
 #include <chrono>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -255,37 +254,22 @@ std::shared_ptr<const payload> payload::capture(const batch& b) {
   return p;
 }
 
-template <class F>
-static void for_range(const std::vector<payload::slice>& slices, std::uint64_t offset,
-                      std::uint64_t len, F&& f) {
-  auto i = std::upper_bound(slices.begin(), slices.end(), offset,
-                            [](std::uint64_t off, const auto& s) { return off < s.start; });
-  if (i != slices.begin()) --i;
-  for (; len > 0 && i != slices.end(); ++i) {
+caf::error payload::write(caf::serializer& sink, std::uint64_t offset, std::uint64_t len) const {
+  if (offset > size_ || len > size_ - offset) return caf::make_error(caf::sec::invalid_argument);
+  // The slice holding `offset`, then on until `len` bytes are written.
+  auto i = std::upper_bound(slices_.begin(), slices_.end(), offset,
+                            [](std::uint64_t off, const slice& s) { return off < s.start; });
+  if (i != slices_.begin()) --i;
+  for (; len > 0 && i != slices_.end(); ++i) {
     if (offset >= i->start + i->size) continue;
     auto skip = offset - i->start;
     auto n = std::min<std::uint64_t>(len, i->size - skip);
-    f(i->data + skip, static_cast<std::size_t>(n));
+    if (auto err = sink.apply_raw(static_cast<std::size_t>(n), const_cast<char*>(i->data + skip)))
+      return err;
     offset += n;
     len -= n;
   }
-}
-
-caf::error payload::write(caf::serializer& sink, std::uint64_t offset, std::uint64_t len) const {
-  if (offset > size_ || len > size_ - offset) return caf::make_error(caf::sec::invalid_argument);
-  caf::error result;
-  for_range(slices_, offset, len, [&](const char* data, std::size_t n) {
-    if (!result) result = sink.apply_raw(n, const_cast<char*>(data));
-  });
-  return result;
-}
-
-void payload::copy(std::uint64_t offset, std::uint64_t len, char* out) const {
-  if (offset > size_ || len > size_ - offset) throw protocol_error("payload range out of bounds");
-  for_range(slices_, offset, len, [&](const char* data, std::size_t n) {
-    std::memcpy(out, data, n);
-    out += n;
-  });
+  return {};
 }
 
 // -- fragments ----------------------------------------------------------------------------------

@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 namespace troupe {
@@ -27,6 +29,38 @@ std::size_t bytes_left(caf::deserializer& source) noexcept;
 
 template <class T>
 constexpr bool raw_items = std::is_arithmetic<T>::value && !std::is_same<T, bool>::value;
+
+template <class T, class = void>
+struct has_nbytes : std::false_type {};
+template <class T>
+struct has_nbytes<T, std::void_t<decltype(std::declval<const T&>().nbytes())>> : std::true_type {};
+
+template <class T, class = void>
+struct is_contiguous_container : std::false_type {};
+template <class T>
+struct is_contiguous_container<
+    T, std::void_t<decltype(std::declval<const T&>().data()),
+                   decltype(std::declval<const T&>().size()), typename T::value_type>>
+    : std::true_type {};
+
+/// An estimate of the bytes an item holds, used to bound chunk sizes.
+template <class T>
+std::size_t payload_bytes(const T& x) {
+  if constexpr (has_nbytes<T>::value)
+    return sizeof(T) + static_cast<std::size_t>(x.nbytes());
+  else if constexpr (is_contiguous_container<T>::value)
+    return sizeof(T) + x.size() * sizeof(typename T::value_type);
+  else
+    return sizeof(T);
+}
+
+/// Items whose payload_bytes() is their whole size: numbers, tensors, strings and vectors of
+/// numbers (not nested containers or structs, which may hold more on the heap).
+template <class T, class = void>
+struct flat_item : std::bool_constant<std::is_arithmetic<T>::value || has_nbytes<T>::value> {};
+template <class T>
+struct flat_item<T, std::enable_if_t<is_contiguous_container<T>::value>>
+    : std::is_arithmetic<typename T::value_type> {};
 }  // namespace detail
 
 class batch_base {
@@ -34,6 +68,11 @@ class batch_base {
   virtual ~batch_base() = default;
   [[nodiscard]] virtual std::size_t size() const noexcept = 0;
   [[nodiscard]] virtual const std::type_info& item_type() const noexcept = 0;
+  /// The items' size in memory when their type makes it cheap and exact (detail::flat_item),
+  /// else nothing.
+  [[nodiscard]] virtual std::optional<std::size_t> flat_bytes() const noexcept {
+    return std::nullopt;
+  }
   virtual caf::error save(caf::serializer& sink) const = 0;
   virtual caf::error load(caf::deserializer& source) = 0;
 };
@@ -47,6 +86,17 @@ class batch_of final : public batch_base {
 
   [[nodiscard]] std::size_t size() const noexcept override { return items.size(); }
   [[nodiscard]] const std::type_info& item_type() const noexcept override { return typeid(T); }
+  [[nodiscard]] std::optional<std::size_t> flat_bytes() const noexcept override {
+    if constexpr (detail::raw_items<T>) {
+      return items.size() * sizeof(T);
+    } else if constexpr (detail::flat_item<T>::value) {
+      std::size_t n = 0;
+      for (const auto& x : items) n += detail::payload_bytes(x);
+      return n;
+    } else {
+      return std::nullopt;
+    }
+  }
   caf::error save(caf::serializer& sink) const override {
     if constexpr (detail::raw_items<T>) {  // numbers: one raw block, not element by element
       std::uint64_t n = items.size();

@@ -50,8 +50,6 @@ class payload {
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   /// Writes bytes [offset, offset + len) as raw blocks.
   caf::error write(caf::serializer& sink, std::uint64_t offset, std::uint64_t len) const;
-  /// Copies bytes [offset, offset + len) to `out`.
-  void copy(std::uint64_t offset, std::uint64_t len, char* out) const;
 
   /// Bytes [start, start + size) of the payload.
   struct slice {
@@ -127,6 +125,7 @@ void count_sent() noexcept;
 template <class Self>
 batch split_for(Self* self, const caf::actor& dest, const batch& b) {
   if (!b || !dest || dest.node() == self->node()) return b;
+  if (auto known = b.get()->flat_bytes(); known && *known < threshold) return b;  // no capture
   std::shared_ptr<const payload> p;
   try {
     p = payload::capture(b);

@@ -14,30 +14,6 @@
 
 namespace troupe::detail {
 
-template <class T, class = void>
-struct has_nbytes : std::false_type {};
-template <class T>
-struct has_nbytes<T, std::void_t<decltype(std::declval<const T&>().nbytes())>> : std::true_type {};
-
-template <class T, class = void>
-struct is_contiguous_container : std::false_type {};
-template <class T>
-struct is_contiguous_container<
-    T, std::void_t<decltype(std::declval<const T&>().data()),
-                   decltype(std::declval<const T&>().size()), typename T::value_type>>
-    : std::true_type {};
-
-/// An estimate of the bytes an item holds, used to bound chunk sizes.
-template <class T>
-std::size_t payload_bytes(const T& x) {
-  if constexpr (has_nbytes<T>::value)
-    return sizeof(T) + static_cast<std::size_t>(x.nbytes());
-  else if constexpr (is_contiguous_container<T>::value)
-    return sizeof(T) + x.size() * sizeof(typename T::value_type);
-  else
-    return sizeof(T);
-}
-
 class input_source {
  public:
   virtual ~input_source() = default;
