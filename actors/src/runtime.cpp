@@ -17,20 +17,18 @@
 #include "troupe/registry.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
 
 namespace troupe::detail {
 namespace {
+
+thread_local bool internal_thread = false;
 
 std::string entry_name(const std::vector<device>& devices, std::size_t i) {
   return devices[i].str() + " (producer " + std::to_string(i) + ")";
 }
 
-}  // namespace
-
-namespace {
-
 constexpr auto remote_reply_timeout = std::chrono::seconds{120};  // a remote producer's init
-constexpr auto remote_end_timeout = std::chrono::seconds{5};
 
 bool any_remote(const std::vector<device>& devices) {
   return std::any_of(devices.begin(), devices.end(), [](auto& d) { return !d.is_local(); });
@@ -38,11 +36,28 @@ bool any_remote(const std::vector<device>& devices) {
 
 }  // namespace
 
+bool on_internal_thread() noexcept {
+  return internal_thread;
+}
+
+void mark_internal_thread() noexcept {
+  internal_thread = true;
+}
+
+caf::actor_system& local_system() {
+  static caf::actor_system* sys = [] {
+    auto* cfg = make_system_config(false).release();  // lives as long as the system: forever
+    return new caf::actor_system(*cfg);
+  }();
+  return *sys;
+}
+
 runtime::runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-                 const producer_spawner& spawn)
+                 producer_spawner spawn)
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
+      spawn_(std::move(spawn)),
       stats_(std::make_shared<stats_box>()) {
   if (devices_.empty())
     throw invalid_argument(
@@ -59,24 +74,16 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     throw invalid_argument(
         "remote devices need a registered job: add TROUPE_REGISTER_JOB(your_job) at namespace "
         "scope, in this program and in the nodes' programs");
-  for (auto& d : devices_) stats_->value.producers.push_back(producer_stats{d, 0, {}, true});
+  for (auto& d : devices_) {
+    producer_stats ps;
+    ps.where = d;
+    stats_->value.producers.push_back(ps);
+  }
   tls settings;
   for (auto& d : devices_)
     if (!d.is_local()) settings = tls_for(d.node());
-  if (network) {
-    sys_ = &network_system(settings);
-  } else {
-    sys_cfg_ = make_system_config(false);
-    own_sys_ = std::make_unique<caf::actor_system>(*sys_cfg_);
-    sys_ = own_sys_.get();
-  }
-  std::vector<caf::actor> spawned;
-  try {
-    spawned = spawn_all(job, settings, spawn);
-  } catch (...) {
-    shutdown({});
-    throw;
-  }
+  sys_ = network ? &network_system(settings) : &local_system();
+  auto spawned = spawn_all(job, settings);  // ends what it started when it throws
   std::vector<caf::actor> started;
   std::string failure;
   errc failure_code = errc::none;
@@ -105,30 +112,28 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
           self->send_exit(p, caf::exit_reason::user_shutdown);
     }
   }
-  spawned.clear();
   if (failure_code != errc::none) {
-    shutdown(std::move(started));
+    abandon(started);
     if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
     if (failure_code == errc::node_error) throw node_error(failure);
     throw init_error(failure + "; the producers that did start were ended");
   }
-  producers_ = std::move(started);
-  scheduler_ = spawn_scheduler(*sys_, producers_, devices_, opts_, stats_);
+  scheduler_ = spawn_scheduler(*sys_, std::move(started), devices_, opts_, stats_, spawn_, cfg_);
   open_ = true;
   log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
 }
 
-std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings,
-                                           const producer_spawner& spawn) {
+std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings) {
   std::vector<caf::actor> spawned;
   std::map<std::string, caf::actor> nodes;
   caf::scoped_actor self{*sys_};
   auto stop_spawned = [&] {
     for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
+    if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
   };
   for (auto& d : devices_) {
     if (d.is_local()) {
-      spawned.push_back(spawn(*sys_, d, cfg_));
+      spawned.push_back(spawn_(*sys_, d, cfg_));
       continue;
     }
     if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
@@ -159,63 +164,61 @@ std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& se
   return spawned;
 }
 
+void runtime::abandon(const std::vector<caf::actor>& started) noexcept {
+  // A runner that failed to start: end what did start, within close_timeout in all.
+  try {
+    caf::scoped_actor self{*sys_};
+    // All at once, so that the wait is bounded by close_timeout in all.
+    std::vector<decltype(self->request(started[0], opts_.close_timeout, end_atom::value))> ends;
+    for (auto& p : started) ends.push_back(self->request(p, opts_.close_timeout, end_atom::value));
+    for (auto& e : ends)
+      e.receive([](const consume_ack&) {},
+                [](const caf::error& err) {
+                  log(log_level::warn, "ending a started producer failed: " + error_text(err));
+                });
+    for (auto& p : started) self->send_exit(p, caf::exit_reason::user_shutdown);
+    if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
+  } catch (const std::exception& e) {
+    log(log_level::error, std::string{"ending the started producers failed: "} + e.what());
+  }
+  anchor_ = nullptr;
+}
+
 runtime::~runtime() {
   close();
 }
 
-void runtime::shutdown(std::vector<caf::actor> started) noexcept {
-  bool stuck = false;  // a local producer never came back from work()
-  try {
-    {
-      caf::scoped_actor self{*sys_};
-      if (scheduler_) self->send_exit(scheduler_, caf::exit_reason::user_shutdown);
-      auto known = stats();  // producers the scheduler gave up on get no end request
-      for (std::size_t i = 0; i < started.size(); ++i) {
-        bool alive = i >= known.producers.size() || known.producers[i].alive;
-        bool local = started[i].node() == sys_->node();
-        if (alive || local) {
-          // A request to a dead node is never answered by CAF 0.17: bound the wait. A local
-          // producer given up on (options::work_timeout) may still be inside work(): bound that
-          // wait too, and leave it behind if it does not come back.
-          auto timeout =
-              local && alive ? caf::duration{caf::infinite} : caf::duration{remote_end_timeout};
-          self->request(started[i], timeout, end_atom::value)
-              .receive([](const consume_ack&) {},
-                       [&](const caf::error& err) {
-                         if (local && !alive && err == caf::sec::request_timeout) stuck = true;
-                         log(log_level::warn, "ending producer " + entry_name(devices_, i) +
-                                                  " failed: " + error_text(err));
-                       });
-        }
-        self->send_exit(started[i], caf::exit_reason::user_shutdown);
-      }
-      if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
-    }
-    // Every handle must be gone before ~actor_system, which waits for the actors to be destroyed.
-    started.clear();
-    scheduler_ = nullptr;
-    anchor_ = nullptr;
-    producers_.clear();
-    if (stuck && own_sys_) {
-      // ~actor_system would wait for the stuck producer forever: leave the system behind.
-      log(log_level::warn,
-          "a producer is still stuck inside work(); its thread and this runner's actor system "
-          "are left running");
-      (void)own_sys_.release();
-      (void)sys_cfg_.release();
-    }
-    own_sys_.reset();  // waits for every actor to terminate (the network system stays)
-    sys_cfg_.reset();
-  } catch (const std::exception& e) {
-    log(log_level::error, std::string{"shutting down the runner failed: "} + e.what());
-  }
-}
-
 void runtime::close() noexcept {
-  std::lock_guard<std::mutex> guard{mtx_};
-  if (!open_) return;
-  open_ = false;
-  shutdown(std::move(producers_));
+  std::shared_future<void> closed;
+  try {
+    std::unique_lock<std::mutex> lock{mtx_};
+    if (open_) {
+      open_ = false;
+      turn_.notify_all();  // waiting run() calls throw runner_closed
+      // The scheduler ends the current run (runner_closed), then every producer, then itself.
+      auto promise = std::make_shared<std::promise<void>>();
+      closed_ = promise->get_future().share();
+      caf::anon_send(scheduler_, close_atom::value, std::move(promise));
+    }
+    closed = closed_;
+    // On troupe's own threads (on_progress, a job's code) waiting would deadlock: the
+    // scheduler and the runs finish closing by themselves.
+    if (on_internal_thread() || !closed.valid()) return;
+    lock.unlock();
+    // Bounded: the scheduler answers after at most close_timeout (producers still busy are
+    // left behind); the margin covers a scheduler that is itself blocked in on_progress.
+    if (closed.wait_for(opts_.close_timeout + std::chrono::seconds{5}) != std::future_status::ready)
+      log(log_level::warn, "the scheduler did not confirm close() in time; left behind");
+    lock.lock();
+    turn_.wait(lock, [this] { return callers_ == 0; });
+    if (scheduler_) {
+      scheduler_ = nullptr;
+      if (anchor_) caf::anon_send_exit(anchor_, caf::exit_reason::user_shutdown);
+      anchor_ = nullptr;
+    }
+  } catch (const std::exception& e) {
+    log(log_level::error, std::string{"closing the runner failed: "} + e.what());
+  }
 }
 
 bool runtime::is_open() const {
@@ -230,34 +233,72 @@ troupe::stats runtime::stats() const {
 
 void runtime::run(std::shared_ptr<input_source> source, const consumer_spawner& spawn,
                   bool ordered) {
-  std::lock_guard<std::mutex> guard{mtx_};
-  if (!open_) throw runner_closed("run() after close(): create a new runner");
-  auto consumer = spawn(*sys_, cfg_);
-  auto stop_consumer = [&] { caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown); };
+  std::uint64_t id = 0;
+  caf::actor scheduler;
   {
+    std::unique_lock<std::mutex> lock{mtx_};
+    if (!open_) throw runner_closed("run() after close(): create a new runner");
+    if (running_ && on_internal_thread())
+      throw invalid_argument(
+          "run() called from this runner's own on_progress, producer or consumer while it runs: "
+          "it would wait for itself");
+    ++callers_;
+    turn_.wait(lock, [this] { return !running_ || !open_; });
+    if (!open_) {
+      --callers_;
+      turn_.notify_all();
+      throw runner_closed("the runner was closed while run() waited for its turn");
+    }
+    running_ = true;
+    id = next_run_++;
+    scheduler = scheduler_;
+  }
+  auto leave = [this] {
+    std::lock_guard<std::mutex> guard{mtx_};
+    running_ = false;
+    --callers_;
+    turn_.notify_all();
+  };
+  try {
+    auto consumer = spawn(*sys_, cfg_);
     caf::scoped_actor self{*sys_};
+    // The consumer's object is destroyed before run() returns, and nothing reaches it after:
+    // a high-priority request overtakes the chunks still queued for it.
+    auto dispose = [&] {
+      self->request<caf::message_priority::high>(consumer, caf::infinite, end_atom::value)
+          .receive([](const consume_ack&) {}, [](const caf::error&) {});
+      self->send_exit(consumer, caf::exit_reason::user_shutdown);
+    };
     caf::error failed;
     self->request(consumer, caf::infinite, init_atom::value)
         .receive([](const consume_ack&) {}, [&](caf::error& err) { failed = std::move(err); });
     if (failed) {
-      stop_consumer();
+      dispose();
       throw consumer_error(error_text(failed));
     }
-  }
-  auto spec = std::make_shared<run_spec>();
-  spec->id = next_run_++;
-  spec->source = std::move(source);
-  spec->consumer = consumer;
-  spec->ordered = ordered;
-  auto done = spec->done.get_future();
-  caf::anon_send(scheduler_, std::move(spec));
-  try {
-    done.get();
+    auto spec = std::make_shared<run_spec>();
+    spec->id = id;
+    spec->source = std::move(source);
+    spec->consumer = consumer;
+    spec->ordered = ordered;
+    auto done = spec->done.get_future();
+    self->send(scheduler, std::move(spec));
+    try {
+      done.get();
+    } catch (const std::future_error&) {
+      // The scheduler had already closed when the run reached it.
+      dispose();
+      throw runner_closed("the runner was closed before this run started");
+    } catch (...) {
+      dispose();
+      throw;
+    }
+    dispose();
   } catch (...) {
-    stop_consumer();
+    leave();
     throw;
   }
-  stop_consumer();
+  leave();
 }
 
 }  // namespace troupe::detail

@@ -1,13 +1,18 @@
-// The scheduler actor: the single owner of run state. It pulls input through credits (at most
-// two chunks in flight per producer), sizes chunks adaptively, keeps the in-flight table,
-// re-dispatches the chunks of a lost producer, orders outputs through a bounded reorder window
-// (placed after retries, so a retried chunk never reorders output) and drives the consumer.
+// The scheduler actor: the single owner of run state. It pulls input as producers have room
+// (each producer keeps about one round trip of work queued, at least two chunks), sizes chunks
+// per producer, keeps the table of pending chunks (which producers hold each one), re-sends
+// the chunks of a lost or stuck producer, replaces stuck local producers, orders outputs
+// through a bounded reorder window (placed after retries, so a retried chunk never reorders
+// output), sends a chunk that holds up the end of a run or an ordered run's window to an idle
+// producer as well (first answer wins), drives the consumer, and ends the producers at close().
 #include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
-#include <caf/stateful_actor.hpp>
 #include <chrono>
+#include <cmath>
+#include <deque>
 #include <map>
+#include <set>
 #include <unordered_map>
 
 #include "troupe/bulk.hpp"
@@ -17,50 +22,87 @@
 #include "troupe/messages.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
 
 namespace troupe::detail {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-constexpr std::size_t chunks_per_producer = 2;
+constexpr std::size_t min_depth = 2;    ///< chunks queued at a producer, at least
+constexpr std::size_t max_depth = 32;   ///< and at most (distant producers)
+constexpr int max_restarts_in_row = 3;  ///< per slot and run, without an answer in between
+
+/// The scheduler's own timers.
+using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
+using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
+
+/// A chunk sent to a producer and not answered yet.
+struct sent_chunk {
+  std::uint64_t run = 0;
+  std::uint64_t id = 0;
+  std::size_t items = 0;
+  clock_type::time_point sent;
+  double ahead_ns = 0;  ///< the producer's estimated work queued ahead of it when sent
+};
 
 struct producer_slot {
   caf::actor handle;
   device where;
-  std::size_t chunks = 0;  ///< chunks in flight
-  std::size_t items = 0;   ///< items in flight
-  bool alive = true;
+  bool local = true;
+  std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
+  bool alive = true;      ///< takes work
+  bool restarting = false;
+  int restarts_in_row = 0;
+  std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
+  std::size_t items = 0;               ///< items outstanding
+  clock_type::time_point last_done{};  ///< when its last answer arrived
+  double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
+  double latency_ns = 0;               ///< answer time not explained by work: the round trip
+  std::size_t chunk_items = 1;
+  std::size_t depth = min_depth;
 };
 
+/// A chunk of the current run, from its dispatch until its outputs are delivered.
 struct chunk {
-  std::uint64_t id = 0;     ///< position among the run's chunks (the reorder key)
   std::uint64_t first = 0;  ///< index of its first item in the run's input
   batch items;
-  std::size_t producer = 0;
-  clock_type::time_point sent;  ///< when it was last dispatched
+  std::vector<std::size_t> holders;  ///< producers it has been sent to and that still hold it
 };
-
-/// The scheduler's own timer for options::work_timeout (carries the run id).
-using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
 
 class scheduler {
  public:
   scheduler(caf::event_based_actor* self, std::vector<caf::actor> producers,
-            std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats)
-      : self_(self), opts_(std::move(opts)), stats_(std::move(stats)) {
+            std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
+            producer_spawner spawn, config cfg)
+      : self_(self),
+        opts_(std::move(opts)),
+        stats_(std::move(stats)),
+        spawn_(std::move(spawn)),
+        cfg_(std::move(cfg)) {
     for (std::size_t i = 0; i < producers.size(); ++i) {
       // CAF 0.17 never fails a request to a dead node: monitors (and heartbeats) tell us.
       self_->monitor(producers[i]);
-      producers_.push_back(producer_slot{std::move(producers[i]), devices[i]});
+      producer_slot s;
+      s.handle = std::move(producers[i]);
+      s.where = devices[i];
+      s.local = devices[i].is_local();
+      if (opts_.chunk_size) s.chunk_items = opts_.chunk_size;
+      producers_.push_back(std::move(s));
     }
     self_->set_down_handler([this](caf::down_msg& dm) {
       for (std::size_t p = 0; p < producers_.size(); ++p)
-        if (producers_[p].handle.address() == dm.source) on_lost(p, run_ ? run_->id : 0, dm.reason);
+        if (producers_[p].handle.address() == dm.source && !producers_[p].restarting)
+          give_up(p, dm.reason);
     });
-    window_ = opts_.reorder_window ? opts_.reorder_window : 4 * producers_.size();
+    if (opts_.work_timeout.count() > 0) schedule_stall_check();
   }
 
   void start(std::shared_ptr<run_spec> spec) {
+    if (closing_) {
+      spec->done.set_exception(
+          std::make_exception_ptr(runner_closed("the runner was closed before this run started")));
+      return;
+    }
     if (run_) {  // runtime serializes runs; this would be a bug
       spec->done.set_exception(
           std::make_exception_ptr(protocol_error("a run started while another was active")));
@@ -72,28 +114,67 @@ class scheduler {
     failure_ = nullptr;
     backlog_ = 0;
     started_ = last_progress_ = clock_type::now();
-    if (opts_.chunk_size) chunk_size_ = opts_.chunk_size;
+    for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per run
     check_survivors();
     pump();
-    if (run_ && opts_.work_timeout.count() > 0) schedule_stall_check();
   }
 
-  /// options::work_timeout: gives up on producers whose oldest chunk is overdue.
-  void check_stalls(std::uint64_t run) {
-    if (!run_ || run_->id != run) return;  // the timer of a run that ended
+  /// options::work_timeout: gives up on producers that have been on one chunk too long.
+  void check_stalls() {
+    if (closing_) return;
     auto now = clock_type::now();
-    std::vector<std::size_t> stuck;
-    for (auto& [id, c] : in_flight_)
-      if (now - c.sent >= opts_.work_timeout &&
-          std::find(stuck.begin(), stuck.end(), c.producer) == stuck.end())
-        stuck.push_back(c.producer);
-    for (auto p : stuck)
-      if (run_ && run_->id == run)
-        on_lost(p, run,
-                make_error(errc::node_error, "no answer to a chunk for " +
-                                                 std::to_string(opts_.work_timeout.count()) +
-                                                 " ms (options::work_timeout)"));
-    if (run_ && run_->id == run) schedule_stall_check();
+    for (std::size_t p = 0; p < producers_.size(); ++p) {
+      auto& s = producers_[p];
+      if (!s.alive || s.outstanding.empty()) continue;
+      // A producer works FIFO: its oldest chunk started when it was sent or when the chunk
+      // ahead of it was answered, whichever came later. Time spent queued does not count.
+      auto began = std::max(s.outstanding.front().sent, s.last_done);
+      if (now - began >= opts_.work_timeout)
+        give_up(p, make_error(errc::node_error, "busy with one chunk for more than " +
+                                                    std::to_string(opts_.work_timeout.count()) +
+                                                    " ms (options::work_timeout)"));
+    }
+    schedule_stall_check();
+  }
+
+  /// close(): ends the run (runner_closed), then every producer (producer::end()), within
+  /// options::close_timeout in all; producers still busy then are left behind.
+  void close(std::shared_ptr<std::promise<void>> done) {
+    if (closing_) {
+      done->set_value();
+      return;
+    }
+    closing_ = true;
+    close_promise_ = std::move(done);
+    if (run_)
+      finish(std::make_exception_ptr(runner_closed("the runner was closed during this run")));
+    for (auto& s : producers_) {
+      if (!s.alive) {  // stuck, lost or still starting: not waited on
+        if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+        continue;
+      }
+      ++pending_ends_;
+      auto where = s.where.str();
+      self_->request(s.handle, caf::infinite, end_atom::value)
+          .then([this](const consume_ack&) { ended_one(); },
+                [this, where](const caf::error& err) {
+                  log(log_level::warn,
+                      "ending the producer on " + where + " failed: " + error_text(err));
+                  ended_one();
+                });
+    }
+    if (pending_ends_ == 0)
+      finish_close();
+    else
+      self_->delayed_send(self_, opts_.close_timeout, close_timeout_atom::value);
+  }
+
+  void close_timed_out() {
+    if (!close_promise_) return;
+    log(log_level::warn, std::to_string(pending_ends_) +
+                             " producer(s) did not finish within options::close_timeout; left "
+                             "behind (their threads end when work() returns)");
+    finish_close();
   }
 
  private:
@@ -102,44 +183,65 @@ class scheduler {
   void schedule_stall_check() {
     auto period = std::clamp<std::chrono::milliseconds>(
         opts_.work_timeout / 4, std::chrono::milliseconds{10}, std::chrono::milliseconds{1000});
-    self_->delayed_send(self_, period, stall_check_atom::value, run_->id);
+    self_->delayed_send(self_, period, stall_check_atom::value);
   }
+
+  std::size_t window() const {
+    if (opts_.reorder_window) return opts_.reorder_window;
+    std::size_t depth = 0;
+    for (auto& s : producers_) depth += s.depth;
+    return std::max(4 * producers_.size(), 2 * depth);
+  }
+
+  bool consumer_has_room() const { return backlog_ < opts_.consumer_backlog; }
 
   bool window_open() const {
-    if (backlog_ >= opts_.consumer_backlog) return false;
-    return !run_->ordered || next_chunk_ - deliver_chunk_ < window_;
+    return consumer_has_room() && (!run_->ordered || next_chunk_ - deliver_chunk_ < window());
   }
 
-  std::size_t chunk_limit() const {
-    auto n = chunk_size_;
+  std::size_t chunk_limit(const producer_slot& s) const {
+    auto n = opts_.chunk_size ? opts_.chunk_size : s.chunk_items;
     if (opts_.max_in_flight) n = std::min(n, opts_.max_in_flight);
     return std::max<std::size_t>(n, 1);
   }
 
-  /// The live producer with capacity and the fewest items in flight, or -1.
+  /// The live producer with room and the least work queued, or -1.
   int pick_producer() const {
     int best = -1;
     for (std::size_t i = 0; i < producers_.size(); ++i) {
-      auto& p = producers_[i];
-      if (!p.alive || p.chunks >= chunks_per_producer) continue;
-      if (opts_.max_in_flight && p.chunks > 0 && p.items + chunk_limit() > opts_.max_in_flight)
+      auto& s = producers_[i];
+      if (!s.alive || s.outstanding.size() >= s.depth) continue;
+      if (opts_.max_in_flight && !s.outstanding.empty() &&
+          s.items + chunk_limit(s) > opts_.max_in_flight)
         continue;
-      if (best < 0 || p.items < producers_[best].items) best = static_cast<int>(i);
+      if (best < 0) {
+        best = static_cast<int>(i);
+        continue;
+      }
+      auto& b = producers_[best];
+      auto load = [](const producer_slot& x) {
+        return static_cast<double>(x.outstanding.size()) / static_cast<double>(x.depth);
+      };
+      if (load(s) < load(b) || (load(s) == load(b) && s.items < b.items))
+        best = static_cast<int>(i);
     }
     return best;
   }
 
   void pump() {
-    while (run_ && !failure_) {
+    while (run_ && !failure_ && !closing_) {
       int p = pick_producer();
       if (p < 0) break;
-      chunk c;
+      auto& s = producers_[static_cast<std::size_t>(p)];
       if (!retry_.empty()) {
-        c = std::move(retry_.front());
-        retry_.pop_front();
+        auto id = *retry_.begin();
+        retry_.erase(retry_.begin());
+        send(static_cast<std::size_t>(p), id);
       } else if (!exhausted_ && window_open()) {
+        chunk c;
         try {
-          c.items = run_->source->pull(chunk_limit(), opts_.max_chunk_bytes);
+          c.items =
+              run_->source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
         } catch (...) {
           exhausted_ = true;
           fail(std::current_exception());
@@ -147,36 +249,58 @@ class scheduler {
         }
         exhausted_ = run_->source->exhausted();
         if (c.items.empty()) break;
-        c.id = next_chunk_++;
+        auto id = next_chunk_++;
         c.first = next_item_;
         next_item_ += c.items.size();
+        chunks_.emplace(id, std::move(c));
+        send(static_cast<std::size_t>(p), id);
+      } else if (opts_.speculative && s.outstanding.empty() && consumer_has_room()) {
+        auto id = pick_copy(static_cast<std::size_t>(p));
+        if (!id) break;
+        send(static_cast<std::size_t>(p), *id);
       } else {
         break;
       }
-      dispatch(static_cast<std::size_t>(p), std::move(c));
     }
     maybe_finish();
   }
 
-  void dispatch(std::size_t p, chunk c) {
-    auto& slot = producers_[p];
-    c.producer = p;
-    c.sent = clock_type::now();
-    slot.chunks += 1;
-    slot.items += c.items.size();
-    auto id = c.id;
+  /// For an idle producer with nothing new to take: the oldest chunk held by exactly one other
+  /// producer (an ordered run's head of line, or the end of a run waiting on a slow producer).
+  std::optional<std::uint64_t> pick_copy(std::size_t p) const {
+    std::optional<std::uint64_t> best;
+    for (auto& [id, c] : chunks_)
+      if (c.holders.size() == 1 && c.holders[0] != p && (!best || id < *best)) best = id;
+    return best;
+  }
+
+  void send(std::size_t p, std::uint64_t id) {
+    auto& s = producers_[p];
+    auto& c = chunks_.at(id);
+    c.holders.push_back(p);
+    sent_chunk rec;
+    rec.run = run_->id;
+    rec.id = id;
+    rec.items = c.items.size();
+    rec.sent = clock_type::now();
+    rec.ahead_ns = static_cast<double>(s.items) * s.ns_per_item;
+    s.outstanding.push_back(rec);
+    s.items += rec.items;
+    auto gen = s.gen;
     auto run = run_->id;
     // A large chunk for a remote producer travels as fragments, then a small reference.
-    work_chunk msg{run, c.first, bulk::split_for(self_, slot.handle, c.items)};
-    in_flight_.emplace(id, std::move(c));
-    self_->request(slot.handle, caf::infinite, std::move(msg))
-        .then([this, id, run, p](chunk_result& r) { on_result(p, id, run, r); },
-              [this, run, p](caf::error& err) { on_lost(p, run, err); });
+    work_chunk msg{run, c.first, bulk::split_for(self_, s.handle, c.items)};
+    self_->request(s.handle, caf::infinite, std::move(msg))
+        .then([this, p, gen, id, run](chunk_result& r) { on_result(p, gen, id, run, r); },
+              [this, p, gen](caf::error& err) {
+                if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, err);
+              });
   }
 
   // -- results -----------------------------------------------------------------------------
 
-  void on_result(std::size_t from, std::uint64_t id, std::uint64_t run, chunk_result& r) {
+  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t id, std::uint64_t run,
+                 chunk_result& r) {
     // Joined first, even for an answer dropped below, so that its fragments are released.
     try {
       r.outputs = bulk::resolve(r.outputs);
@@ -187,23 +311,38 @@ class scheduler {
         r.what = e.what();
       }
     }
-    if (!run_ || run_->id != run) return;  // a late answer from a run that already ended
-    auto i = in_flight_.find(id);
-    // Given up on: its producer was declared lost, and the chunk may be running elsewhere now.
-    // Dropping the late answer keeps every output exactly once.
-    if (i == in_flight_.end() || i->second.producer != from || !producers_[from].alive) return;
-    auto& slot = producers_[i->second.producer];
+    auto& s = producers_[p];
+    // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
+    // output is delivered exactly once.
+    if (s.gen != gen) return;
+    auto now = clock_type::now();
+    auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
+                            [&](const sent_chunk& x) { return x.run == run && x.id == id; });
+    if (rec != s.outstanding.end()) {
+      learn(s, *rec, r, now);
+      s.items -= rec->items;
+      s.outstanding.erase(rec);
+    }
+    s.last_done = now;
+    s.restarts_in_row = 0;
+    {
+      std::lock_guard<std::mutex> guard{stats_->mtx};
+      stats_->value.producers[p].busy += std::chrono::nanoseconds{r.busy_ns};
+    }
+    if (!run_ || run_->id != run || closing_) return;  // an answer for a run that ended
+    auto i = chunks_.find(id);
+    if (i == chunks_.end()) {  // a copy elsewhere answered first
+      pump();
+      return;
+    }
     auto n = i->second.items.size();
-    slot.chunks -= 1;
-    slot.items -= n;
-    auto p = i->second.producer;
-    in_flight_.erase(i);
+    chunks_.erase(i);
     if (!r.ok()) {
       if (r.code == errc::work_error)
         fail(std::make_exception_ptr(
             work_error("producer::work threw on item " + std::to_string(r.failed_index) + " on " +
-                           slot.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
-                       r.failed_index, slot.where.str())));
+                           s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
+                       r.failed_index, s.where.str())));
       else
         fail(std::make_exception_ptr(protocol_error(r.what)));
       pump();
@@ -211,59 +350,141 @@ class scheduler {
     }
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
-      auto& ps = stats_->value.producers[p];
-      ps.items += n;
-      ps.busy += std::chrono::nanoseconds{r.busy_ns};
+      stats_->value.producers[p].items += n;
     }
-    adapt_chunk_size(n, r.busy_ns);
-    if (!failure_) deliver(id, std::move(r.outputs));
+    deliver(id, std::move(r.outputs));
     pump();
   }
 
-  void on_lost(std::size_t p, std::uint64_t run, const caf::error& err) {
-    auto& slot = producers_[p];
-    if (slot.alive) {
-      slot.alive = false;
-      log(log_level::warn, "producer " + std::to_string(p) + " on " + slot.where.str() +
-                               " is lost (" + error_text(err) + "); its work goes to the others");
+  /// Per-item time (chunk size) and round trip (how many chunks to keep queued) of `s`.
+  void learn(producer_slot& s, const sent_chunk& rec, const chunk_result& r,
+             clock_type::time_point now) {
+    auto busy = static_cast<double>(r.busy_ns);
+    if (rec.items > 0 && r.ok()) {
+      auto per_item = std::max(1.0, busy / static_cast<double>(rec.items));
+      s.ns_per_item = s.ns_per_item == 0 ? per_item : 0.5 * s.ns_per_item + 0.5 * per_item;
+      if (!opts_.chunk_size) {
+        auto target = static_cast<double>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(opts_.target_chunk_time).count());
+        auto want = static_cast<std::size_t>(std::max(1.0, target / s.ns_per_item));
+        s.chunk_items =
+            std::max<std::size_t>(1, std::min({want, opts_.max_chunk_items, s.chunk_items * 4}));
+      }
+    }
+    // A local producer answers within microseconds: two chunks keep it busy. (Its answers can
+    // still wait while this actor pulls input; queuing more for that would only cost memory.)
+    if (s.local) return;
+    // The answer took its own work, the work queued ahead of it, and the round trip.
+    auto took = static_cast<double>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - rec.sent).count());
+    auto sample = std::max(0.0, took - busy - rec.ahead_ns);
+    s.latency_ns = s.latency_ns == 0 ? sample : 0.7 * s.latency_ns + 0.3 * sample;
+    auto chunk_ns = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
+    auto want = min_depth + static_cast<std::size_t>(std::floor(s.latency_ns / chunk_ns));
+    // Within the memory bound: never more than max_depth chunks of max_chunk_bytes each.
+    s.depth = std::clamp(want, min_depth, max_depth);
+  }
+
+  /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the
+  /// others, its late answers are dropped, and a local one is replaced by a fresh one.
+  void give_up(std::size_t p, const caf::error& err) {
+    auto& s = producers_[p];
+    if (!s.alive) return;
+    s.alive = false;
+    s.gen += 1;
+    bool replace = s.local && !closing_ && s.restarts_in_row < max_restarts_in_row;
+    log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() + " is " +
+                             (err == caf::exit_reason::unreachable ? "unreachable" : "lost") +
+                             " (" + error_text(err) + "); its work goes to the others" +
+                             (replace ? ", and a fresh producer replaces it" : ""));
+    {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.producers[p].alive = false;
     }
-    if (!run_ || run_->id != run) return;
-    // Every chunk of the lost producer goes back to the front of the queue, oldest first.
-    std::vector<std::uint64_t> lost;
-    for (auto& [cid, c] : in_flight_)
-      if (c.producer == p) lost.push_back(cid);
-    std::sort(lost.begin(), lost.end());
-    for (auto i = lost.rbegin(); i != lost.rend(); ++i) {
-      retry_.push_front(std::move(in_flight_[*i]));
-      in_flight_.erase(*i);
+    for (auto& rec : s.outstanding) {
+      if (!run_ || rec.run != run_->id) continue;
+      auto i = chunks_.find(rec.id);
+      if (i == chunks_.end()) continue;
+      auto& h = i->second.holders;
+      h.erase(std::remove(h.begin(), h.end(), p), h.end());
+      if (h.empty()) retry_.insert(rec.id);
     }
-    slot.chunks = slot.items = 0;
+    s.outstanding.clear();
+    s.items = 0;
+    if (s.local) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+    if (replace) restart(p);
     check_survivors();
     pump();
   }
 
-  /// Fails the run with node_error when no producer is left to take its work.
-  void check_survivors() {
-    if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return s.alive; })) return;
-    std::string what = "every producer is lost (";
-    for (std::size_t i = 0; i < producers_.size(); ++i)
-      what += (i ? ", " : "") + producers_[i].where.str();
-    fail(std::make_exception_ptr(node_error(what + "); " + std::to_string(retry_.size()) +
-                                            " chunk(s) of work could not be done: create a new "
-                                            "runner, with reachable nodes")));
-    retry_.clear();
+  /// Starts a fresh producer on the device of slot `p`; it takes work once constructed.
+  void restart(std::size_t p) {
+    auto& s = producers_[p];
+    caf::actor fresh;
+    try {
+      fresh = spawn_(self_->system(), s.where, cfg_);
+    } catch (const std::exception& e) {
+      log(log_level::error, "cannot replace the producer on " + s.where.str() + ": " + e.what());
+      return;
+    }
+    s.restarting = true;
+    s.restarts_in_row += 1;
+    s.handle = fresh;
+    s.gen += 1;
+    self_->monitor(fresh);
+    auto gen = s.gen;
+    self_->request(fresh, caf::infinite, init_atom::value)
+        .then(
+            [this, p, gen](const init_done&) {
+              auto& s = producers_[p];
+              if (s.gen != gen) return;
+              s.restarting = false;
+              if (closing_) {
+                self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+                return;
+              }
+              s.alive = true;
+              s.outstanding.clear();
+              s.items = 0;
+              {
+                std::lock_guard<std::mutex> guard{stats_->mtx};
+                auto& ps = stats_->value.producers[p];
+                ps.alive = true;
+                ps.restarts += 1;
+              }
+              log(log_level::info, "producer " + std::to_string(p) + " on " + s.where.str() +
+                                       " was replaced by a fresh one");
+              pump();
+            },
+            [this, p, gen](const caf::error& err) {
+              auto& s = producers_[p];
+              if (s.gen != gen) return;
+              s.restarting = false;
+              log(log_level::error, "the replacement producer on " + s.where.str() +
+                                        " failed to start: " + error_text(err));
+              check_survivors();
+              pump();
+            });
   }
 
-  void adapt_chunk_size(std::size_t n, std::int64_t busy_ns) {
-    if (opts_.chunk_size || n == 0) return;
-    auto per_item = std::max<double>(1.0, static_cast<double>(busy_ns) / static_cast<double>(n));
-    auto target = static_cast<double>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(opts_.target_chunk_time).count());
-    auto want = static_cast<std::size_t>(std::max(1.0, target / per_item));
-    want = std::min({want, opts_.max_chunk_items, chunk_size_ * 4});
-    chunk_size_ = std::max<std::size_t>(want, 1);
+  /// Fails the run with node_error when no producer is left to take its work.
+  void check_survivors() {
+    if (!run_) return;
+    if (std::any_of(producers_.begin(), producers_.end(),
+                    [](auto& s) { return s.alive || s.restarting; }))
+      return;
+    std::string what = "every producer is lost (";
+    bool all_local = true;
+    for (std::size_t i = 0; i < producers_.size(); ++i) {
+      what += (i ? ", " : "") + producers_[i].where.str();
+      all_local = all_local && producers_[i].local;
+    }
+    what += "); " + std::to_string(retry_.size()) + " chunk(s) of work could not be done: ";
+    what += all_local ? "their replacements were stuck too or failed to start (see the log); "
+                        "create a new runner"
+                      : "create a new runner, with reachable nodes";
+    fail(std::make_exception_ptr(node_error(what)));
+    retry_.clear();
   }
 
   // -- consumer ------------------------------------------------------------------------------
@@ -333,11 +554,12 @@ class scheduler {
   void maybe_finish() {
     if (!run_) return;
     if (failure_) {
-      // Wait for the producers' current chunks, so that the next run starts on quiet producers.
-      if (in_flight_.empty()) finish(failure_);
+      // At once: chunks still at producers are answered into the void (their answers carry
+      // this run's id), and the consumer is disposed of by run() before it returns.
+      finish(failure_);
       return;
     }
-    if (ending_ || !exhausted_ || !in_flight_.empty() || !retry_.empty() || !reorder_.empty() ||
+    if (ending_ || !exhausted_ || !chunks_.empty() || !retry_.empty() || !reorder_.empty() ||
         backlog_ > 0)
       return;
     ending_ = true;
@@ -354,11 +576,11 @@ class scheduler {
   }
 
   void finish(std::exception_ptr e) {
-    report_progress(true);
+    if (!e) report_progress(true);
     auto spec = std::move(run_);
     run_ = nullptr;
     spec->source.reset();  // the caller's range must not be touched once run() returns
-    in_flight_.clear();
+    chunks_.clear();
     retry_.clear();
     reorder_.clear();
     {
@@ -372,12 +594,29 @@ class scheduler {
       spec->done.set_value();
   }
 
+  void ended_one() {
+    if (pending_ends_ > 0 && --pending_ends_ == 0) finish_close();
+  }
+
+  void finish_close() {
+    if (!close_promise_) return;
+    for (auto& s : producers_)
+      if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+    auto done = std::move(close_promise_);
+    close_promise_ = nullptr;
+    done->set_value();
+    self_->quit();
+  }
+
   caf::event_based_actor* self_;
   options opts_;
   std::shared_ptr<stats_box> stats_;
+  producer_spawner spawn_;
+  config cfg_;
   std::vector<producer_slot> producers_;
-  std::size_t window_ = 0;
-  std::size_t chunk_size_ = 1;
+  bool closing_ = false;
+  std::size_t pending_ends_ = 0;
+  std::shared_ptr<std::promise<void>> close_promise_;
 
   std::shared_ptr<run_spec> run_;
   std::uint64_t next_item_ = 0;
@@ -388,8 +627,8 @@ class scheduler {
   bool ending_ = false;
   std::exception_ptr failure_;
   std::size_t backlog_ = 0;
-  std::unordered_map<std::uint64_t, chunk> in_flight_;
-  std::deque<chunk> retry_;
+  std::unordered_map<std::uint64_t, chunk> chunks_;  ///< dispatched, outputs not delivered
+  std::set<std::uint64_t> retry_;                    ///< chunks no producer holds: oldest first
   std::map<std::uint64_t, batch> reorder_;
   clock_type::time_point started_;
   clock_type::time_point last_progress_;
@@ -399,17 +638,27 @@ class scheduler {
 
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
-                           std::shared_ptr<stats_box> stats) {
+                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg) {
   // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
   // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
   auto init = [producers = std::move(producers), devices = std::move(devices),
-               opts = std::move(opts)](caf::event_based_actor* self,
-                                       std::shared_ptr<stats_box> box) mutable -> caf::behavior {
-    auto st = std::make_shared<scheduler>(self, std::move(producers), std::move(devices),
-                                          std::move(opts), std::move(box));
+               opts = std::move(opts), spawn = std::move(spawn),
+               cfg = std::move(cfg)](caf::event_based_actor* self,
+                                     std::shared_ptr<stats_box> box) mutable -> caf::behavior {
+    auto st =
+        std::make_shared<scheduler>(self, std::move(producers), std::move(devices), std::move(opts),
+                                    std::move(box), std::move(spawn), std::move(cfg));
     return {
-        [st](std::shared_ptr<run_spec>& spec) { st->start(std::move(spec)); },
-        [st](stall_check_atom, std::uint64_t run) { st->check_stalls(run); },
+        [st](std::shared_ptr<run_spec>& spec) {
+          mark_internal_thread();
+          st->start(std::move(spec));
+        },
+        [st](stall_check_atom) { st->check_stalls(); },
+        [st](close_atom, std::shared_ptr<std::promise<void>>& done) {
+          mark_internal_thread();
+          st->close(std::move(done));
+        },
+        [st](close_timeout_atom) { st->close_timed_out(); },
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };

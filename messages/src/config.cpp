@@ -124,6 +124,11 @@ config& config::set(const std::string& key, const std::vector<std::string>& valu
   caf::put(values_, key, to_list(value));
   return *this;
 }
+void config::too_large(const std::string& key, std::uint64_t value) {
+  throw config_error("config key '" + key + "': " + std::to_string(value) +
+                     " is above the largest integer a config holds (INT64_MAX)");
+}
+
 config& config::set_integer(const std::string& key, std::int64_t value) {
   caf::put(values_, key, value);
   return *this;

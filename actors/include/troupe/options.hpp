@@ -23,7 +23,9 @@ struct progress {
 
 /// A plain aggregate: every field has a sensible default.
 struct options {
-  /// Items in flight per producer; 0 = automatic (two chunks per producer).
+  /// Items in flight per producer; 0 = automatic: at least two chunks per producer, more for a
+  /// producer whose answers take long to come back (a distant node), so that it always has
+  /// about one round trip of work queued.
   std::size_t max_in_flight = 0;
   /// Items per message; 0 = automatic: it adapts so that a chunk takes about
   /// `target_chunk_time` of producer time, from 1 item (slow items) up to `max_chunk_items`
@@ -41,12 +43,25 @@ struct options {
   std::size_t reorder_window = 0;
   /// Chunks sent to the consumer but not yet consumed before dispatch pauses.
   std::size_t consumer_backlog = 4;
-  /// A producer that has not answered a chunk this long after it was sent is treated as lost
-  /// (stuck in a native call, deadlocked): its chunks go to the other producers and a late
-  /// answer is dropped. 0 = never. Off by default because items may legitimately take minutes;
-  /// set it above the slowest chunk you expect. (A frozen or unreachable node is noticed by
-  /// heartbeats within ~1.5 s without it.)
+  /// A producer that has been working on one chunk this long (measured from when it could
+  /// start it: when it was sent, or when the producer answered the chunk ahead of it) is given
+  /// up on: stuck in a native call, deadlocked. Its chunks go to the other producers, a late
+  /// answer is dropped, and a local producer is replaced by a fresh one on the same device (a
+  /// remote one is lost). 0 = never. Off by default because items may legitimately take
+  /// minutes; set it above the slowest chunk you expect (a chunk is one item once items take
+  /// longer than `target_chunk_time`). A frozen or unreachable node is noticed by heartbeats
+  /// within ~1.5 s without it.
   std::chrono::milliseconds work_timeout{0};
+  /// When a producer is idle and no new chunk can be handed out (the input is exhausted, or an
+  /// ordered run waits for its oldest chunk), a chunk still waiting at another producer is sent
+  /// to the idle one as well; the first answer wins and the other is dropped, so every output
+  /// is still delivered exactly once, but producer::work may run twice for those items. Turn it
+  /// off for jobs whose work() has side effects that must not repeat.
+  bool speculative = true;
+  /// close() and the destructor wait this long, in all, for the producers to finish their
+  /// current chunk and run producer::end(); producers still busy then are left behind (their
+  /// threads end when work() returns).
+  std::chrono::milliseconds close_timeout{5000};
 };
 
 struct producer_stats {
@@ -54,6 +69,9 @@ struct producer_stats {
   std::uint64_t items = 0;
   std::chrono::nanoseconds busy{0};  ///< time spent inside producer::work
   bool alive = true;
+  /// Times this producer was replaced by a fresh one on the same device after it was given up
+  /// on (options::work_timeout) or its actor died.
+  std::uint64_t restarts = 0;
 };
 
 struct stats {

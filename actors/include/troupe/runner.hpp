@@ -44,6 +44,7 @@ class basic_runner {
   /// producers into a fresh consumer and returns consumer::end(). Inputs are pulled lazily.
   template <class InputRange>
   result_type run(InputRange&& inputs) {
+    if (!rt_) throw runner_closed("run() on a moved-from runner");
     auto slot = std::make_shared<std::optional<result_type>>();
     rt_->run(
         detail::make_source<input_type>(inputs),
@@ -57,11 +58,19 @@ class basic_runner {
     return run<std::initializer_list<input_type>&>(inputs);
   }
 
-  /// Ends every producer (producer::end() runs on its thread); idempotent.
-  void close() noexcept { rt_->close(); }
-  [[nodiscard]] bool is_open() const { return rt_->is_open(); }
-  [[nodiscard]] const std::vector<device>& devices() const noexcept { return rt_->devices(); }
-  [[nodiscard]] troupe::stats stats() const { return rt_->stats(); }
+  /// Ends the current run and every run() waiting for its turn (they throw runner_closed),
+  /// then every producer (producer::end() runs on its thread), within options::close_timeout.
+  /// Idempotent, safe from any thread. Called from on_progress or a job's own code, it starts
+  /// closing and returns at once.
+  void close() noexcept {
+    if (rt_) rt_->close();
+  }
+  [[nodiscard]] bool is_open() const { return rt_ && rt_->is_open(); }
+  [[nodiscard]] const std::vector<device>& devices() const noexcept {
+    static const std::vector<device> none;
+    return rt_ ? rt_->devices() : none;
+  }
+  [[nodiscard]] troupe::stats stats() const { return rt_ ? rt_->stats() : troupe::stats{}; }
 
  private:
   static caf::actor spawn_producer(caf::actor_system& sys, const device& d, const config& cfg) {

@@ -5,6 +5,7 @@
 
 #include <caf/settings.hpp>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -24,13 +25,17 @@ class config {
   config& set(const std::string& key, const std::vector<bool>& value);
   config& set(const std::string& key, const std::vector<double>& value);
   config& set(const std::string& key, const std::vector<std::string>& value);
+  /// Integers are stored as int64: an unsigned value above INT64_MAX throws config_error.
   template <class Int, class = std::enable_if_t<std::is_integral<Int>::value>>
   config& set(const std::string& key, Int value) {
-    return set_integer(key, static_cast<std::int64_t>(value));
+    return set_integer(key, checked(key, value));
   }
   template <class Int, class = std::enable_if_t<std::is_integral<Int>::value>>
   config& set(const std::string& key, const std::vector<Int>& value) {
-    return set_integers(key, std::vector<std::int64_t>(value.begin(), value.end()));
+    std::vector<std::int64_t> xs;
+    xs.reserve(value.size());
+    for (auto x : value) xs.push_back(checked(key, x));
+    return set_integers(key, std::move(xs));
   }
 
   /// Returns the value at `key` converted to T. Throws troupe::config_error when the key is
@@ -60,6 +65,14 @@ class config {
   }
 
  private:
+  template <class Int>
+  static std::int64_t checked(const std::string& key, Int value) {
+    if constexpr (std::is_unsigned<Int>::value && sizeof(Int) >= sizeof(std::int64_t))
+      if (value > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        too_large(key, static_cast<std::uint64_t>(value));
+    return static_cast<std::int64_t>(value);
+  }
+  [[noreturn]] static void too_large(const std::string& key, std::uint64_t value);
   config& set_integer(const std::string& key, std::int64_t value);
   config& set_integers(const std::string& key, std::vector<std::int64_t> value);
   caf::settings values_;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "troupe/bulk.hpp"
+#include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/job.hpp"
 #include "troupe/messages.hpp"
@@ -93,7 +94,7 @@ struct producer_state {
       if constexpr (has_end<typename traits::producer_type>::value) {
         if (p) p->end();
       }
-      p.reset();  // the producer's destructor runs here, on its own thread
+      delete p.release();  // the destructor runs here, on its own thread, and may throw
       binding.reset();
       return consume_ack{};
     } catch (...) {
@@ -111,12 +112,19 @@ caf::behavior producer_actor(caf::event_based_actor* self, device d, config cfg)
   st->where = std::move(d);
   st->cfg = std::move(cfg);
   self->attach_functor([st] {
-    st->producer.reset();
+    try {
+      delete st->producer.release();
+    } catch (...) {
+    }
     st->binding.reset();
   });
   return {
-      [st](init_atom) { return st->init(); },
+      [st](init_atom) {
+        mark_internal_thread();
+        return st->init();
+      },
       [self, st](const work_chunk& w) {
+        mark_internal_thread();
         auto r = st->work(w);
         // Large outputs for a remote scheduler go back as fragments, then a small reference.
         if (r.ok())
@@ -125,7 +133,10 @@ caf::behavior producer_actor(caf::event_based_actor* self, device d, config cfg)
         return r;
       },
       [](const bulk::fragment&) {},  // joined while it was deserialized
-      [st](end_atom) { return st->end(); },
+      [st](end_atom) {
+        mark_internal_thread();
+        return st->end();
+      },
   };
 }
 
@@ -146,8 +157,16 @@ struct consumer_state {
 
   caf::error fail(const char* member) {
     failure = std::string{"consumer::"} + member + " threw: " + describe_current_exception();
-    consumer.reset();
+    dispose();
     return make_error(errc::consumer_error, failure);
+  }
+
+  /// Destroys the consumer object (its destructor may throw: ignored, logged by the caller).
+  void dispose() noexcept {
+    try {
+      delete consumer.release();
+    } catch (...) {
+    }
   }
 
   caf::result<consume_ack> init() {
@@ -164,7 +183,7 @@ struct consumer_state {
     auto* items = c.items.as<out>();
     if (items == nullptr) return make_error(errc::protocol_error, "output chunk of another type");
     try {
-      for (auto& x : items->items) consumer->work(std::move(x));
+      for (auto&& x : items->items) consumer->work(std::move(x));
       return consume_ack{c.run};
     } catch (...) {
       return fail("work");
@@ -175,7 +194,7 @@ struct consumer_state {
     if (!consumer) return make_error(errc::consumer_error, failure);
     try {
       slot->emplace(consumer->end());
-      consumer.reset();
+      dispose();
       return consume_ack{e.run};
     } catch (...) {
       return fail("end");
@@ -190,11 +209,21 @@ caf::behavior consumer_actor(caf::event_based_actor* self, config cfg,
   auto st = std::make_shared<consumer_state<Job>>();
   st->cfg = std::move(cfg);
   st->slot = std::move(slot);
-  self->attach_functor([st] { st->consumer.reset(); });
+  self->attach_functor([st] { st->dispose(); });
   return {
-      [st](init_atom) { return st->init(); },
+      [st](init_atom) {
+        mark_internal_thread();
+        return st->init();
+      },
       [st](consume_chunk& c) { return st->work(c); },
       [st](const end_of_input& e) { return st->end(e); },
+      // run() is returning: nothing of this consumer may run after it (a high-priority
+      // message, ahead of chunks still queued).
+      [st](end_atom) {
+        if (st->failure.empty()) st->failure = "the run has ended";
+        st->dispose();
+        return consume_ack{};
+      },
   };
 }
 

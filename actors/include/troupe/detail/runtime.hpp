@@ -1,8 +1,10 @@
-// The non-template core of a runner: its actor system, its producers, its scheduler actor.
+// The non-template core of a runner: its producers, its scheduler actor, and the rules for
+// run() and close() across threads.
 #pragma once
 
 #include <caf/actor.hpp>
 #include <caf/fwd.hpp>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -33,52 +35,77 @@ struct stats_box {
   troupe::stats value;
 };
 
+/// Creates a job's producer actor on a device (not yet constructed: it answers init_atom).
+using producer_spawner =
+    std::function<caf::actor(caf::actor_system&, const device&, const config&)>;
+
+/// True on a thread that runs troupe's actors (producers, consumers, the scheduler and so
+/// on_progress): a runner's blocking members must not wait there for those same actors.
+bool on_internal_thread() noexcept;
+/// Marks the calling thread as one of troupe's (set by the actors before running user code).
+void mark_internal_thread() noexcept;
+
+/// The actor system every local-only runner of this process shares. It is never destroyed:
+/// a producer stuck inside a native call can be left behind without blocking anything, and no
+/// thread that once used a runner can make a destructor wait.
+caf::actor_system& local_system();
+
 class runtime {
  public:
-  using producer_spawner =
-      std::function<caf::actor(caf::actor_system&, const device&, const config&)>;
   using consumer_spawner = std::function<caf::actor(caf::actor_system&, const config&)>;
 
   /// Starts one producer per device and waits until each has been constructed.
   /// Throws invalid_argument, device_unavailable or init_error.
   /// `job`: the job's registered name ("" if none), needed for remote devices.
   runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-          const producer_spawner& spawn);
+          producer_spawner spawn);
   ~runtime();
   runtime(const runtime&) = delete;
   runtime& operator=(const runtime&) = delete;
 
-  /// Runs `source` through the producers into a fresh consumer. Blocks; serialized.
+  /// Runs `source` through the producers into a fresh consumer. Blocks; runs of one runner
+  /// take turns. When it returns or throws, the consumer has been destroyed and none of its
+  /// members is called again. Throws runner_closed when close() ends the run or the wait.
   void run(std::shared_ptr<input_source> source, const consumer_spawner& spawn, bool ordered);
+  /// Ends the current run and every waiting one (runner_closed), then the producers. From
+  /// troupe's own threads (on_progress, a job's code) it only starts closing and returns.
   void close() noexcept;
   [[nodiscard]] bool is_open() const;
   [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
   [[nodiscard]] troupe::stats stats() const;
 
  private:
-  void shutdown(std::vector<caf::actor> started) noexcept;
   /// Spawns one producer per device: locally, or through the device's node.
-  std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings,
-                                    const producer_spawner& spawn);
+  std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);
+  /// Ends actors that started before the runner failed to start.
+  void abandon(const std::vector<caf::actor>& started) noexcept;
 
   std::vector<device> devices_;
   config cfg_;
   options opts_;
-  mutable std::mutex mtx_;  ///< serializes run() and close()
+  producer_spawner spawn_;
+  caf::actor_system* sys_ = nullptr;  ///< local_system(), or the process's network system
+
+  mutable std::mutex mtx_;  ///< guards the fields below; never held while waiting on actors
+  std::condition_variable turn_;
   bool open_ = false;
+  bool running_ = false;     ///< a run holds the producers
+  std::size_t callers_ = 0;  ///< threads inside run()
   std::uint64_t next_run_ = 1;
-  std::unique_ptr<caf::actor_system_config> sys_cfg_;
-  std::unique_ptr<caf::actor_system> own_sys_;  ///< a local-only runner's own system
-  caf::actor_system* sys_ = nullptr;            ///< own_sys_, or the process's network system
-  std::vector<caf::actor> producers_;
+  std::shared_future<void> closed_;  ///< set once the scheduler has ended the producers
+
   caf::actor scheduler_;
   caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
   std::shared_ptr<stats_box> stats_;
 };
 
-/// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp).
+/// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`
+/// start replacements for local producers that were given up on.
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
-                           std::shared_ptr<stats_box> stats);
+                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg);
+
+/// The scheduler's answer to close_request: it ended the run, the producers and itself.
+using close_atom = caf::atom_constant<caf::atom("tr_close")>;
 
 }  // namespace troupe::detail

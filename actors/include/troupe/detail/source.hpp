@@ -1,6 +1,10 @@
 // The input side of a run: pulls items from a range or generator into batches, lazily.
 #pragma once
 
+#include <algorithm>
+#include <caf/detail/serialized_size.hpp>
+#include <caf/detail/type_traits.hpp>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -14,12 +18,64 @@
 
 namespace troupe::detail {
 
+template <class T, class = void>
+struct has_troupe_size : std::false_type {};
+template <class T>
+struct has_troupe_size<T, std::void_t<decltype(troupe_size(std::declval<const T&>()))>>
+    : std::true_type {};
+
+template <class T, class = void>
+struct is_range : std::false_type {};
+template <class T>
+struct is_range<T, std::void_t<decltype(std::begin(std::declval<const T&>())),
+                               decltype(std::end(std::declval<const T&>())),
+                               decltype(std::declval<const T&>().size())>> : std::true_type {};
+
+/// What an item of a type troupe cannot measure (not trivially copyable, no troupe_size(), no
+/// inspect(), not a container) is taken to hold: it may own heap memory of any size.
+constexpr std::size_t unknown_item_bytes = 16 * 1024;
+
+/// The bytes an item holds, for the memory bound (options::max_chunk_bytes): a user's
+/// `std::size_t troupe_size(const T&)` (found by argument-dependent lookup) when there is one;
+/// else numbers and tensors exactly, containers by their elements (recursively), types with an
+/// inspect() overload by their serialized size, trivially copyable types by sizeof, and
+/// anything else as unknown_item_bytes.
+template <class T>
+std::size_t item_bytes(const T& x) {
+  if constexpr (has_troupe_size<T>::value) {
+    return static_cast<std::size_t>(troupe_size(x));
+  } else if constexpr (std::is_arithmetic<T>::value) {
+    return sizeof(T);
+  } else if constexpr (has_nbytes<T>::value) {
+    return sizeof(T) + static_cast<std::size_t>(x.nbytes());
+  } else if constexpr (is_range<T>::value) {
+    using value = std::decay_t<decltype(*std::begin(x))>;
+    if constexpr (std::is_arithmetic<value>::value) {
+      return sizeof(T) + x.size() * sizeof(value);
+    } else {
+      std::size_t n = sizeof(T);
+      for (const auto& e : x) n += item_bytes(e);
+      return n;
+    }
+  } else if constexpr (caf::detail::is_inspectable<caf::serializer, T>::value) {
+    caf::detail::serialized_size_inspector f{nullptr};
+    f(const_cast<T&>(x));
+    return sizeof(T) + f.result();
+  } else if constexpr (std::is_trivially_copyable<T>::value) {
+    return sizeof(T);  // owns nothing on the heap
+  } else {
+    return std::max(sizeof(T), unknown_item_bytes);
+  }
+}
+
 class input_source {
  public:
   virtual ~input_source() = default;
-  /// Up to max_items items (fewer once max_bytes is reached or the input ends). May throw
-  /// whatever the user's range throws.
-  virtual batch pull(std::size_t max_items, std::size_t max_bytes) = 0;
+  /// Up to max_items items: fewer once they hold max_bytes, once pulling them has taken
+  /// `budget` (a slow source must not hold back a chunk, and the outputs behind it), or when the
+  /// input ends. May throw whatever the user's range throws.
+  virtual batch pull(std::size_t max_items, std::size_t max_bytes,
+                     std::chrono::nanoseconds budget) = 0;
   [[nodiscard]] bool exhausted() const noexcept { return exhausted_; }
   [[nodiscard]] std::optional<std::uint64_t> total() const noexcept { return total_; }
 
@@ -29,17 +85,25 @@ class input_source {
 };
 
 template <class In, class Next>
-batch fill(std::size_t max_items, std::size_t max_bytes, bool& exhausted, Next&& next) {
+batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanoseconds budget,
+           bool& exhausted, Next&& next) {
+  using clock = std::chrono::steady_clock;
   std::vector<In> items;
   items.reserve(max_items < 1024 ? max_items : 1024);
   std::size_t bytes = 0;
+  auto start = clock::now();
+  std::size_t check_every = 1;  // the clock is read after every item at first, then rarely
   while (items.size() < max_items && bytes < max_bytes) {
     if (!next(items)) {
       exhausted = true;
       break;
     }
-    if constexpr (sizeof(In) > 64 || has_nbytes<In>::value || is_contiguous_container<In>::value)
-      bytes += payload_bytes(items.back());
+    bytes += item_bytes(items.back());
+    auto n = items.size();
+    if (n % check_every == 0) {
+      if (clock::now() - start >= budget) break;
+      if (n >= 16 * check_every && check_every < 256) check_every *= 2;
+    }
   }
   return batch::of(std::move(items));
 }
@@ -53,8 +117,9 @@ class range_source final : public input_source {
                                   typename std::iterator_traits<iter>::iterator_category>::value)
       total_ = static_cast<std::uint64_t>(std::distance(it_, end_));
   }
-  batch pull(std::size_t max_items, std::size_t max_bytes) override {
-    return fill<In>(max_items, max_bytes, exhausted_, [this](std::vector<In>& out) {
+  batch pull(std::size_t max_items, std::size_t max_bytes,
+             std::chrono::nanoseconds budget) override {
+    return fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
       if (it_ == end_) return false;
       out.emplace_back(*it_);
       ++it_;
@@ -71,8 +136,9 @@ template <class In, class F>
 class generator_source final : public input_source {
  public:
   explicit generator_source(generator<F>& g) : g_(g) {}
-  batch pull(std::size_t max_items, std::size_t max_bytes) override {
-    return fill<In>(max_items, max_bytes, exhausted_, [this](std::vector<In>& out) {
+  batch pull(std::size_t max_items, std::size_t max_bytes,
+             std::chrono::nanoseconds budget) override {
+    return fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
       auto x = g_.next();
       if (!x) return false;
       out.emplace_back(std::move(*x));
