@@ -194,6 +194,34 @@ TEST(Hardening, DestructorReturnsWhileAThreadThatOnceCalledRunIsAlive) {
   user.join();
 }
 
+struct stuck_until_released {
+  static inline gate release;
+  static inline std::atomic<int> inside{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      ++inside;
+      release.wait();
+      return x;
+    }
+  };
+};
+
+// Three producers stuck inside work() (no work_timeout, so never given up on): close() waits
+// close_timeout once, for all of them together, and leaves them behind. (It used to wait 5 s
+// for each stuck producer in turn, and forever for one that was not known to be stuck.)
+TEST(Hardening, CloseLeavesStuckProducersBehindWithinOneCloseTimeout) {
+  troupe::options opts;
+  opts.close_timeout = std::chrono::milliseconds{200};
+  opts.chunk_size = 1;
+  troupe::unordered_runner<stuck_until_released> runner{3, {}, opts};
+  std::thread caller{[&] { EXPECT_THROW(runner.run(iota(10)), troupe::runner_closed); }};
+  while (stuck_until_released::inside < 3) std::this_thread::yield();
+  runner.close();  // returns: the three stuck producers are left behind
+  caller.join();
+  EXPECT_FALSE(runner.is_open());
+  stuck_until_released::release.release();  // their threads end once work() returns
+}
+
 // -- members from on_progress and from the job's own code --------------------------------------
 
 troupe::unordered_runner<test_jobs::squares>* current = nullptr;

@@ -357,8 +357,14 @@ TEST(Runner, WorkTimeoutGivesUpOnAStuckProducerAndRetriesItsItems) {
     for (auto x : xs) want += x * x;
     EXPECT_EQ(runner.run(xs), want);  // exactly once, item 7 done by the other producer
     EXPECT_TRUE(hangs_once::hung);
+    // The stuck one was given up on and replaced by a fresh producer on the same device (which
+    // may still be starting when the run that gave up on it returns).
+    for (int i = 0;
+         i < 1000 &&
+         runner.stats().producers[0].restarts + runner.stats().producers[1].restarts == 0;
+         ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     auto s = runner.stats();
-    // The stuck one was given up on and replaced by a fresh producer on the same device.
     EXPECT_TRUE(s.producers[0].alive && s.producers[1].alive);
     EXPECT_EQ(s.producers[0].restarts + s.producers[1].restarts, 1u);
     EXPECT_EQ(runner.run(std::vector<std::int64_t>{1, 2, 3}), 14);

@@ -121,9 +121,11 @@ TEST(Messages, ConfigDeviceAndChunksSerialize) {
   ASSERT_NE(w2.items.as<std::int64_t>(), nullptr);
   EXPECT_EQ(w2.items.as<std::int64_t>()->items, (std::vector<std::int64_t>{1, 2, 3}));
 
-  troupe::chunk_result r{3, 10, {}, 5, troupe::errc::work_error, 12, "boom"};
+  troupe::chunk_result r{3, 10, {}, 5, 7, troupe::errc::work_error, 12, "boom"};
   auto r2 = round_trip(sys, r);
   EXPECT_EQ(r2.code, troupe::errc::work_error);
+  EXPECT_EQ(r2.busy_ns, 5);
+  EXPECT_EQ(r2.idle_ns, 7);
   EXPECT_EQ(r2.failed_index, 12u);
   EXPECT_EQ(r2.what, "boom");
   EXPECT_FALSE(r2.outputs);

@@ -42,7 +42,7 @@ struct sent_chunk {
   std::uint64_t id = 0;
   std::size_t items = 0;
   clock_type::time_point sent;
-  double ahead_ns = 0;  ///< the producer's estimated work queued ahead of it when sent
+  std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
 };
 
 struct producer_slot {
@@ -57,9 +57,9 @@ struct producer_slot {
   std::size_t items = 0;               ///< items outstanding
   clock_type::time_point last_done{};  ///< when its last answer arrived
   double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
-  double latency_ns = 0;               ///< answer time not explained by work: the round trip
   std::size_t chunk_items = 1;
-  std::size_t depth = min_depth;
+  std::size_t depth = min_depth;  ///< chunks kept queued at it
+  std::size_t calm = 0;           ///< answers in a row without the producer starving
 };
 
 /// A chunk of the current run, from its dispatch until its outputs are delivered.
@@ -186,11 +186,23 @@ class scheduler {
     self_->delayed_send(self_, period, stall_check_atom::value);
   }
 
+  /// The reorder window in chunks. Automatic: room for every producer's queue twice over,
+  /// counted in the chunks of the fastest one: while a slow producer works through its queue,
+  /// the fast ones must not run out of window (capped, for the memory bound).
   std::size_t window() const {
     if (opts_.reorder_window) return opts_.reorder_window;
-    std::size_t depth = 0;
-    for (auto& s : producers_) depth += s.depth;
-    return std::max(4 * producers_.size(), 2 * depth);
+    double slowest = 0;
+    for (auto& s : producers_)
+      if (s.alive) slowest = std::max(slowest, s.ns_per_item * static_cast<double>(chunk_limit(s)));
+    std::size_t chunks = 0;
+    for (auto& s : producers_) {
+      if (!s.alive) continue;
+      auto own = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
+      auto ratio = s.ns_per_item > 0 ? std::min(64.0, std::ceil(slowest / own)) : 1.0;
+      chunks += s.depth * static_cast<std::size_t>(ratio);
+    }
+    auto floor = 4 * producers_.size();
+    return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
   }
 
   bool consumer_has_room() const { return backlog_ < opts_.consumer_backlog; }
@@ -283,7 +295,7 @@ class scheduler {
     rec.id = id;
     rec.items = c.items.size();
     rec.sent = clock_type::now();
-    rec.ahead_ns = static_cast<double>(s.items) * s.ns_per_item;
+    rec.behind = s.outstanding.size();
     s.outstanding.push_back(rec);
     s.items += rec.items;
     auto gen = s.gen;
@@ -373,16 +385,21 @@ class scheduler {
     }
     // A local producer answers within microseconds: two chunks keep it busy. (Its answers can
     // still wait while this actor pulls input; queuing more for that would only cost memory.)
-    if (s.local) return;
-    // The answer took its own work, the work queued ahead of it, and the round trip.
-    auto took = static_cast<double>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(now - rec.sent).count());
-    auto sample = std::max(0.0, took - busy - rec.ahead_ns);
-    s.latency_ns = s.latency_ns == 0 ? sample : 0.7 * s.latency_ns + 0.3 * sample;
+    if (s.local || !r.ok()) return;
+    // A distant producer that sat idle although chunks were queued for it (this one was sent
+    // behind others) starved while they travelled: keep that much more work queued. Shrink
+    // slowly while it never starves, within [min_depth, max_depth] (the memory bound).
+    if (rec.behind == 0) return;
     auto chunk_ns = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
-    auto want = min_depth + static_cast<std::size_t>(std::floor(s.latency_ns / chunk_ns));
-    // Within the memory bound: never more than max_depth chunks of max_chunk_bytes each.
-    s.depth = std::clamp(want, min_depth, max_depth);
+    auto idle = static_cast<double>(r.idle_ns);
+    if (idle > 0.1 * chunk_ns) {
+      s.depth = std::min(max_depth, s.depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns)));
+      s.calm = 0;
+    } else if (++s.calm >= 8 * s.depth && s.depth > min_depth) {
+      s.depth -= 1;
+      s.calm = 0;
+    }
+    (void)now;
   }
 
   /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the

@@ -37,7 +37,10 @@ struct chunk_result {
   std::uint64_t run = 0;
   std::uint64_t first = 0;
   batch outputs;
-  std::int64_t busy_ns = 0;        ///< time spent inside producer::work
+  std::int64_t busy_ns = 0;  ///< time spent inside producer::work
+  /// Time the producer sat idle between its previous chunk and this one: a producer that
+  /// starves while chunks are on their way needs more of them queued (a distant node).
+  std::int64_t idle_ns = 0;
   errc code = errc::none;          ///< none, or why the chunk failed
   std::uint64_t failed_index = 0;  ///< the failing item's index in the run
   std::string what;                ///< the failure's message
@@ -74,7 +77,7 @@ typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
   return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
-           x.code, x.failed_index, x.what);
+           x.idle_ns, x.code, x.failed_index, x.what);
 }
 
 template <class Inspector>
@@ -113,7 +116,7 @@ namespace troupe {
 // -- node control (API.md §6) ------------------------------------------------------------------
 
 /// The version of troupe's node protocol; peers with another version are refused.
-constexpr std::uint32_t node_protocol_version = 1;
+constexpr std::uint32_t node_protocol_version = 2;  // 2: chunk_result::idle_ns
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 

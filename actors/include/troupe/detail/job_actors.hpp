@@ -32,6 +32,7 @@ struct producer_state {
   config cfg;
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<typename traits::producer_type> producer;
+  std::chrono::steady_clock::time_point last_end{};  ///< when the previous chunk was done
 
   caf::result<init_done> init() {
     try {
@@ -48,7 +49,7 @@ struct producer_state {
   }
 
   chunk_result work(const work_chunk& w) {
-    chunk_result r{w.run, w.first, {}, 0, errc::none, 0, {}};
+    chunk_result r{w.run, w.first, {}, 0, 0, errc::none, 0, {}};
     batch joined;
     try {
       joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
@@ -68,6 +69,8 @@ struct producer_state {
     outputs.reserve(items->size());
     std::size_t i = 0;
     auto start = std::chrono::steady_clock::now();
+    if (last_end != std::chrono::steady_clock::time_point{})
+      r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
     try {
       for (auto n = items->items.size(); i < n; ++i) {
         if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
@@ -81,9 +84,8 @@ struct producer_state {
       r.failed_index = w.first + i;
       r.what = describe_current_exception();
     }
-    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now() - start)
-                    .count();
+    last_end = std::chrono::steady_clock::now();
+    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
     if (r.ok()) r.outputs = batch::of(std::move(outputs));
     return r;
   }
