@@ -5,9 +5,10 @@
 # what tools/build_caf.sh installs, into TROUPE_CAF_PREFIX (a CMake or environment variable;
 # tools/build.sh passes it). With a prefix, headers and libraries come from it ONLY: a Debian
 # libcaf-dev installed beside it is never mixed in, and the targets carry no system include
-# path, so the patched headers win. Run time loads the patched libraries through the RPATH
-# CMake writes for their directory (they also have their own SONAME, libcaf_*.so.0.17.6, which
-# Debian's libcaf_*.so.0.17 never satisfies). Without a prefix, the system CAF (Debian's
+# path, so the patched headers win. Run time loads the patched libraries through the RUNPATH
+# CMake writes for their directory (their SONAME, libcaf_*.so.0.17.6, is Debian's too, so the
+# RUNPATH is what decides; the patched libraries carry one as well). Without a prefix, the
+# system CAF (Debian's
 # libcaf-dev) is used with a warning: it builds, but the network hardening is missing.
 # Sets CAF_TROUPE_PATCHED when the CAF found carries troupe's patches.
 set(TROUPE_CAF_PREFIX "$ENV{TROUPE_CAF_PREFIX}" CACHE PATH

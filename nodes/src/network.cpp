@@ -165,11 +165,13 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   auto l = network_limits();
   cfg->set("middleman.heartbeat-interval", caf::timespan{std::chrono::milliseconds{200}});
   cfg->set("middleman.connection-timeout", caf::timespan{l.idle_timeout});
-  // Enforced by troupe's CAF patches (third_party/caf/patches); ignored by an unpatched CAF.
+#ifdef TROUPE_CAF_PATCHED
+  // Enforced by troupe's CAF patches (third_party/caf/patches), unknown to an unpatched CAF.
   cfg->set("middleman.max-payload-size", l.max_message_bytes);
   cfg->set("middleman.max-handshake-size", std::size_t{64} << 10);
   cfg->set("middleman.handshake-timeout", caf::timespan{l.handshake_timeout});
   cfg->set("middleman.max-connections", l.max_connections);
+#endif
   if (t.enabled()) {
     check_tls(t);
     cfg->load<caf::openssl::manager>();
