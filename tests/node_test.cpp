@@ -773,6 +773,23 @@ TEST(NodesHostile, ANodeThatNeverAnswersIsANodeErrorWithinTheDeadline) {
   expect_serves(a.address());
 }
 
+TEST(NodesHostile, ANodeSlowToAnswerIsWaitedForWithinTheDeadline) {
+  node_process a{"cpu"};
+  a.kill(SIGSTOP);  // the kernel still accepts the connection; the node answers 800 ms late
+  std::thread resume{[&a] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{800});
+    a.kill(SIGCONT);
+  }};
+  try {
+    auto c = troupe::cluster::connect({a.address()}, {}, std::chrono::seconds{5});
+    troupe::unordered_runner<remote_squares> runner{c.devices()};
+    EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  resume.join();
+}
+
 TEST(NodesHostile, PortsAndAddressesAreCheckedWithClearErrors) {
   try {
     troupe::cluster::connect({"127.0.0.1"});
