@@ -17,6 +17,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -479,8 +481,10 @@ int raw_connect(std::uint16_t port) {
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    auto why =
+        std::string{"connect to port "} + std::to_string(port) + " failed: " + std::strerror(errno);
     close(fd);
-    throw std::runtime_error("connect failed");
+    throw std::runtime_error(why);
   }
   timeval tv{0, 100'000};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -579,6 +583,54 @@ int raw_listen(std::uint16_t& port) {
   return fd;
 }
 
+/// CAF's serialization of `xs` (as this process's network system writes it).
+template <class... Ts>
+std::string serialized(caf::actor_system& sys, Ts&&... xs) {
+  std::vector<char> out;
+  caf::binary_serializer sink{sys, out};
+  if (auto err = sink(std::forward<Ts>(xs)...))
+    throw std::runtime_error("serialize: " + sys.render(err));
+  return {out.begin(), out.end()};
+}
+
+/// A made-up node id.
+caf::node_id fake_node_id(std::uint32_t pid, char fill) {
+  caf::node_id::default_data::host_id_type host;
+  host.fill(static_cast<std::uint8_t>(fill));
+  return caf::make_node_id(pid, host);
+}
+
+/// Completes CAF's handshake on `fd` (connected to a node) as node `me`; returns the actor
+/// the node publishes (its node actor).
+caf::actor_id basp_handshake_as(int fd, caf::actor_system& sys, const caf::node_id& me) {
+  // The node's server handshake: its node id, app ids, the published actor, its interface.
+  auto hdr = read_exactly(fd, basp::header_size, std::chrono::seconds{5});
+  auto payload = read_exactly(fd, payload_len_at(hdr, 0), std::chrono::seconds{5});
+  std::vector<char> buf(payload.begin(), payload.end());
+  caf::binary_deserializer source{sys, buf};
+  caf::node_id node_id;
+  std::vector<std::string> app_ids;
+  caf::actor_id node_actor = 0;
+  std::set<std::string> ifaces;
+  if (source(node_id, app_ids, node_actor, ifaces) || node_actor == 0)
+    throw std::runtime_error("unexpected server handshake");
+  auto hello = serialized(sys, me);
+  if (!send_all(fd, basp_header(basp::message_type::client_handshake, 0,
+                                static_cast<std::uint32_t>(hello.size()), 0, 0, 0) +
+                        hello))
+    throw std::runtime_error("cannot send the client handshake");
+  return node_actor;
+}
+
+/// A request (direct message) from actor `source` to actor `dest` with message id `id`.
+std::string basp_request(std::uint64_t id, caf::actor_id source, caf::actor_id dest,
+                         const std::string& payload) {
+  return basp_header(basp::message_type::direct_message, 0,
+                     static_cast<std::uint32_t>(payload.size()),
+                     caf::make_message_id(id).integer_value(), source, dest) +
+         payload;
+}
+
 }  // namespace
 
 TEST(NodesHostile, HandshakeHeadersWithoutPayloadLeaveTheNodeServing) {
@@ -654,43 +706,17 @@ TEST(NodesHostile, SpawnRequestsWithAForeignOwnerAreRefused) {
   node_process a{"cpu,cpu"};
   auto& sys = troupe::detail::network_system({});
   int fd = raw_connect(a.port());
-  // The node's server handshake: its node id, app ids, the published actor (the node actor).
-  auto hdr_bytes = read_exactly(fd, basp::header_size, std::chrono::seconds{5});
-  auto server_payload = read_exactly(fd, payload_len_at(hdr_bytes, 0), std::chrono::seconds{5});
-  std::vector<char> buf(server_payload.begin(), server_payload.end());
-  caf::binary_deserializer source{sys, buf};
-  caf::node_id node_id;
-  std::vector<std::string> app_ids;
-  caf::actor_id node_actor = 0;
-  std::set<std::string> ifaces;
-  ASSERT_FALSE(source(node_id, app_ids, node_actor, ifaces));
-  ASSERT_NE(node_actor, 0u);
-  // We are node "fake-coordinator"; the owners we name live on "never-connected".
-  auto id_of = [](std::uint32_t pid, char fill) {
-    caf::node_id::default_data::host_id_type host;
-    host.fill(static_cast<std::uint8_t>(fill));
-    return caf::make_node_id(pid, host);
-  };
-  auto fake_coordinator = id_of(4242, 'c');
-  auto never_connected = id_of(4343, 'n');
-  auto serialize = [&](auto&&... xs) {
-    std::vector<char> out;
-    caf::binary_serializer sink{sys, out};
-    if (auto err = sink(xs...)) throw std::runtime_error("serialize: " + sys.render(err));
-    return std::string{out.begin(), out.end()};
-  };
-  auto hello = serialize(fake_coordinator);
-  ASSERT_TRUE(send_all(fd, basp_header(basp::message_type::client_handshake, 0,
-                                       static_cast<std::uint32_t>(hello.size()), 0, 0, 0) +
-                               hello));
+  // We are node "fake coordinator"; the owners we name live on "never connected".
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4242, 'c'));
+  auto never_connected = fake_node_id(4343, 'n');
   // spawn_producer with a null owner, then the owner's bytes (actor id, node id) rewritten to
-  // an actor on "never-connected".
+  // an actor on "never connected".
   troupe::spawn_producer req{
       "remote_squares", troupe::find_job("remote_squares").signature, "cpu", {}};
-  auto null_owner = serialize(caf::actor_id{0}, caf::node_id{});
-  auto foreign_owner = serialize(caf::actor_id{77}, never_connected);
+  auto null_owner = serialized(sys, caf::actor_id{0}, caf::node_id{});
+  auto foreign_owner = serialized(sys, caf::actor_id{77}, never_connected);
   auto payload =
-      serialize(std::vector<caf::strong_actor_ptr>{}, caf::make_message(req, caf::actor{}));
+      serialized(sys, std::vector<caf::strong_actor_ptr>{}, caf::make_message(req, caf::actor{}));
   ASSERT_GT(payload.size(), null_owner.size());
   ASSERT_EQ(payload.substr(payload.size() - null_owner.size()), null_owner);
   payload = payload.substr(0, payload.size() - null_owner.size()) + foreign_owner;
@@ -698,11 +724,7 @@ TEST(NodesHostile, SpawnRequestsWithAForeignOwnerAreRefused) {
   const int requests = 500;
   std::string stream;
   for (int i = 0; i < requests; ++i)
-    stream += basp_header(basp::message_type::direct_message, 0,
-                          static_cast<std::uint32_t>(payload.size()),
-                          caf::make_message_id(static_cast<std::uint64_t>(i + 1)).integer_value(),
-                          7, node_actor) +
-              payload;
+    stream += basp_request(static_cast<std::uint64_t>(i + 1), 7, node_actor, payload);
   ASSERT_TRUE(send_all(fd, stream));
   // Every request is answered with the refusal (read until all 500 came, with heartbeats so
   // that the node keeps the connection).
@@ -724,6 +746,38 @@ TEST(NodesHostile, SpawnRequestsWithAForeignOwnerAreRefused) {
   EXPECT_LE(proc_status(a.pid(), "Threads"), threads_before);  // no producer was spawned
   close(fd);
   expect_serves(a.address());  // a real coordinator still gets its producers
+}
+
+TEST(NodesHostile, AMessageThatFailsToDeserializeClosesOnlyItsConnection) {
+  node_process a{"cpu,cpu"};
+  // A coordinator connected before, and using the node after.
+  auto c = troupe::cluster::connect({a.address()});
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4444, 'f'));
+  // A spawn_producer whose config holds a value of a variant type that does not exist.
+  troupe::config cfg;
+  cfg.set("troupe_test_key", 1);
+  troupe::spawn_producer req{"remote_squares", troupe::find_job("remote_squares").signature, "cpu",
+                             cfg};
+  auto payload =
+      serialized(sys, std::vector<caf::strong_actor_ptr>{}, caf::make_message(req, caf::actor{}));
+  auto key = payload.find("troupe_test_key");
+  ASSERT_NE(key, std::string::npos);
+  payload[key + std::strlen("troupe_test_key")] = '\x7f';  // the value's variant type tag
+  ASSERT_TRUE(send_all(fd, basp_request(1, 7, node_actor, payload)));
+  EXPECT_TRUE(closed_by_peer_within(fd, std::chrono::seconds{5}));
+  close(fd);
+  ASSERT_TRUE(a.alive());
+  // Only that connection was closed: the node still accepts (it sends its handshake) ...
+  int probe = raw_connect(a.port());
+  EXPECT_EQ(read_exactly(probe, basp::header_size, std::chrono::seconds{5}).size(),
+            basp::header_size);
+  close(probe);
+  // ... and the coordinator connected before goes on.
+  EXPECT_EQ(runner.run(iota(200)), sum_of_squares(200));
 }
 
 TEST(NodesHostile, IdleConnectionsAreClosedAndNeverLockCoordinatorsOut) {
@@ -801,6 +855,13 @@ TEST(NodesHostile, PortsAndAddressesAreCheckedWithClearErrors) {
                troupe::invalid_argument);
   EXPECT_THROW(troupe::device{"127.0.0.1:65536/cpu"}, troupe::invalid_argument);
   EXPECT_NO_THROW(troupe::device{"127.0.0.1:65535/cpu"});
+  troupe::limits l;
+  l.max_message_bytes = 1 << 20;  // below troupe's own 1 MiB fragments plus headroom
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  l = {};
+  l.max_connections = 0;
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  EXPECT_NO_THROW(troupe::set_network_limits(troupe::limits{}));
 }
 
 namespace {
@@ -972,13 +1033,40 @@ TEST(NodesHostile, FuzzedReplaysOfARealSessionLeaveTheNodeServing) {
   auto rss_before = proc_status(target.pid(), "VmRSS");
   long rss_peak = rss_before;
   std::mt19937_64 rng{20261122};
+  // TROUPE_FUZZ_REPLAY=FILE,...: replays those sessions (as dumped below) instead.
+  std::vector<std::string> replays;
+  if (auto* files = std::getenv("TROUPE_FUZZ_REPLAY")) {
+    std::istringstream list{files};
+    for (std::string file; std::getline(list, file, ',');) {
+      std::ifstream in{file, std::ios::binary};
+      replays.emplace_back(std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{});
+    }
+  }
+  if (!replays.empty()) sessions = replays.size();
+  std::deque<std::string> recent;  // the last sessions, dumped when the node fails
+  auto dump = [&] {
+    std::string dir = "/tmp/troupe-fuzz-" + std::to_string(getpid());
+    std::filesystem::create_directories(dir);
+    for (std::size_t k = 0; k < recent.size(); ++k)
+      std::ofstream{dir + "/session-" + std::to_string(k) + ".bin", std::ios::binary} << recent[k];
+    return " (last " + std::to_string(recent.size()) + " sessions in " + dir + ")";
+  };
   for (std::size_t i = 0; i < sessions; ++i) {
-    auto bytes = mutate(session, rng);
-    int fd = raw_connect(target.port());
+    auto bytes = replays.empty() ? mutate(session, rng) : replays[i];
+    recent.push_back(bytes);
+    if (recent.size() > 8) recent.pop_front();
+    int fd = -1;
+    try {
+      fd = raw_connect(target.port());
+    } catch (const std::exception& e) {
+      recent.pop_back();
+      FAIL() << "session " << i << ": " << e.what() << (target.alive() ? "" : " (node died)")
+             << dump();
+    }
     send_all(fd, bytes);
     closed_by_peer_within(fd, std::chrono::milliseconds{20});
     close(fd);
-    ASSERT_TRUE(target.alive()) << "node died in session " << i;
+    ASSERT_TRUE(target.alive()) << "node died in session " << i << dump();
     rss_peak = std::max(rss_peak, proc_status(target.pid(), "VmRSS"));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds{300});

@@ -98,6 +98,8 @@ void set_network_limits(const limits& l) {
   if (l.max_message_bytes == 0 || l.handshake_timeout.count() <= 0 || l.idle_timeout.count() <= 0 ||
       l.max_connections == 0 || l.max_producers_per_coordinator == 0)
     throw invalid_argument("network limits must all be positive");
+  if (l.idle_timeout < std::chrono::milliseconds{500})
+    throw invalid_argument("idle_timeout must be at least 500 ms (heartbeats go every 200 ms)");
   if (l.max_message_bytes < (std::size_t{2} << 20))
     throw invalid_argument(
         "max_message_bytes must be at least 2 MiB (troupe's bulk fragments are 1 MiB)");

@@ -48,8 +48,8 @@ struct limits {
 };
 
 /// Sets the limits of this process's network use. Call before the first network use (node,
-/// cluster, runner over remote devices); throws invalid_argument afterwards (when they differ)
-/// or when a value is 0.
+/// cluster, runner over remote devices); throws invalid_argument afterwards (when they differ),
+/// when a value is 0, max_message_bytes is under 2 MiB or idle_timeout under 500 ms.
 void set_network_limits(const limits& l);
 /// The limits in effect (or to take effect).
 limits network_limits();
