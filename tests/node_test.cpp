@@ -780,6 +780,30 @@ TEST(NodesHostile, AMessageThatFailsToDeserializeClosesOnlyItsConnection) {
   EXPECT_EQ(runner.run(iota(200)), sum_of_squares(200));
 }
 
+TEST(NodesHostile, MessagesInAStreamCategoryWithOtherContentAreDropped) {
+  node_process a{"cpu"};
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4545, 's'));
+  // The message id's category comes from the peer; actors read stream categories' content as
+  // upstream_msg / downstream_msg.
+  // An empty message and one with a string, in both stream categories.
+  for (auto& content : {caf::message{}, caf::make_message(std::string{"not a stream message"})})
+    for (auto category : {caf::message_id::upstream_message_category,
+                          caf::message_id::downstream_message_category}) {
+      auto payload = serialized(sys, std::vector<caf::strong_actor_ptr>{}, content);
+      auto mid = caf::make_message_id(1).with_category(category).integer_value();
+      ASSERT_TRUE(
+          send_all(fd, basp_header(basp::message_type::direct_message, 0,
+                                   static_cast<std::uint32_t>(payload.size()), mid, 7, node_actor) +
+                           payload));
+    }
+  std::this_thread::sleep_for(std::chrono::milliseconds{300});
+  close(fd);
+  ASSERT_TRUE(a.alive());
+  expect_serves(a.address());
+}
+
 TEST(NodesHostile, IdleConnectionsAreClosedAndNeverLockCoordinatorsOut) {
   rlimit files{};
   getrlimit(RLIMIT_NOFILE, &files);
@@ -992,7 +1016,8 @@ std::string mutate(const std::vector<std::string>& session, std::mt19937_64& rng
 }  // namespace
 
 // Captures a real coordinator's session with a node (through a relay), then replays mutated
-// versions of it against another node. TROUPE_FUZZ_SESSIONS sets how many (default 150).
+// versions of it against another node. TROUPE_FUZZ_SESSIONS sets how many (default 150),
+// TROUPE_FUZZ_SEED the mutations; TROUPE_FUZZ_REPLAY=FILE,... replays dumped sessions.
 TEST(NodesHostile, FuzzedReplaysOfARealSessionLeaveTheNodeServing) {
   node_process capture_node{"cpu,cpu"};
   std::string captured;
@@ -1032,7 +1057,9 @@ TEST(NodesHostile, FuzzedReplaysOfARealSessionLeaveTheNodeServing) {
   std::this_thread::sleep_for(std::chrono::milliseconds{200});
   auto rss_before = proc_status(target.pid(), "VmRSS");
   long rss_peak = rss_before;
-  std::mt19937_64 rng{20261122};
+  std::uint64_t seed = 20261122;  // TROUPE_FUZZ_SEED: another sequence of mutations
+  if (auto* x = std::getenv("TROUPE_FUZZ_SEED")) seed = std::stoull(x);
+  std::mt19937_64 rng{seed};
   // TROUPE_FUZZ_REPLAY=FILE,...: replays those sessions (as dumped below) instead.
   std::vector<std::string> replays;
   if (auto* files = std::getenv("TROUPE_FUZZ_REPLAY")) {
@@ -1073,9 +1100,10 @@ TEST(NodesHostile, FuzzedReplaysOfARealSessionLeaveTheNodeServing) {
   ASSERT_TRUE(target.alive());
   EXPECT_LT(rss_peak - rss_before, 256 * 1024) << "kB, before " << rss_before;
   std::printf(
-      "fuzz: %zu sessions of %zu captured messages (%zu bytes), node RSS %ld -> peak %ld "
-      "kB\n",
-      sessions, session.size(), captured.size(), rss_before, rss_peak);
+      "fuzz: seed %llu, %zu sessions of %zu captured messages (%zu bytes), node RSS %ld "
+      "-> peak %ld kB\n",
+      static_cast<unsigned long long>(seed), sessions, session.size(), captured.size(), rss_before,
+      rss_peak);
   expect_serves(target.address());
 }
 
