@@ -2,20 +2,34 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
+#include <caf/io/basp/header.hpp>
+#include <caf/node_id.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <set>
+#include <sstream>
 #include <thread>
 #include <troupe/bulk.hpp>
+#include <troupe/messages.hpp>
+#include <troupe/node.hpp>
 
 #include "remote_jobs.hpp"
 
@@ -80,6 +94,12 @@ class node_process {
     if (out_) fclose(out_);
   }
   void kill(int sig) const { ::kill(pid_, sig); }
+  pid_t pid() const { return pid_; }
+  /// False once the process has ended (crashed, say).
+  bool alive() const {
+    int status = 0;
+    return waitpid(pid_, &status, WNOHANG) == 0;
+  }
   const std::string& address() const { return address_; }
   std::uint16_t port() const {
     return static_cast<std::uint16_t>(std::stoi(address_.substr(address_.rfind(':') + 1)));
@@ -421,4 +441,721 @@ TEST(NodesTls, BadKeyFilesAreRejectedBeforeAnyConnection) {
   EXPECT_THROW(troupe::node::serve("127.0.0.1:0", {"cpu"}, t), troupe::invalid_argument);
   t.key = cert_dir() + "/ca.pem";  // not a key
   EXPECT_THROW(troupe::check_tls(t), troupe::invalid_argument);
+}
+
+// -- hostile peers (issue "Hostile networks and hostile timing") --------------------------------
+//
+// Raw sockets on loopback speak (broken) BASP, CAF's wire protocol, to real node processes and
+// to this process as a coordinator. Each of these tests fails against an unpatched CAF 0.17.6
+// (see third_party/caf/README.md): the process crashes, grows by gigabytes, spins or never
+// closes the connection.
+
+namespace {
+
+namespace basp = caf::io::basp;
+
+/// A 32-byte BASP header as CAF writes it.
+std::string basp_header(basp::message_type op, std::uint8_t flags, std::uint32_t payload_len,
+                        std::uint64_t operation_data, std::uint64_t source, std::uint64_t dest) {
+  basp::header hdr{op, flags, payload_len, operation_data, source, dest};
+  std::vector<char> buf;
+  caf::binary_serializer sink{nullptr, buf};
+  if (auto err = sink(hdr)) throw std::runtime_error("cannot serialize a BASP header");
+  if (buf.size() != basp::header_size) throw std::runtime_error("unexpected BASP header size");
+  return {buf.begin(), buf.end()};
+}
+
+/// The payload length of the header at `at`.
+std::uint32_t payload_len_at(const std::string& bytes, std::size_t at) {
+  std::uint32_t len = 0;
+  for (std::size_t i = 4; i < 8; ++i) len = (len << 8) | static_cast<unsigned char>(bytes[at + i]);
+  return len;
+}
+
+void set_payload_len_at(std::string& bytes, std::size_t at, std::uint32_t len) {
+  for (std::size_t i = 0; i < 4; ++i)
+    bytes[at + 7 - i] = static_cast<char>((len >> (8 * i)) & 0xff);
+}
+
+/// A socket connected to 127.0.0.1:port (blocking; reads time out after 100 ms).
+int raw_connect(std::uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error("socket failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    auto why =
+        std::string{"connect to port "} + std::to_string(port) + " failed: " + std::strerror(errno);
+    close(fd);
+    throw std::runtime_error(why);
+  }
+  timeval tv{0, 100'000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+/// Sends all of `bytes` unless the peer closes or stops reading; true when all went out.
+bool send_all(int fd, const std::string& bytes) {
+  std::size_t sent = 0;
+  while (sent < bytes.size()) {
+    auto n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    sent += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+/// Reads until the peer closes the connection (true) or `limit` passes (false); what was
+/// read goes to `out` when given.
+bool closed_by_peer_within(int fd, std::chrono::milliseconds limit, std::string* out = nullptr) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  char buf[65536];
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(std::max<std::int64_t>(left.count(), 0))) > 0) {
+      auto n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n == 0) return true;
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return true;
+      if (n > 0 && out != nullptr) out->append(buf, static_cast<std::size_t>(n));
+    } else if (left.count() <= 0) {
+      return false;
+    }
+  }
+}
+
+/// Reads exactly n bytes (or throws after `limit`).
+std::string read_exactly(int fd, std::size_t n, std::chrono::milliseconds limit) {
+  std::string out;
+  auto until = std::chrono::steady_clock::now() + limit;
+  char buf[65536];
+  while (out.size() < n) {
+    if (std::chrono::steady_clock::now() > until) throw std::runtime_error("read timed out");
+    auto n_read = ::recv(fd, buf, std::min(sizeof buf, n - out.size()), 0);
+    if (n_read == 0) throw std::runtime_error("connection closed");
+    if (n_read > 0) out.append(buf, static_cast<std::size_t>(n_read));
+  }
+  return out;
+}
+
+/// A field of /proc/PID/status, e.g. "VmRSS" (kB) or "Threads".
+long proc_status(pid_t pid, const std::string& field) {
+  std::ifstream in{"/proc/" + std::to_string(pid) + "/status"};
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
+  return -1;
+}
+
+/// utime + stime of a process, in clock ticks.
+long cpu_ticks(pid_t pid) {
+  std::ifstream in{"/proc/" + std::to_string(pid) + "/stat"};
+  std::string stat{std::istreambuf_iterator<char>{in}, {}};
+  std::istringstream fields{stat.substr(stat.rfind(')') + 2)};
+  std::string x;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15; ++i) {  // fields 3 .. 15 of proc(5)
+    fields >> x;
+    if (i == 14) utime = std::stol(x);
+    if (i == 15) stime = std::stol(x);
+  }
+  return utime + stime;
+}
+
+/// The node serves a coordinator (this process) exactly.
+void expect_serves(const std::string& address, const troupe::tls& t = {}) {
+  auto c = troupe::cluster::connect({address}, t);
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(300)), sum_of_squares(300)) << address;
+}
+
+/// A listening socket on 127.0.0.1 (any port).
+int raw_listen(std::uint16_t& port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      listen(fd, 16) != 0)
+    throw std::runtime_error("cannot listen");
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  port = ntohs(addr.sin_port);
+  return fd;
+}
+
+/// CAF's serialization of `xs` (as this process's network system writes it).
+template <class... Ts>
+std::string serialized(caf::actor_system& sys, Ts&&... xs) {
+  std::vector<char> out;
+  caf::binary_serializer sink{sys, out};
+  if (auto err = sink(std::forward<Ts>(xs)...))
+    throw std::runtime_error("serialize: " + sys.render(err));
+  return {out.begin(), out.end()};
+}
+
+/// A made-up node id.
+caf::node_id fake_node_id(std::uint32_t pid, char fill) {
+  caf::node_id::default_data::host_id_type host;
+  host.fill(static_cast<std::uint8_t>(fill));
+  return caf::make_node_id(pid, host);
+}
+
+/// Completes CAF's handshake on `fd` (connected to a node) as node `me`; returns the actor
+/// the node publishes (its node actor).
+caf::actor_id basp_handshake_as(int fd, caf::actor_system& sys, const caf::node_id& me) {
+  // The node's server handshake: its node id, app ids, the published actor, its interface.
+  auto hdr = read_exactly(fd, basp::header_size, std::chrono::seconds{5});
+  auto payload = read_exactly(fd, payload_len_at(hdr, 0), std::chrono::seconds{5});
+  std::vector<char> buf(payload.begin(), payload.end());
+  caf::binary_deserializer source{sys, buf};
+  caf::node_id node_id;
+  std::vector<std::string> app_ids;
+  caf::actor_id node_actor = 0;
+  std::set<std::string> ifaces;
+  if (source(node_id, app_ids, node_actor, ifaces) || node_actor == 0)
+    throw std::runtime_error("unexpected server handshake");
+  auto hello = serialized(sys, me);
+  if (!send_all(fd, basp_header(basp::message_type::client_handshake, 0,
+                                static_cast<std::uint32_t>(hello.size()), 0, 0, 0) +
+                        hello))
+    throw std::runtime_error("cannot send the client handshake");
+  return node_actor;
+}
+
+/// A request (direct message) from actor `source` to actor `dest` with message id `id`.
+std::string basp_request(std::uint64_t id, caf::actor_id source, caf::actor_id dest,
+                         const std::string& payload) {
+  return basp_header(basp::message_type::direct_message, 0,
+                     static_cast<std::uint32_t>(payload.size()),
+                     caf::make_message_id(id).integer_value(), source, dest) +
+         payload;
+}
+
+}  // namespace
+
+TEST(NodesHostile, HandshakeHeadersWithoutPayloadLeaveTheNodeServing) {
+  node_process a{"cpu"};
+  // A client handshake announcing no payload; a server handshake (non-zero operation data,
+  // the protocol version) announcing none. Each is one 32-byte packet.
+  for (auto& packet : {basp_header(basp::message_type::client_handshake, 0, 0, 0, 0, 0),
+                       basp_header(basp::message_type::server_handshake, 0, 0, 1, 0, 0)}) {
+    int fd = raw_connect(a.port());
+    ASSERT_TRUE(send_all(fd, packet));
+    EXPECT_TRUE(closed_by_peer_within(fd, std::chrono::seconds{5}));  // refused at once
+    close(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds{100});
+  ASSERT_TRUE(a.alive());
+  expect_serves(a.address());
+}
+
+TEST(NodesHostile, AFakeNodeAnsweringWithAnEmptyHandshakeIsANodeError) {
+  for (auto& answer : {basp_header(basp::message_type::server_handshake, 0, 0, 1, 0, 0),
+                       basp_header(basp::message_type::client_handshake, 0, 0, 0, 0, 0)}) {
+    std::uint16_t port = 0;
+    int listener = raw_listen(port);
+    std::thread fake{[listener, answer] {
+      int fd = accept(listener, nullptr, nullptr);
+      if (fd < 0) return;
+      timeval tv{0, 100'000};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      send_all(fd, answer);
+      closed_by_peer_within(fd, std::chrono::seconds{10});
+      close(fd);
+    }};
+    auto address = "127.0.0.1:" + std::to_string(port);
+    try {
+      troupe::cluster::connect({address}, {}, std::chrono::seconds{5});
+      ADD_FAILURE() << "expected node_error";
+    } catch (const troupe::node_error& e) {
+      EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
+      EXPECT_NE(std::string{e.what()}.find("protocol"), std::string::npos) << e.what();
+    }
+    fake.join();
+    close(listener);
+  }
+}
+
+TEST(NodesHostile, FourGiBLengthHeadersDoNotGrowTheNode) {
+  node_process a{"cpu"};
+  // How many connections announce 4 GiB at once (4; fewer when checking an unpatched CAF, which
+  // zero-fills 4 GiB per connection).
+  int bombs = 4;
+  if (auto* n = std::getenv("TROUPE_TEST_LENGTH_BOMBS")) bombs = std::atoi(n);
+  std::this_thread::sleep_for(std::chrono::milliseconds{200});
+  auto rss_before = proc_status(a.pid(), "VmRSS");
+  std::vector<int> fds;
+  for (int i = 0; i < bombs; ++i) {
+    fds.push_back(raw_connect(a.port()));
+    // Half a handshake of 4 GiB, half a message of 4 GiB (before any handshake).
+    auto op =
+        i % 2 == 0 ? basp::message_type::client_handshake : basp::message_type::direct_message;
+    ASSERT_TRUE(send_all(fds.back(), basp_header(op, 0, 0xffffffffu, 0, 0, i % 2 == 0 ? 0 : 1)));
+  }
+  for (int fd : fds) {
+    EXPECT_TRUE(closed_by_peer_within(fd, std::chrono::seconds{10}));
+    close(fd);
+  }
+  auto rss_after = proc_status(a.pid(), "VmRSS");
+  ASSERT_TRUE(a.alive());
+  EXPECT_LT(rss_after - rss_before, 256 * 1024) << "kB, before " << rss_before;
+  expect_serves(a.address());
+}
+
+TEST(NodesHostile, SpawnRequestsWithAForeignOwnerAreRefused) {
+  node_process a{"cpu,cpu"};
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  // We are node "fake coordinator"; the owners we name live on "never connected".
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4242, 'c'));
+  auto never_connected = fake_node_id(4343, 'n');
+  // spawn_producer with a null owner, then the owner's bytes (actor id, node id) rewritten to
+  // an actor on "never connected".
+  troupe::spawn_producer req{
+      "remote_squares", troupe::find_job("remote_squares").signature, "cpu", {}};
+  auto null_owner = serialized(sys, caf::actor_id{0}, caf::node_id{});
+  auto foreign_owner = serialized(sys, caf::actor_id{77}, never_connected);
+  auto payload =
+      serialized(sys, std::vector<caf::strong_actor_ptr>{}, caf::make_message(req, caf::actor{}));
+  ASSERT_GT(payload.size(), null_owner.size());
+  ASSERT_EQ(payload.substr(payload.size() - null_owner.size()), null_owner);
+  payload = payload.substr(0, payload.size() - null_owner.size()) + foreign_owner;
+  auto threads_before = proc_status(a.pid(), "Threads");
+  const int requests = 500;
+  std::string stream;
+  for (int i = 0; i < requests; ++i)
+    stream += basp_request(static_cast<std::uint64_t>(i + 1), 7, node_actor, payload);
+  ASSERT_TRUE(send_all(fd, stream));
+  // Every request is answered with the refusal (read until all 500 came, with heartbeats so
+  // that the node keeps the connection).
+  const std::string refusal = "owner must be an actor of the requesting coordinator";
+  std::string replies;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
+  auto count = [&] {
+    std::size_t n = 0;
+    for (auto at = replies.find(refusal); at != std::string::npos;
+         at = replies.find(refusal, at + 1))
+      ++n;
+    return n;
+  };
+  while (count() < requests && std::chrono::steady_clock::now() < until) {
+    send_all(fd, basp_header(basp::message_type::heartbeat, 0, 0, 0, 0, 0));
+    closed_by_peer_within(fd, std::chrono::milliseconds{100}, &replies);
+  }
+  EXPECT_EQ(count(), static_cast<std::size_t>(requests));
+  EXPECT_LE(proc_status(a.pid(), "Threads"), threads_before);  // no producer was spawned
+  close(fd);
+  expect_serves(a.address());  // a real coordinator still gets its producers
+}
+
+TEST(NodesHostile, AMessageThatFailsToDeserializeClosesOnlyItsConnection) {
+  node_process a{"cpu,cpu"};
+  // A coordinator connected before, and using the node after.
+  auto c = troupe::cluster::connect({a.address()});
+  troupe::unordered_runner<remote_squares> runner{c.devices()};
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4444, 'f'));
+  // A spawn_producer whose config holds a value of a variant type that does not exist.
+  troupe::config cfg;
+  cfg.set("troupe_test_key", 1);
+  troupe::spawn_producer req{"remote_squares", troupe::find_job("remote_squares").signature, "cpu",
+                             cfg};
+  auto payload =
+      serialized(sys, std::vector<caf::strong_actor_ptr>{}, caf::make_message(req, caf::actor{}));
+  auto key = payload.find("troupe_test_key");
+  ASSERT_NE(key, std::string::npos);
+  payload[key + std::strlen("troupe_test_key")] = '\x7f';  // the value's variant type tag
+  ASSERT_TRUE(send_all(fd, basp_request(1, 7, node_actor, payload)));
+  EXPECT_TRUE(closed_by_peer_within(fd, std::chrono::seconds{5}));
+  close(fd);
+  ASSERT_TRUE(a.alive());
+  // Only that connection was closed: the node still accepts (it sends its handshake) ...
+  int probe = raw_connect(a.port());
+  EXPECT_EQ(read_exactly(probe, basp::header_size, std::chrono::seconds{5}).size(),
+            basp::header_size);
+  close(probe);
+  // ... and the coordinator connected before goes on.
+  EXPECT_EQ(runner.run(iota(200)), sum_of_squares(200));
+}
+
+TEST(NodesHostile, MessagesInAStreamCategoryWithOtherContentAreDropped) {
+  node_process a{"cpu"};
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4545, 's'));
+  // The message id's category comes from the peer; actors read stream categories' content as
+  // upstream_msg / downstream_msg.
+  // An empty message and one with a string, in both stream categories.
+  for (auto& content : {caf::message{}, caf::make_message(std::string{"not a stream message"})})
+    for (auto category : {caf::message_id::upstream_message_category,
+                          caf::message_id::downstream_message_category}) {
+      auto payload = serialized(sys, std::vector<caf::strong_actor_ptr>{}, content);
+      auto mid = caf::make_message_id(1).with_category(category).integer_value();
+      ASSERT_TRUE(
+          send_all(fd, basp_header(basp::message_type::direct_message, 0,
+                                   static_cast<std::uint32_t>(payload.size()), mid, 7, node_actor) +
+                           payload));
+    }
+  std::this_thread::sleep_for(std::chrono::milliseconds{300});
+  close(fd);
+  ASSERT_TRUE(a.alive());
+  expect_serves(a.address());
+}
+
+TEST(NodesHostile, IdleConnectionsAreClosedAndNeverLockCoordinatorsOut) {
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  if (files.rlim_cur < 1200 && files.rlim_max >= 1200) {
+    files.rlim_cur = std::min<rlim_t>(files.rlim_max, 4096);
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  const auto deadline = std::chrono::milliseconds{3000};
+  node_process a{"cpu", {"--handshake-timeout-ms", std::to_string(deadline.count())}};
+  std::vector<int> idle;
+  for (int i = 0; i < 1000; ++i) idle.push_back(raw_connect(a.port()));
+  // While they are open (the node closes the oldest of them beyond its connection limit):
+  expect_serves(a.address());
+  // All closed by the node after the handshake deadline (they never sent a byte).
+  std::size_t closed = 0;
+  auto until = std::chrono::steady_clock::now() + deadline + std::chrono::seconds{10};
+  for (int fd : idle) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    if (closed_by_peer_within(fd, std::max(left, std::chrono::milliseconds{0}))) ++closed;
+    close(fd);
+  }
+  EXPECT_EQ(closed, idle.size());
+  ASSERT_TRUE(a.alive());
+  expect_serves(a.address());
+}
+
+TEST(NodesHostile, ANodeThatNeverAnswersIsANodeErrorWithinTheDeadline) {
+  std::uint16_t port = 0;
+  int listener = raw_listen(port);  // accepts (the kernel does), never answers
+  auto address = "127.0.0.1:" + std::to_string(port);
+  const auto deadline = std::chrono::milliseconds{1000};
+  auto start = std::chrono::steady_clock::now();
+  try {
+    troupe::cluster::connect({address}, {}, deadline);
+    ADD_FAILURE() << "expected node_error";
+  } catch (const troupe::node_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("no answer within 1000 ms"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, deadline + std::chrono::seconds{1});
+  close(listener);
+  // The process is not left in a bad state: a real node is used right after.
+  node_process a{"cpu"};
+  expect_serves(a.address());
+}
+
+TEST(NodesHostile, ANodeSlowToAnswerIsWaitedForWithinTheDeadline) {
+  node_process a{"cpu"};
+  a.kill(SIGSTOP);  // the kernel still accepts the connection; the node answers 800 ms late
+  std::thread resume{[&a] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{800});
+    a.kill(SIGCONT);
+  }};
+  try {
+    auto c = troupe::cluster::connect({a.address()}, {}, std::chrono::seconds{5});
+    troupe::unordered_runner<remote_squares> runner{c.devices()};
+    EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  resume.join();
+}
+
+TEST(NodesHostile, PortsAndAddressesAreCheckedWithClearErrors) {
+  try {
+    troupe::cluster::connect({"127.0.0.1"});
+    FAIL();
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("the port is missing"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(troupe::device{"127.0.0.1:123456789012345678901234567890/cpu"},
+               troupe::invalid_argument);
+  EXPECT_THROW(troupe::device{"127.0.0.1:65536/cpu"}, troupe::invalid_argument);
+  EXPECT_NO_THROW(troupe::device{"127.0.0.1:65535/cpu"});
+  troupe::limits l;
+  l.max_message_bytes = 1 << 20;  // below troupe's own 1 MiB fragments plus headroom
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  l = {};
+  l.max_connections = 0;
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  EXPECT_NO_THROW(troupe::set_network_limits(troupe::limits{}));
+}
+
+namespace {
+
+/// Forwards one connection to 127.0.0.1:target and records what the client sent.
+class recording_relay {
+ public:
+  explicit recording_relay(std::uint16_t target) {
+    listener_ = raw_listen(port_);
+    thread_ = std::thread{[this, target] { run(target); }};
+  }
+  ~recording_relay() {
+    stop_ = true;
+    thread_.join();
+    close(listener_);
+  }
+  std::uint16_t port() const { return port_; }
+  std::string client_bytes() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return client_bytes_;
+  }
+
+ private:
+  void run(std::uint16_t target) {
+    pollfd lp{listener_, POLLIN, 0};
+    while (!stop_ && poll(&lp, 1, 50) <= 0) {
+    }
+    if (stop_) return;
+    int client = accept(listener_, nullptr, nullptr);
+    int node = raw_connect(target);
+    char buf[65536];
+    while (!stop_) {
+      pollfd fds[2] = {{client, POLLIN, 0}, {node, POLLIN, 0}};
+      if (poll(fds, 2, 50) <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        auto n = ::recv(fds[i].fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n <= 0) {
+          if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+          stop_ = true;
+          break;
+        }
+        if (i == 0) {
+          std::lock_guard<std::mutex> guard{mtx_};
+          client_bytes_.append(buf, static_cast<std::size_t>(n));
+        }
+        int other = i == 0 ? node : client;
+        timeval tv{5, 0};
+        setsockopt(other, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        send_all(other, std::string{buf, static_cast<std::size_t>(n)});
+      }
+    }
+    close(client);
+    close(node);
+  }
+
+  int listener_ = -1;
+  std::uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::mutex mtx_;
+  std::string client_bytes_;
+};
+
+/// Splits a captured BASP stream into frames (header plus payload).
+std::vector<std::string> basp_frames(const std::string& bytes) {
+  std::vector<std::string> frames;
+  std::size_t at = 0;
+  while (at + basp::header_size <= bytes.size()) {
+    auto len = basp::header_size + payload_len_at(bytes, at);
+    if (at + len > bytes.size()) break;
+    frames.push_back(bytes.substr(at, len));
+    at += len;
+  }
+  return frames;
+}
+
+/// One mutated version of a session: bit flips, rewritten length fields (huge ones too),
+/// truncations, duplicated, dropped and swapped messages, inserted noise.
+std::string mutate(const std::vector<std::string>& session, std::mt19937_64& rng) {
+  auto frames = session;
+  auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
+  int mutations = 1 + static_cast<int>(pick(3));
+  bool truncate = false;
+  for (int m = 0; m < mutations; ++m) {
+    if (frames.empty()) break;
+    auto& f = frames[pick(frames.size())];
+    switch (pick(7)) {
+      case 0:  // bit flips
+        for (std::size_t k = 1 + pick(8); k > 0; --k) f[pick(f.size())] ^= char(1 << pick(8));
+        break;
+      case 1: {  // length field
+        static const std::uint32_t lens[] = {
+            0u, 1u, 31u, 0x7fffffffu, 0x80000000u, 0xffffffffu, (64u << 20) + 1u};
+        auto old = payload_len_at(f, 0);
+        std::uint32_t len = pick(3) == 0   ? old + 1 - 2 * static_cast<std::uint32_t>(pick(2))
+                            : pick(2) == 0 ? lens[pick(std::size(lens))]
+                                           : static_cast<std::uint32_t>(rng());
+        set_payload_len_at(f, 0, len);
+        break;
+      }
+      case 2:
+        truncate = true;
+        break;
+      case 3:  // duplicate
+        frames.insert(frames.begin() + static_cast<long>(pick(frames.size() + 1)), f);
+        break;
+      case 4:  // drop
+        frames.erase(frames.begin() + static_cast<long>(pick(frames.size())));
+        break;
+      case 5:  // swap
+        std::swap(f, frames[pick(frames.size())]);
+        break;
+      default: {  // noise
+        std::string noise(1 + pick(64), '\0');
+        for (auto& ch : noise) ch = static_cast<char>(rng());
+        f.insert(pick(f.size() + 1), noise);
+        break;
+      }
+    }
+  }
+  std::string out;
+  for (auto& f : frames) out += f;
+  if (truncate && !out.empty()) out.resize(pick(out.size()));
+  return out;
+}
+
+}  // namespace
+
+// Captures a real coordinator's session with a node (through a relay), then replays mutated
+// versions of it against another node. TROUPE_FUZZ_SESSIONS sets how many (default 150),
+// TROUPE_FUZZ_SEED the mutations; TROUPE_FUZZ_REPLAY=FILE,... replays dumped sessions.
+TEST(NodesHostile, FuzzedReplaysOfARealSessionLeaveTheNodeServing) {
+  node_process capture_node{"cpu,cpu"};
+  std::string captured;
+  {
+    recording_relay relay{capture_node.port()};
+    auto relay_address = "127.0.0.1:" + std::to_string(relay.port());
+    auto c = troupe::cluster::connect({relay_address});
+    troupe::unordered_runner<remote_squares> squares{c.devices()};
+    EXPECT_EQ(squares.run(iota(300)), sum_of_squares(300));
+    std::vector<std::int64_t> big(300'000);  // 2.4 MB: bulk fragments
+    std::iota(big.begin(), big.end(), 1);
+    troupe::ordered_runner<remote_blobs> blobs{c.devices()};
+    EXPECT_EQ(blobs.run(std::vector<std::vector<std::int64_t>>{big, {1, 2, 3}}).size(), 2u);
+    captured = relay.client_bytes();
+  }
+  auto session = basp_frames(captured);
+  ASSERT_GT(session.size(), 10u) << captured.size() << " bytes captured";
+  // Replays must not claim this process's node id (it connects to the target node at the
+  // end): rewrite it to another one of the same size wherever it occurs.
+  auto& sys = troupe::detail::network_system({});
+  auto bytes_of = [&](const caf::node_id& id) {
+    std::vector<char> out;
+    caf::binary_serializer sink{sys, out};
+    if (sink(id)) throw std::runtime_error("serialize node id");
+    return std::string{out.begin(), out.end()};
+  };
+  caf::node_id::default_data::host_id_type host;
+  host.fill(0x5a);
+  auto mine = bytes_of(sys.node()), other = bytes_of(caf::make_node_id(777, host));
+  ASSERT_EQ(mine.size(), other.size());
+  for (auto& f : session)
+    for (auto at = f.find(mine); at != std::string::npos; at = f.find(mine, at + 1))
+      f.replace(at, mine.size(), other);
+  std::size_t sessions = 150;
+  if (auto* n = std::getenv("TROUPE_FUZZ_SESSIONS")) sessions = std::stoul(n);
+  node_process target{"cpu,cpu"};
+  std::this_thread::sleep_for(std::chrono::milliseconds{200});
+  auto rss_before = proc_status(target.pid(), "VmRSS");
+  long rss_peak = rss_before;
+  std::uint64_t seed = 20261122;  // TROUPE_FUZZ_SEED: another sequence of mutations
+  if (auto* x = std::getenv("TROUPE_FUZZ_SEED")) seed = std::stoull(x);
+  std::mt19937_64 rng{seed};
+  // TROUPE_FUZZ_REPLAY=FILE,...: replays those sessions (as dumped below) instead.
+  std::vector<std::string> replays;
+  if (auto* files = std::getenv("TROUPE_FUZZ_REPLAY")) {
+    std::istringstream list{files};
+    for (std::string file; std::getline(list, file, ',');) {
+      std::ifstream in{file, std::ios::binary};
+      replays.emplace_back(std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{});
+    }
+  }
+  if (!replays.empty()) sessions = replays.size();
+  std::deque<std::string> recent;  // the last sessions, dumped when the node fails
+  auto dump = [&] {
+    std::string dir = "/tmp/troupe-fuzz-" + std::to_string(getpid());
+    std::filesystem::create_directories(dir);
+    for (std::size_t k = 0; k < recent.size(); ++k)
+      std::ofstream{dir + "/session-" + std::to_string(k) + ".bin", std::ios::binary} << recent[k];
+    return " (last " + std::to_string(recent.size()) + " sessions in " + dir + ")";
+  };
+  for (std::size_t i = 0; i < sessions; ++i) {
+    auto bytes = replays.empty() ? mutate(session, rng) : replays[i];
+    recent.push_back(bytes);
+    if (recent.size() > 8) recent.pop_front();
+    int fd = -1;
+    try {
+      fd = raw_connect(target.port());
+    } catch (const std::exception& e) {
+      recent.pop_back();
+      FAIL() << "session " << i << ": " << e.what() << (target.alive() ? "" : " (node died)")
+             << dump();
+    }
+    send_all(fd, bytes);
+    closed_by_peer_within(fd, std::chrono::milliseconds{20});
+    close(fd);
+    ASSERT_TRUE(target.alive()) << "node died in session " << i << dump();
+    rss_peak = std::max(rss_peak, proc_status(target.pid(), "VmRSS"));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds{300});
+  ASSERT_TRUE(target.alive());
+  EXPECT_LT(rss_peak - rss_before, 256 * 1024) << "kB, before " << rss_before;
+  std::printf(
+      "fuzz: seed %llu, %zu sessions of %zu captured messages (%zu bytes), node RSS %ld "
+      "-> peak %ld kB\n",
+      static_cast<unsigned long long>(seed), sessions, session.size(), captured.size(), rss_before,
+      rss_peak);
+  expect_serves(target.address());
+}
+
+TEST(NodesTls, AnIdleConnectionCostsTheNodeNoCpu) {
+  node_process a{"cpu", tls_flags(tls_of("node"))};
+  int fd = raw_connect(a.port());  // TCP only: no ClientHello, ever
+  std::this_thread::sleep_for(std::chrono::milliseconds{300});
+  auto before = cpu_ticks(a.pid());
+  auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds{2});
+  auto ticks = cpu_ticks(a.pid()) - before;
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double share = static_cast<double>(ticks) / static_cast<double>(sysconf(_SC_CLK_TCK)) / seconds;
+  EXPECT_LT(share, 0.05) << ticks << " ticks in " << seconds << " s";
+  close(fd);
+  expect_serves(a.address(), tls_of("client"));
+}
+
+TEST(NodesTls, AKeyThatIsNotTheCertificatesIsRefusedBeforeServing) {
+  auto t = tls_of("node");
+  t.key = cert_dir() + "/client.key";  // a valid key, of another certificate
+  try {
+    troupe::check_tls(t);
+    FAIL();
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("does not belong to the certificate"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(troupe::node::serve("127.0.0.1:0", {"cpu"}, t), troupe::invalid_argument);
+  // A node program given such a pair says so and never prints "serving".
+  std::string cmd = std::string{TROUPE_TEST_NODE} +
+                    " --serve 127.0.0.1:0 --devices cpu --tls-cert " + t.cert + " --tls-key " +
+                    t.key + " --tls-ca " + t.ca + " 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[512];
+  while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  EXPECT_NE(pclose(p), 0);
+  EXPECT_EQ(out.find("serving"), std::string::npos) << out;
+  EXPECT_NE(out.find("does not belong to the certificate"), std::string::npos) << out;
+}
+
+TEST(NodesTls, RefusalsSayWhy) {
+  node_process a{"cpu", tls_flags(tls_of("node"))};
+  auto plain = coordinate(a.address(), {});
+  EXPECT_NE(plain.find("does it expect TLS"), std::string::npos) << plain;
+  auto intruder = coordinate(a.address(), tls_flags(tls_of("intruder")));
+  EXPECT_NE(intruder.find("(TLS: "), std::string::npos) << intruder;
+  EXPECT_NE(intruder.find("certificate"), std::string::npos) << intruder;
 }

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs everything troupe needs on a fresh Debian 12 machine (run as root):
-# Debian packages, and LibTorch (the pinned PyPI torch wheel) in a virtual environment kept
-# outside the clone ($TROUPE_VENV, default /opt/troupe-venv), reused when already there.
+# Debian packages, CAF 0.17.6 rebuilt from Debian's source package with troupe's patches
+# (tools/build_caf.sh: /opt/troupe-caf-<hash of the patches>, reused when already there), and
+# LibTorch (the pinned PyPI torch wheel) in a virtual environment kept outside the clone
+# ($TROUPE_VENV, default /opt/troupe-venv), reused when already there.
 # Prints nothing else on success but progress lines; safe to run again.
 set -euo pipefail
 TORCH_VERSION=2.15.0
 VENV=${TROUPE_VENV:-/opt/troupe-venv}
 
-packages=(build-essential cmake git python3 python3-venv libcaf-dev libcli11-dev libgtest-dev
+# No libcaf-dev: troupe builds against its patched CAF (its build needs cmake, g++, libssl-dev,
+# and dpkg-dev for apt-get source).
+packages=(build-essential cmake git python3 python3-venv dpkg-dev libcli11-dev libgtest-dev
           libgmock-dev libbenchmark-dev libssl-dev openssl iproute2)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
@@ -17,6 +21,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -q
   apt-get install -y -q "${missing[@]}"
 fi
+
+echo "setup: CAF with troupe's patches in $("$(dirname "$0")/build_caf.sh" | tail -n 1)"
 
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   echo "setup: installing torch==$TORCH_VERSION into $VENV (several GB, once)"

@@ -24,6 +24,7 @@ struct flags {
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
   std::int64_t work_timeout_ms = 0;
+  troupe::limits limits;  ///< --max-message-mb, --handshake-timeout-ms, ...
 
   /// Runner options from the flags.
   troupe::options options() const {
@@ -73,6 +74,22 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");
   app.add_flag("-v,--verbose", f.verbose, "log troupe's diagnostics to stderr");
+  // Network limits (docs/deploy.md): what this process accepts from its peers.
+  app.add_option_function<std::size_t>(
+      "--max-message-mb", [&f](std::size_t mb) { f.limits.max_message_bytes = mb << 20; },
+      "largest message a peer may send, in MiB (default 64)");
+  app.add_option_function<std::int64_t>(
+      "--handshake-timeout-ms",
+      [&f](std::int64_t ms) { f.limits.handshake_timeout = std::chrono::milliseconds{ms}; },
+      "close connections that have not completed the handshake in this time (default 10000)");
+  app.add_option_function<std::int64_t>(
+      "--idle-timeout-ms",
+      [&f](std::int64_t ms) { f.limits.idle_timeout = std::chrono::milliseconds{ms}; },
+      "give up on a connected peer silent for this long (default 1500)");
+  app.add_option("--max-connections", f.limits.max_connections,
+                 "most connections kept open (default 256)");
+  app.add_option("--max-producers-per-coordinator", f.limits.max_producers_per_coordinator,
+                 "most producers one coordinator may have on this node (default 256)");
 }
 
 /// Serves this program's devices as a node until SIGINT or SIGTERM.
@@ -94,6 +111,12 @@ inline int serve(const flags& f) {
 /// Handles --serve and --verbose; returns an exit code, or -1 to go on with the example.
 inline int check_flags(const flags& f) {
   if (f.verbose) troupe::log_to_stderr(troupe::log_level::debug);
+  try {
+    troupe::set_network_limits(f.limits);  // before any network use
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
   if (!f.serve.empty()) {
     int rc = 1;
     try {

@@ -42,7 +42,9 @@ void device::parse(const std::string& spec) {
     auto colon = node_.rfind(':');
     if (colon == std::string::npos || colon == 0 || !all_digits(node_.substr(colon + 1)))
       malformed(spec, "the node part must be HOST:PORT");
-    if (std::stoul(node_.substr(colon + 1)) > 65535) malformed(spec, "port out of range");
+    auto port = node_.substr(colon + 1);
+    // More than five digits is out of range too (and std::stoul would throw out_of_range).
+    if (port.size() > 5 || std::stoul(port) > 65535) malformed(spec, "port out of range");
   }
   std::string name = local;
   std::string number;

@@ -1,8 +1,8 @@
-#include <dlfcn.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <caf/actor_system.hpp>
@@ -13,6 +13,7 @@
 #include <caf/openssl/manager.hpp>
 #include <caf/openssl/publish.hpp>
 #include <caf/openssl/remote_actor.hpp>
+#include <caf/openssl/session.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
 #include <cstdio>
@@ -51,19 +52,67 @@ void check_tls(const tls& t) {
     if (f == nullptr) throw invalid_argument("TLS file '" + path + "' cannot be read");
     return std::unique_ptr<FILE, int (*)(FILE*)>{f, &std::fclose};
   };
-  for (const auto* cert : {&t.cert, &t.ca}) {
-    auto f = open(*cert);
-    X509* x = PEM_read_X509(f.get(), nullptr, nullptr, nullptr);
-    if (x == nullptr) throw invalid_argument("TLS file '" + *cert + "' is not a PEM certificate");
-    X509_free(x);
-  }
+  using x509_ptr = std::unique_ptr<X509, void (*)(X509*)>;
+  auto read_cert = [&](const std::string& path) {
+    auto f = open(path);
+    x509_ptr x{PEM_read_X509(f.get(), nullptr, nullptr, nullptr), &X509_free};
+    if (!x) throw invalid_argument("TLS file '" + path + "' is not a PEM certificate");
+    return x;
+  };
+  auto cert = read_cert(t.cert);
+  read_cert(t.ca);
   auto f = open(t.key);
-  EVP_PKEY* key = PEM_read_PrivateKey(f.get(), nullptr, &detail::passphrase_callback,
-                                      const_cast<std::string*>(&t.passphrase));
-  if (key == nullptr)
+  std::unique_ptr<EVP_PKEY, void (*)(EVP_PKEY*)> key{
+      PEM_read_PrivateKey(f.get(), nullptr, &detail::passphrase_callback,
+                          const_cast<std::string*>(&t.passphrase)),
+      &EVP_PKEY_free};
+  if (!key)
     throw invalid_argument("TLS key '" + t.key +
                            "' cannot be read: not a PEM key, or a wrong or missing passphrase");
-  EVP_PKEY_free(key);
+  // CAF would load a mismatched pair and fail only on the first connection (with an abort).
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    ERR_clear_error();
+    throw invalid_argument("TLS key '" + t.key + "' does not belong to the certificate '" + t.cert +
+                           "'");
+  }
+  ERR_clear_error();
+}
+
+// -- limits --------------------------------------------------------------------------------------
+
+namespace {
+
+std::mutex limits_mutex;
+limits current_limits;
+bool network_started = false;  ///< the network system exists: limits are fixed
+
+bool same(const limits& a, const limits& b) {
+  return a.max_message_bytes == b.max_message_bytes && a.handshake_timeout == b.handshake_timeout &&
+         a.idle_timeout == b.idle_timeout && a.max_connections == b.max_connections &&
+         a.max_producers_per_coordinator == b.max_producers_per_coordinator;
+}
+
+}  // namespace
+
+void set_network_limits(const limits& l) {
+  if (l.max_message_bytes == 0 || l.handshake_timeout.count() <= 0 || l.idle_timeout.count() <= 0 ||
+      l.max_connections == 0 || l.max_producers_per_coordinator == 0)
+    throw invalid_argument("network limits must all be positive");
+  if (l.idle_timeout < std::chrono::milliseconds{500})
+    throw invalid_argument("idle_timeout must be at least 500 ms (heartbeats go every 200 ms)");
+  if (l.max_message_bytes < (std::size_t{2} << 20))
+    throw invalid_argument(
+        "max_message_bytes must be at least 2 MiB (troupe's bulk fragments are 1 MiB)");
+  std::lock_guard<std::mutex> guard{limits_mutex};
+  if (network_started && !same(l, current_limits))
+    throw invalid_argument(
+        "the network limits are fixed once this process uses the network: set them first");
+  current_limits = l;
+}
+
+limits network_limits() {
+  std::lock_guard<std::mutex> guard{limits_mutex};
+  return current_limits;
 }
 
 namespace detail {
@@ -83,9 +132,11 @@ host_port parse_host_port(const std::string& spec) {
     return invalid_argument("malformed node address '" + spec + "': " + why +
                             " (expected HOST:PORT, e.g. 127.0.0.1:4242)");
   };
-  if (colon == std::string::npos || colon == 0) throw bad("no host");
+  if (colon == std::string::npos) throw bad("the port is missing");
+  if (colon == 0) throw bad("no host");
   auto port = spec.substr(colon + 1);
-  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit))
+  if (port.empty()) throw bad("the port is missing");
+  if (port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit))
     throw bad("the port must be a number");
   auto value = std::stoul(port);
   if (value > 65535) throw bad("port out of range");
@@ -113,8 +164,16 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   cfg->set("middleman.workers", std::size_t{0});
   cfg->set("scheduler.max-throughput", std::size_t{1});
   // Heartbeats on both sides: a frozen peer is given up on after ~connection-timeout.
+  auto l = network_limits();
   cfg->set("middleman.heartbeat-interval", caf::timespan{std::chrono::milliseconds{200}});
-  cfg->set("middleman.connection-timeout", caf::timespan{std::chrono::milliseconds{1500}});
+  cfg->set("middleman.connection-timeout", caf::timespan{l.idle_timeout});
+#ifdef TROUPE_CAF_PATCHED
+  // Enforced by troupe's CAF patches (third_party/caf/patches), unknown to an unpatched CAF.
+  cfg->set("middleman.max-payload-size", l.max_message_bytes);
+  cfg->set("middleman.max-handshake-size", std::size_t{64} << 10);
+  cfg->set("middleman.handshake-timeout", caf::timespan{l.handshake_timeout});
+  cfg->set("middleman.max-connections", l.max_connections);
+#endif
   if (t.enabled()) {
     check_tls(t);
     cfg->load<caf::openssl::manager>();
@@ -125,6 +184,24 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   }
   return cfg;
 }
+
+namespace {
+
+/// What an OpenSSL reason means for a troupe user (empty when nothing more can be said).
+std::string tls_cause(const std::string& reason) {
+  auto has = [&](const char* x) { return reason.find(x) != std::string::npos; };
+  if (has("alert unknown ca") || has("alert bad certificate") || has("alert decrypt error"))
+    return ": the node does not accept this process's certificate (not signed by its CA)";
+  if (has("certificate required") || has("peer did not return a certificate"))
+    return ": the node requires a client certificate";
+  if (has("certificate verify failed"))
+    return ": the node's certificate is not signed by this process's CA";
+  if (has("wrong version number") || has("packet length too long") || has("http request"))
+    return ": the node does not speak TLS";
+  return {};
+}
+
+}  // namespace
 
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
                         std::chrono::milliseconds deadline, std::vector<std::string>* devices) {
@@ -145,20 +222,48 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
       result->set_exception(std::current_exception());
     }
   }}.detach();
-  if (done.wait_for(deadline) != std::future_status::ready)
+  // One deadline for the whole connect (CAF's handshake, then troupe's): a node that answers
+  // slowly is a node_error naming it, never a hang. (CAF itself gives up on a connection
+  // without a completed handshake after limits::handshake_timeout, which ends the helper.)
+  auto give_up = std::chrono::steady_clock::now() + deadline;
+  if (done.wait_until(give_up) != std::future_status::ready)
     throw node_error("cannot use node " + address + ": no answer within " +
                      std::to_string(deadline.count()) +
-                     " ms (is it frozen, or does it expect TLS?)");
+                     " ms (is it frozen or overloaded, or does it expect TLS?)");
   caf::expected<caf::actor> handle{caf::error{}};
   try {
     handle = done.get();
   } catch (const std::exception& e) {
     throw fail(e.what());
   }
-  if (!handle) throw fail(sys.render(handle.error()));
+  if (!handle) {
+    auto why = sys.render(handle.error());
+    if (handle.error() == caf::sec::disconnect_during_handshake) {
+#ifdef TROUPE_CAF_PATCHED
+      auto tls_error = t.enabled() ? caf::openssl::last_tls_error() : std::string{};
+#else
+      std::string tls_error;
+#endif
+      if (!tls_error.empty())
+        why += " (TLS: " + tls_error + tls_cause(tls_error) + ")";
+      else if (t.enabled())
+        why +=
+            " (the node closed the connection during the TLS handshake: it refused this "
+            "process's certificate, or does not use TLS)";
+      else
+        why += " (the node closed the connection during the handshake: does it expect TLS?)";
+    } else if (handle.error() == caf::sec::connection_timeout) {
+      why += " (the node did not complete the handshake in time)";
+    } else if (handle.error() == caf::sec::malformed_basp_message) {
+      why += " (the peer does not speak CAF's protocol correctly: is it a troupe node?)";
+    }
+    throw fail(why);
+  }
   caf::scoped_actor self{sys};
   std::string refused;
-  self->request(*handle, deadline, hello_atom::value)
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      give_up - std::chrono::steady_clock::now());
+  self->request(*handle, std::max(left, std::chrono::milliseconds{1}), hello_atom::value)
       .receive(
           [&](const node_hello& hello) {
             if (hello.version != node_protocol_version)
@@ -182,6 +287,17 @@ caf::actor_system& network_system(const tls& t) {
   if (t.enabled()) check_tls(t);
   std::lock_guard<std::mutex> guard{mtx};
   if (sys == nullptr) {
+    {
+      std::lock_guard<std::mutex> limits_guard{limits_mutex};
+      network_started = true;
+    }
+    // Room for max_connections sockets besides everything else the process has open (the
+    // soft limit is often 1,024 while the hard one is far higher).
+    rlimit files{};
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+      files.rlim_cur = files.rlim_max;
+      setrlimit(RLIMIT_NOFILE, &files);
+    }
     auto cfg = make_system_config(true, t).release();
     sys = new caf::actor_system(*cfg);
     settings = t;
@@ -207,7 +323,9 @@ namespace {
 
 struct node_state {
   std::vector<device> devices;
+  std::size_t max_producers_per_coordinator = 0;
   std::map<caf::actor_addr, std::vector<caf::actor>> producers_of;  ///< by owner
+  std::map<caf::node_id, std::size_t> producers_on;                 ///< by the owner's node
 };
 
 std::string join(const std::vector<std::string>& xs) {
@@ -220,10 +338,16 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
   auto st = std::make_shared<node_state>();
   st->devices = std::move(devices);
   // A coordinator that is gone (process killed, network cut) leaves no producer behind.
+  st->max_producers_per_coordinator = network_limits().max_producers_per_coordinator;
   self->set_down_handler([self, st](caf::down_msg& dm) {
     auto i = st->producers_of.find(dm.source);
     if (i == st->producers_of.end()) return;
     for (auto& p : i->second) self->send_exit(p, caf::exit_reason::user_shutdown);
+    auto j = st->producers_on.find(dm.source.node());
+    if (j != st->producers_on.end()) {
+      j->second -= std::min(j->second, i->second.size());
+      if (j->second == 0) st->producers_on.erase(j);
+    }
     st->producers_of.erase(i);
   });
   self->attach_functor([st](const caf::error&) {
@@ -238,6 +362,19 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         return hello;
       },
       [self, st](spawn_producer& req, const caf::actor& owner) -> caf::result<caf::actor> {
+        // The owner's end ends its producers (monitor below). Only an owner on the requester's
+        // own node is known to end: a proxy for a node this one never connected to is never
+        // reported down, and its producers would live (a thread each) forever.
+        auto sender = self->current_sender();
+        if (!owner || sender == nullptr || owner.node() != sender->node())
+          return make_error(errc::node_error,
+                            "refused: a producer's owner must be an actor of the requesting "
+                            "coordinator");
+        auto& count = st->producers_on[owner.node()];
+        if (count >= st->max_producers_per_coordinator)
+          return make_error(errc::node_error,
+                            "refused: this coordinator already has " + std::to_string(count) +
+                                " producers here (limits::max_producers_per_coordinator)");
         auto job = find_job(req.job);
         if (!job.spawn)
           return make_error(errc::node_error, "this node does not run job '" + req.job +
@@ -265,6 +402,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         auto& mine = st->producers_of[owner.address()];
         if (mine.empty()) self->monitor(owner);
         mine.push_back(p);
+        count += 1;
         return p;
       },
   };
@@ -315,6 +453,12 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
   return node{std::move(p)};
 }
 
+node node::serve(const std::string& host_port, std::vector<device> devices, tls t,
+                 const limits& l) {
+  set_network_limits(l);
+  return serve(host_port, std::move(devices), std::move(t));
+}
+
 std::uint16_t node::port() const {
   return impl_ ? impl_->port : 0;
 }
@@ -353,52 +497,3 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
 }
 
 }  // namespace troupe
-
-// -- a workaround for CAF 0.17.6's OpenSSL module ------------------------------------------------
-//
-// OpenSSL's error queue is per thread and must be empty before each TLS I/O call, or
-// SSL_get_error() misreads an ordinary "would block" as a fatal error. CAF 0.17.6 never clears
-// it, and runs every TLS connection of a process on its one multiplexer thread: a peer failing
-// its handshake left errors behind, and the next read on any other connection (a coordinator's,
-// mid-run) then dropped that connection. These definitions come first in symbol lookup (they are
-// in the program, and libcaf_openssl refers to them), clear the queue, and call OpenSSL's own.
-// Tested by NodesTls.PeersRefusedDuringARunLeaveItUndisturbed.
-namespace {
-template <class Fn>
-Fn openssl_function(const char* name) {
-  auto* f = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
-  if (f == nullptr) {
-    std::fprintf(stderr, "troupe: cannot find OpenSSL's %s: %s\n", name, dlerror());
-    std::abort();
-  }
-  return f;
-}
-}  // namespace
-
-extern "C" {
-
-int SSL_read(SSL* ssl, void* buf, int num) {
-  static auto real = openssl_function<int (*)(SSL*, void*, int)>("SSL_read");
-  ERR_clear_error();
-  return real(ssl, buf, num);
-}
-
-int SSL_write(SSL* ssl, const void* buf, int num) {
-  static auto real = openssl_function<int (*)(SSL*, const void*, int)>("SSL_write");
-  ERR_clear_error();
-  return real(ssl, buf, num);
-}
-
-int SSL_accept(SSL* ssl) {
-  static auto real = openssl_function<int (*)(SSL*)>("SSL_accept");
-  ERR_clear_error();
-  return real(ssl);
-}
-
-int SSL_connect(SSL* ssl) {
-  static auto real = openssl_function<int (*)(SSL*)>("SSL_connect");
-  ERR_clear_error();
-  return real(ssl);
-}
-
-}  // extern "C"

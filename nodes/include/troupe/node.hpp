@@ -6,6 +6,7 @@
 #include <caf/actor.hpp>
 #include <caf/fwd.hpp>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -26,10 +27,38 @@ struct tls {
   [[nodiscard]] bool enabled() const noexcept { return !cert.empty(); }
 };
 
+/// What a process on the network (node or coordinator) accepts from its peers. A peer that
+/// breaks a limit is disconnected (the connection, not the process); see docs/deploy.md.
+/// Every limit but the last is enforced inside CAF by troupe's patches (third_party/caf).
+struct limits {
+  /// Largest message a peer may announce (BASP payload). troupe sends anything of 1 MiB or
+  /// more as 1 MiB bulk fragments, so legitimate messages stay far below this.
+  std::size_t max_message_bytes = std::size_t{64} << 20;
+  /// A connection that has not completed CAF's handshake in this time is closed; this also
+  /// closes connections that never send anything.
+  std::chrono::milliseconds handshake_timeout{10'000};
+  /// A connected peer that has sent nothing (not even a heartbeat, sent every 200 ms) for this
+  /// long is given up on (its producers end, its chunks go elsewhere).
+  std::chrono::milliseconds idle_timeout{1'500};
+  /// Most connections a process keeps open; beyond it, the oldest connection still in its
+  /// handshake is closed first (so a flood of idle connections cannot lock peers out).
+  std::size_t max_connections = 256;
+  /// Most producers one coordinator may have on a node at once (node side only).
+  std::size_t max_producers_per_coordinator = 256;
+};
+
+/// Sets the limits of this process's network use. Call before the first network use (node,
+/// cluster, runner over remote devices); throws invalid_argument afterwards (when they differ),
+/// when a value is 0, max_message_bytes is under 2 MiB or idle_timeout under 500 ms.
+void set_network_limits(const limits& l);
+/// The limits in effect (or to take effect).
+limits network_limits();
+
 /// Reads the certificate, key (with its passphrase) and CA files with OpenSSL; throws
-/// invalid_argument saying which file is wrong. Done before any TLS connection: CAF's module
-/// fails inside its own thread on a bad key or passphrase, and the handshake then hangs.
-/// A process has one TLS identity: every networked part of it uses the same settings.
+/// invalid_argument saying which file is wrong (also when the key is not the certificate's). Done
+/// before any TLS connection: CAF's module fails inside its own thread on a bad key or passphrase,
+/// and the handshake then hangs. A process has one TLS identity: every networked part of it uses
+/// the same settings.
 void check_tls(const tls& t);
 
 /// A node serving this process's devices to remote coordinators.
@@ -38,6 +67,9 @@ class node {
   /// Publishes a node on HOST:PORT (port 0: any free port) offering `devices`, and returns once
   /// it listens. Throws invalid_argument (bad address, bad TLS files) or node_error.
   static node serve(const std::string& host_port, std::vector<device> devices, tls t = {});
+  /// The same, with set_network_limits(l) first.
+  static node serve(const std::string& host_port, std::vector<device> devices, tls t,
+                    const limits& l);
 
   node(node&&) noexcept;
   node& operator=(node&&) noexcept;
