@@ -28,6 +28,7 @@
 #include <troupe/troupe.hpp>
 #include <vector>
 
+#include "child_node.hpp"
 #include "common/cli.hpp"
 
 /// Every item takes config "item_ms" of producer time.
@@ -226,37 +227,6 @@ class delay_relay {
   std::vector<std::thread> threads_;
 };
 
-struct child_node {
-  pid_t pid = -1;
-  std::string address;
-  std::uint16_t port = 0;
-  explicit child_node(const char* self) {
-    int out[2];
-    if (pipe(out) != 0) throw std::runtime_error("pipe");
-    pid = fork();
-    if (pid == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      std::vector<std::string> args{self, "--serve", "127.0.0.1:0", "--devices", "cpu,cpu"};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(self, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    char line[128] = {0};
-    FILE* in = fdopen(out[0], "r");
-    if (fgets(line, sizeof line, in) == nullptr) throw std::runtime_error("node did not start");
-    address = std::string{line}.substr(11);
-    address.erase(address.find_last_not_of("\n") + 1);
-    port = static_cast<std::uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
-  }
-  ~child_node() {
-    kill(pid, SIGTERM);
-    waitpid(pid, nullptr, 0);
-  }
-};
-
 template <class Runner>
 double rate(Runner& runner, std::int64_t n) {
   std::vector<std::int64_t> xs(static_cast<std::size_t>(n));
@@ -285,7 +255,7 @@ int main(int argc, char** argv) {
 
   troupe::config cfg;
   cfg.set("item_us", item_us);
-  child_node direct{argv[0]}, far{argv[0]};
+  child_node direct{argv[0], "cpu,cpu"}, far{argv[0], "cpu,cpu"};
   delay_relay relay{far.port, std::chrono::milliseconds{delay_ms}};
   auto relayed = "127.0.0.1:" + std::to_string(relay.port());
   auto near_devices = troupe::cluster::connect({direct.address}).devices();
@@ -318,7 +288,7 @@ int main(int argc, char** argv) {
   {
     // A node behind a 10 Mbit/s link next to two local producers: chunks queued at the slow
     // node must not hold up the end of the run (they are also sent to an idle local producer).
-    child_node slow{argv[0]};
+    child_node slow{argv[0], "cpu,cpu"};
     delay_relay slow_link{slow.port, std::chrono::milliseconds{1}, 10e6 / 8};
     auto slow_devices =
         troupe::cluster::connect({"127.0.0.1:" + std::to_string(slow_link.port())}).devices();

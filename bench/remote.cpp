@@ -15,6 +15,7 @@
 #include <troupe/torch.hpp>
 
 #include "bench_jobs.hpp"
+#include "child_node.hpp"
 #include "common/cli.hpp"
 
 TROUPE_REGISTER_JOB(squares);
@@ -43,38 +44,6 @@ using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
-
-struct child_node {
-  pid_t pid = -1;
-  std::string address;
-  child_node(const char* self, const example::flags& f) {
-    int out[2];
-    if (pipe(out) != 0) throw std::runtime_error("pipe");
-    pid = fork();
-    if (pid == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      std::vector<std::string> args{self, "--serve", "127.0.0.1:0", "--devices", "cpu"};
-      if (!f.tls_cert.empty())  // the same identity as the coordinator: enough for a benchmark
-        args.insert(args.end(),
-                    {"--tls-cert", f.tls_cert, "--tls-key", f.tls_key, "--tls-ca", f.tls_ca});
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(self, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    char line[128] = {0};
-    FILE* in = fdopen(out[0], "r");
-    if (fgets(line, sizeof line, in) == nullptr) throw std::runtime_error("node did not start");
-    address = std::string{line}.substr(11);
-    address.erase(address.find_last_not_of("\n") + 1);
-  }
-  ~child_node() {
-    kill(pid, SIGTERM);
-    waitpid(pid, nullptr, 0);
-  }
-};
 
 template <class Runner>
 double items_per_second(Runner& runner, std::int64_t n) {
@@ -147,7 +116,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
 
-  child_node a{argv[0], f}, b{argv[0], f};
+  std::vector<std::string> tls_args;  // the coordinator's identity: enough for a benchmark
+  if (!f.tls_cert.empty())
+    tls_args = {"--tls-cert", f.tls_cert, "--tls-key", f.tls_key, "--tls-ca", f.tls_ca};
+  child_node a{argv[0], "cpu", tls_args}, b{argv[0], "cpu", tls_args};
   troupe::unordered_runner<squares> local{2};
   double local_rate = items_per_second(local, items);
   auto c = troupe::cluster::connect({a.address, b.address}, f.tls());

@@ -15,28 +15,13 @@
 #include <thread>
 
 #include "test_jobs.hpp"
+#include "test_util.hpp"
+
+using test_util::iota;
+using test_util::peak_rss_kib;
+using test_util::sum_of_squares;
 
 namespace {
-
-std::vector<std::int64_t> iota(std::int64_t n) {
-  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
-std::int64_t sum_of_squares(std::int64_t n) {
-  std::int64_t s = 0;
-  for (std::int64_t i = 0; i < n; ++i) s += i * i;
-  return s;
-}
-
-std::size_t peak_rss_kib() {
-  std::ifstream status{"/proc/self/status"};
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoul(line.substr(6));
-  return 0;
-}
 
 // -- work_timeout counts work, not queue time --------------------------------------------------
 

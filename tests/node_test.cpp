@@ -32,12 +32,16 @@
 #include <troupe/node.hpp>
 
 #include "remote_jobs.hpp"
+#include "test_util.hpp"
 
 TROUPE_REGISTER_JOB(remote_squares);
 TROUPE_REGISTER_JOB(remote_blobs);
 #ifdef TROUPE_WITH_TORCH
 TROUPE_REGISTER_JOB(remote_tensors);
 #endif
+
+using test_util::iota;
+using test_util::sum_of_squares;
 
 namespace {
 
@@ -110,18 +114,6 @@ class node_process {
   FILE* out_ = nullptr;
   std::string address_;
 };
-
-std::vector<std::int64_t> iota(std::int64_t n) {
-  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
-std::int64_t sum_of_squares(std::int64_t n) {
-  std::int64_t s = 0;
-  for (std::int64_t i = 0; i < n; ++i) s += i * i;
-  return s;
-}
 
 troupe::config slow(std::int64_t us) {
   troupe::config cfg;

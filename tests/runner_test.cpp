@@ -10,18 +10,14 @@
 #include <thread>
 
 #include "test_jobs.hpp"
+#include "test_util.hpp"
 
 using namespace test_jobs;
 
-namespace {
+using test_util::iota;
+using test_util::peak_rss_kib;
 
-std::vector<std::int64_t> iota(std::int64_t n) {
-  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 TEST(Runner, SumOfSquaresOverRange100OnThreeCpus) {
   troupe::unordered_runner<squares> unordered{3};
@@ -282,13 +278,6 @@ TEST(Runner, DiagnosticsGoThroughTheReplaceableLogger) {
 }
 
 namespace {
-std::size_t peak_rss_kib() {
-  std::ifstream status{"/proc/self/status"};
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoul(line.substr(6));
-  return 0;
-}
 
 struct byte_counter {
   struct producer {
