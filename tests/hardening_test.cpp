@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -205,6 +206,41 @@ TEST(Hardening, CloseLeavesStuckProducersBehindWithinOneCloseTimeout) {
   caller.join();
   EXPECT_FALSE(runner.is_open());
   stuck_until_released::release.release();  // their threads end once work() returns
+}
+
+std::size_t thread_count() {
+  std::size_t n = 0;
+  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/task"}) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
+// Every runner used to leave threads behind when one of its producers had been stuck; now a
+// closed runner leaves none: its producer and consumer threads end (the actor system is shared
+// by the process and created once).
+TEST(Hardening, ClosedRunnersLeaveNoThreadsBehind) {
+  { troupe::unordered_runner<test_jobs::squares> warm{1}; }  // the shared system's own threads
+  auto baseline = thread_count();
+  for (int stable = 0, i = 0; stable < 5 && i < 1000; ++i) {  // the warm runner's threads end
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto now = thread_count();
+    stable = now == baseline ? stable + 1 : 0;
+    baseline = now;
+  }
+  for (int i = 0; i < 20; ++i) {
+    troupe::unordered_runner<test_jobs::squares> runner{4};
+    EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));
+  }
+  // Detached actors' threads end just after close() returns: wait for them, boundedly.
+  auto after = thread_count();
+  int waits = 0;
+  for (; waits < 1000 && thread_count() > baseline; ++waits)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::printf("threads: %zu before, %zu just after the last close, %zu after %d waits\n", baseline,
+              after, thread_count(), waits);
+  EXPECT_LE(thread_count(), baseline);
 }
 
 // -- members from on_progress and from the job's own code --------------------------------------

@@ -198,17 +198,23 @@ void runtime::close() noexcept {
       // The scheduler ends the current run (runner_closed), then every producer, then itself.
       auto promise = std::make_shared<std::promise<void>>();
       closed_ = promise->get_future().share();
-      caf::anon_send(scheduler_, close_atom::value, std::move(promise));
+      // On troupe's own threads (on_progress, a job's code) nobody waits for it: the scheduler
+      // then keeps close_timeout itself.
+      caf::anon_send(scheduler_, close_atom::value, std::move(promise), on_internal_thread());
     }
     closed = closed_;
-    // On troupe's own threads (on_progress, a job's code) waiting would deadlock: the
-    // scheduler and the runs finish closing by themselves.
+    // On troupe's own threads waiting would deadlock: the scheduler and the runs finish
+    // closing by themselves.
     if (on_internal_thread() || !closed.valid()) return;
     lock.unlock();
-    // Bounded: the scheduler answers after at most close_timeout (producers still busy are
-    // left behind); the margin covers a scheduler that is itself blocked in on_progress.
-    if (closed.wait_for(opts_.close_timeout + std::chrono::seconds{5}) != std::future_status::ready)
-      log(log_level::warn, "the scheduler did not confirm close() in time; left behind");
+    // Bounded: producers still busy after close_timeout are left behind. (Kept here rather
+    // than by a timer in the scheduler, which would keep its thread alive that long.) The
+    // margin covers a scheduler that is itself blocked in on_progress.
+    if (closed.wait_for(opts_.close_timeout) != std::future_status::ready) {
+      caf::anon_send(scheduler_, close_timeout_atom::value);
+      if (closed.wait_for(std::chrono::seconds{5}) != std::future_status::ready)
+        log(log_level::warn, "the scheduler did not confirm close() in time; left behind");
+    }
     lock.lock();
     turn_.wait(lock, [this] { return callers_ == 0; });
     if (scheduler_) {

@@ -34,7 +34,6 @@ constexpr int max_restarts_in_row = 3;  ///< per slot and run, without an answer
 
 /// The scheduler's own timers.
 using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
-using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
 
 /// A chunk sent to a producer and not answered yet.
 struct sent_chunk {
@@ -138,8 +137,11 @@ class scheduler {
   }
 
   /// close(): ends the run (runner_closed), then every producer (producer::end()), within
-  /// options::close_timeout in all; producers still busy then are left behind.
-  void close(std::shared_ptr<std::promise<void>> done) {
+  /// options::close_timeout in all (close_timeout_atom); producers still busy then are left
+  /// behind. `timed`: this actor keeps that time itself (when nobody waits for `done`); else the
+  /// waiting closer sends close_timeout_atom, so that no timer keeps this actor's thread alive
+  /// after it has quit.
+  void close(std::shared_ptr<std::promise<void>> done, bool timed) {
     if (closing_) {
       done->set_value();
       return;
@@ -165,7 +167,7 @@ class scheduler {
     }
     if (pending_ends_ == 0)
       finish_close();
-    else
+    else if (timed)
       self_->delayed_send(self_, opts_.close_timeout, close_timeout_atom::value);
   }
 
@@ -671,9 +673,9 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
           st->start(std::move(spec));
         },
         [st](stall_check_atom) { st->check_stalls(); },
-        [st](close_atom, std::shared_ptr<std::promise<void>>& done) {
+        [st](close_atom, std::shared_ptr<std::promise<void>>& done, bool timed) {
           mark_internal_thread();
-          st->close(std::move(done));
+          st->close(std::move(done), timed);
         },
         [st](close_timeout_atom) { st->close_timed_out(); },
         [](const bulk::fragment&) {},  // joined while it was deserialized

@@ -105,7 +105,10 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg);
 
-/// The scheduler's answer to close_request: it ended the run, the producers and itself.
+/// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
+/// the producers and itself, and whether it keeps options::close_timeout itself).
 using close_atom = caf::atom_constant<caf::atom("tr_close")>;
+/// options::close_timeout has passed: producers still busy are left behind.
+using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
 
 }  // namespace troupe::detail
