@@ -28,8 +28,10 @@ namespace troupe::detail {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-constexpr std::size_t min_depth = 2;    ///< chunks queued at a producer, at least
-constexpr std::size_t max_depth = 32;   ///< and at most (distant producers)
+constexpr std::size_t min_depth = 2;   ///< chunks queued at a producer, at least
+constexpr std::size_t max_depth = 32;  ///< and at most (distant producers),
+/// holding at most this many times options::max_chunk_bytes
+constexpr std::size_t max_queued_chunk_bytes = 8;
 constexpr int max_restarts_in_row = 3;  ///< per slot and run, without an answer in between
 
 /// The scheduler's own timers.
@@ -42,6 +44,7 @@ struct sent_chunk {
   std::size_t items = 0;
   clock_type::time_point sent;
   std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
+  std::size_t bytes = 0;   ///< the chunk's size in memory (max_chunk_bytes when unknown)
 };
 
 struct producer_slot {
@@ -59,6 +62,7 @@ struct producer_slot {
   std::size_t chunk_items = 1;
   std::size_t depth = min_depth;  ///< chunks kept queued at it
   std::size_t calm = 0;           ///< answers in a row without the producer starving
+  double chunk_bytes = 0;         ///< the size of the chunks it gets, on average
 };
 
 /// A chunk of the current run, from its dispatch until its outputs are delivered.
@@ -298,6 +302,7 @@ class scheduler {
     rec.items = c.items.size();
     rec.sent = clock_type::now();
     rec.behind = s.outstanding.size();
+    rec.bytes = c.items.get() ? c.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
     s.outstanding.push_back(rec);
     s.items += rec.items;
     auto gen = s.gen;
@@ -391,11 +396,21 @@ class scheduler {
     // A distant producer that sat idle although chunks were queued for it (this one was sent
     // behind others) starved while they travelled: keep that much more work queued. Shrink
     // slowly while it never starves, within [min_depth, max_depth] (the memory bound).
+    s.chunk_bytes = s.chunk_bytes == 0 ? static_cast<double>(rec.bytes)
+                                       : 0.8 * s.chunk_bytes + 0.2 * static_cast<double>(rec.bytes);
+    // Never more than max_queued_bytes queued, beyond two chunks: big items (tensors) need no
+    // deep queue to fill a link, and must not pile up in memory.
+    auto by_bytes = std::max<std::size_t>(
+        min_depth, static_cast<std::size_t>(
+                       static_cast<double>(max_queued_chunk_bytes * opts_.max_chunk_bytes) /
+                       std::max(1.0, s.chunk_bytes)));
+    s.depth = std::min(s.depth, by_bytes);
     if (rec.behind == 0) return;
     auto chunk_ns = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
     auto idle = static_cast<double>(r.idle_ns);
     if (idle > 0.1 * chunk_ns) {
-      s.depth = std::min(max_depth, s.depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns)));
+      s.depth = std::min(
+          {max_depth, by_bytes, s.depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns))});
       s.calm = 0;
     } else if (++s.calm >= 8 * s.depth && s.depth > min_depth) {
       s.depth -= 1;
