@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The acceptance run of API.md §6 with the example binary: two nodes on loopback, a coordinator
-# over both, one node killed with SIGKILL two seconds into the run; the result must be exact.
+# The acceptance run of docs/api.md "Several machines" with the example binary: two nodes on
+# loopback, a coordinator over both, one node killed with SIGKILL two seconds into the run; the
+# result must be exact.
 set -euo pipefail
 source "$(dirname "$0")/node_lib.sh"
 bin=$1

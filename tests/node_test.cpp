@@ -1,4 +1,5 @@
-// Several machines on loopback (API.md §6): real node processes, killed and frozen mid-run.
+// Several machines on loopback (docs/api.md, "Several machines"): real node processes, killed and
+// frozen mid-run.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>

@@ -1,4 +1,5 @@
-// Behaviour of the runners (API.md §1, §2, §5).
+// Behaviour of the runners (docs/api.md: "Jobs", "Runners", "Options, progress and statistics",
+// "Errors").
 #include <gtest/gtest.h>
 
 #include <algorithm>

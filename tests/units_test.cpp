@@ -1,4 +1,5 @@
-// Devices, config, messages and the message-level testing support (API.md §3, §4, §7).
+// Devices, config, messages and the message-level testing support (docs/api.md: "Devices",
+// "Configuration", "Message-level testing").
 #include <gtest/gtest.h>
 
 #include <caf/actor_system.hpp>

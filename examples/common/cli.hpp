@@ -1,4 +1,4 @@
-// Command-line flags shared by every example (API.md §6), parsed with CLI11.
+// Command-line flags shared by every example (docs/api.md, "Several machines"), parsed with CLI11.
 #pragma once
 
 #include <pthread.h>

@@ -1,5 +1,6 @@
-// Message-level testing of a job (API.md §7): spawn one producer (or one consumer) of a job in
-// a test actor system, send it typed messages, and check the replies, without a runner.
+// Message-level testing of a job (docs/api.md, "Message-level testing"): spawn one producer (or
+// one consumer) of a job in a test actor system, send it typed messages, and check the replies,
+// without a runner.
 //
 //   troupe::testing::producer_probe<my_job> p{"cpu", cfg};
 //   EXPECT_EQ(p.work({1, 2, 3}), (std::vector<std::int64_t>{1, 4, 9}));

@@ -1,5 +1,6 @@
-// Several machines (API.md §6): any program linking troupe can serve as a node; coordinators
-// connect to nodes and run the ordinary runners over their devices ("HOST:PORT/cpu").
+// Several machines (docs/api.md, "Several machines"): any program linking troupe can serve as a
+// node; coordinators connect to nodes and run the ordinary runners over their devices
+// ("HOST:PORT/cpu").
 // The transport is CAF's own network layer (middleman, BASP), optionally over mutual TLS.
 #pragma once
 
