@@ -12,7 +12,7 @@ VENV=${TROUPE_VENV:-/opt/troupe-venv}
 # No libcaf-dev: troupe builds against its patched CAF (its build needs cmake, g++, libssl-dev,
 # and dpkg-dev for apt-get source).
 packages=(build-essential cmake git python3 python3-venv dpkg-dev libcli11-dev libgtest-dev
-          libgmock-dev libbenchmark-dev libssl-dev openssl iproute2)
+          libgmock-dev libbenchmark-dev libtbb-dev libssl-dev openssl iproute2)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
