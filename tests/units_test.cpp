@@ -122,7 +122,7 @@ TEST(Messages, ConfigDeviceAndChunksSerialize) {
   ASSERT_NE(w2.items.as<std::int64_t>(), nullptr);
   EXPECT_EQ(w2.items.as<std::int64_t>()->items, (std::vector<std::int64_t>{1, 2, 3}));
 
-  troupe::chunk_result r{3, 10, {}, 5, 7, troupe::errc::work_error, 12, "boom"};
+  troupe::chunk_result r{3, 10, {}, 5, 7, troupe::errc::work_error, 12, "boom", {}};
   auto r2 = round_trip(sys, r);
   EXPECT_EQ(r2.code, troupe::errc::work_error);
   EXPECT_EQ(r2.busy_ns, 5);
@@ -307,4 +307,87 @@ TEST(BulkPayloads, LostLyingOrUnknownFragmentsAreErrors) {
   EXPECT_TRUE(load(0, troupe::bulk::max_total + 1, 10, 10));  // a stream too large
   EXPECT_TRUE(load(~0ull - 5, ~0ull, 10, 10));                // offsets that overflow
   EXPECT_EQ(troupe::bulk::pending_streams(), 0u);
+}
+
+// -- the scheduler's parts ------------------------------------------------------------------------
+
+#include "scheduler_parts.hpp"
+
+namespace {
+
+troupe::batch ints(std::vector<std::int64_t> xs) {
+  return troupe::batch::of(std::move(xs));
+}
+
+std::vector<std::int64_t> released(troupe::detail::reorder_window& w) {
+  std::vector<std::int64_t> out;
+  w.release([&](troupe::batch b) {
+    for (auto x : b.as<std::int64_t>()->items) out.push_back(x);
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST(SchedulerParts, ReorderWindowReleasesInOrderAndPassesOverSkippedItems) {
+  troupe::detail::reorder_window w;
+  w.add(3, 2, ints({3, 4}));
+  EXPECT_TRUE(released(w).empty());  // 0..2 missing
+  w.add(1, 1, troupe::batch{});      // item 1 skipped
+  EXPECT_TRUE(released(w).empty());
+  w.add(0, 1, ints({0}));
+  EXPECT_EQ(released(w), (std::vector<std::int64_t>{0}));  // 1 skipped, 2 missing
+  EXPECT_EQ(w.next(), 2u);
+  w.add(2, 1, ints({2}));
+  EXPECT_EQ(released(w), (std::vector<std::int64_t>{2, 3, 4}));
+  EXPECT_EQ(w.next(), 5u);
+  EXPECT_TRUE(w.empty());
+  EXPECT_THROW(w.add(4, 1, ints({4})), std::logic_error);  // released before
+  w.add(7, 1, ints({7}));
+  EXPECT_THROW(w.add(7, 1, ints({7})), std::logic_error);  // twice
+}
+
+TEST(SchedulerParts, InflightTableRequeuesWhatNoProducerHoldsOldestFirst) {
+  using troupe::detail::piece;
+  troupe::detail::inflight_table t;
+  auto now = troupe::detail::clock_type::now();
+  piece a;
+  a.first = 100;
+  a.items = ints({100, 101});
+  auto ida = t.add(std::move(a));
+  t.find(ida)->holders = {0, 1};  // sent twice (a speculative copy)
+  piece b;
+  b.first = 50;
+  b.items = ints({50});
+  auto idb = t.add(std::move(b));
+  t.find(idb)->holders = {1};
+  EXPECT_EQ(t.copy_for(0), idb);        // held by one other producer
+  EXPECT_FALSE(t.drop_holder(ida, 1));  // producer 0 still holds it
+  EXPECT_TRUE(t.drop_holder(idb, 1));   // nobody holds it: queued again
+  EXPECT_EQ(t.queued(), 1u);
+  EXPECT_TRUE(t.drop_holder(ida, 0));
+  EXPECT_EQ(t.take_queued(2, now, false), idb);  // oldest first (index 50)
+  EXPECT_EQ(t.take_queued(2, now, false), ida);
+  EXPECT_FALSE(t.take_queued(2, now, false));
+  EXPECT_EQ(t.size(), 2u);
+  EXPECT_TRUE(t.take_out(ida));
+  EXPECT_FALSE(t.take_out(ida));  // answered once
+}
+
+TEST(SchedulerParts, InflightTableRetriesAvoidTheFailedProducerAndWaitForTheBackoff) {
+  using troupe::detail::piece;
+  troupe::detail::inflight_table t;
+  auto now = troupe::detail::clock_type::now();
+  piece r;
+  r.first = 7;
+  r.items = ints({7});
+  r.avoid = 0;
+  r.not_before = now + std::chrono::seconds{1};
+  auto id = t.add_queued(std::move(r));
+  EXPECT_FALSE(t.has_queued(1, now, false));  // backoff
+  EXPECT_EQ(t.next_wakeup(now), now + std::chrono::seconds{1});
+  auto later = now + std::chrono::seconds{2};
+  EXPECT_FALSE(t.has_queued(0, later, false));  // it threw on producer 0
+  EXPECT_TRUE(t.has_queued(0, later, true));    // unless 0 is the only one left
+  EXPECT_EQ(t.take_queued(1, later, false), id);
 }

@@ -16,7 +16,7 @@
 #include "troupe/node.hpp"
 #include "troupe/registry.hpp"
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
 
 namespace troupe::detail {
@@ -194,8 +194,7 @@ void runtime::close() noexcept {
     std::unique_lock<std::mutex> lock{mtx_};
     if (open_) {
       open_ = false;
-      turn_.notify_all();  // waiting run() calls throw runner_closed
-      // The scheduler ends the current run (runner_closed), then every producer, then itself.
+      // The scheduler ends every job (runner_closed), then every producer, then itself.
       auto promise = std::make_shared<std::promise<void>>();
       closed_ = promise->get_future().share();
       // On troupe's own threads (on_progress, a job's code) nobody waits for it: the scheduler
@@ -203,7 +202,7 @@ void runtime::close() noexcept {
       caf::anon_send(scheduler_, close_atom::value, std::move(promise), on_internal_thread());
     }
     closed = closed_;
-    // On troupe's own threads waiting would deadlock: the scheduler and the runs finish
+    // On troupe's own threads waiting would deadlock: the scheduler and the jobs finish
     // closing by themselves.
     if (on_internal_thread() || !closed.valid()) return;
     lock.unlock();
@@ -216,12 +215,8 @@ void runtime::close() noexcept {
         log(log_level::warn, "the scheduler did not confirm close() in time; left behind");
     }
     lock.lock();
-    turn_.wait(lock, [this] { return callers_ == 0; });
-    if (scheduler_) {
-      scheduler_ = nullptr;
-      if (anchor_) caf::anon_send_exit(anchor_, caf::exit_reason::user_shutdown);
-      anchor_ = nullptr;
-    }
+    if (anchor_) caf::anon_send_exit(anchor_, caf::exit_reason::user_shutdown);
+    anchor_ = nullptr;
   } catch (const std::exception& e) {
     log(log_level::error, std::string{"closing the runner failed: "} + e.what());
   }
@@ -237,74 +232,32 @@ troupe::stats runtime::stats() const {
   return stats_->value;
 }
 
-void runtime::run(std::shared_ptr<input_source> source, const consumer_spawner& spawn,
-                  bool ordered) {
-  std::uint64_t id = 0;
-  caf::actor scheduler;
+std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
+                                          const consumer_spawner& spawn, bool ordered,
+                                          job_options o) {
+  if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
+  if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
   {
-    std::unique_lock<std::mutex> lock{mtx_};
-    if (!open_) throw runner_closed("run() after close(): create a new runner");
-    if (running_ && on_internal_thread())
-      throw invalid_argument(
-          "run() called from this runner's own on_progress, producer or consumer while it runs: "
-          "it would wait for itself");
-    ++callers_;
-    turn_.wait(lock, [this] { return !running_ || !open_; });
-    if (!open_) {
-      --callers_;
-      turn_.notify_all();
-      throw runner_closed("the runner was closed while run() waited for its turn");
-    }
-    running_ = true;
-    id = next_run_++;
-    scheduler = scheduler_;
-  }
-  auto leave = [this] {
     std::lock_guard<std::mutex> guard{mtx_};
-    running_ = false;
-    --callers_;
-    turn_.notify_all();
-  };
-  try {
-    auto consumer = spawn(*sys_, cfg_);
-    caf::scoped_actor self{*sys_};
-    // The consumer's object is destroyed before run() returns, and nothing reaches it after:
-    // a high-priority request overtakes the chunks still queued for it.
-    auto dispose = [&] {
-      self->request<caf::message_priority::high>(consumer, caf::infinite, end_atom::value)
-          .receive([](const consume_ack&) {}, [](const caf::error&) {});
-      self->send_exit(consumer, caf::exit_reason::user_shutdown);
-    };
-    caf::error failed;
-    self->request(consumer, caf::infinite, init_atom::value)
-        .receive([](const consume_ack&) {}, [&](caf::error& err) { failed = std::move(err); });
-    if (failed) {
-      dispose();
-      throw consumer_error(error_text(failed));
-    }
-    auto spec = std::make_shared<run_spec>();
-    spec->id = id;
-    spec->source = std::move(source);
-    spec->consumer = consumer;
-    spec->ordered = ordered;
-    auto done = spec->done.get_future();
-    self->send(scheduler, std::move(spec));
-    try {
-      done.get();
-    } catch (const std::future_error&) {
-      // The scheduler had already closed when the run reached it.
-      dispose();
-      throw runner_closed("the runner was closed before this run started");
-    } catch (...) {
-      dispose();
-      throw;
-    }
-    dispose();
-  } catch (...) {
-    leave();
-    throw;
+    if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");
   }
-  leave();
+  auto consumer = spawn(*sys_, cfg_);
+  std::lock_guard<std::mutex> guard{mtx_};
+  if (!open_) {
+    caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown);
+    throw runner_closed("the runner was closed while the job was submitted");
+  }
+  auto spec = std::make_shared<job_spec>();
+  spec->core = std::make_shared<job_core>(next_job_++, scheduler_, consumer);
+  spec->source = std::move(source);
+  spec->consumer = std::move(consumer);
+  spec->ordered = ordered;
+  spec->opts = std::move(o);
+  auto core = spec->core;
+  // Sent under the lock: close() sends close_atom under it too, so the scheduler always sees
+  // this job before it closes (and ends it with runner_closed).
+  caf::anon_send(scheduler_, std::move(spec));
+  return core;
 }
 
 }  // namespace troupe::detail

@@ -1,10 +1,14 @@
-// The scheduler actor: the single owner of run state. It pulls input as producers have room
-// (each producer keeps about one round trip of work queued, at least two chunks), sizes chunks
-// per producer, keeps the table of pending chunks (which producers hold each one), re-sends
-// the chunks of a lost or stuck producer, replaces stuck local producers, orders outputs
-// through a bounded reorder window (placed after retries, so a retried chunk never reorders
-// output), sends a chunk that holds up the end of a run or an ordered run's window to an idle
-// producer as well (first answer wins), drives the consumer, and ends the producers at close().
+// The scheduler actor: the single owner of the state of every job on a runner. Jobs run at the
+// same time on the shared producers; the next chunk for a producer with room comes from the job
+// with the least producer time per weight so far (weighted fair share). Per job it pulls input
+// as producers have room, keeps the table of pieces in flight (scheduler_parts.hpp: which
+// producers hold each one, which wait to be sent again), applies the job's error policy (skip,
+// retry on another producer), orders outputs through a bounded reorder window, drives the job's
+// consumer, and ends the job at its deadline or when cancelled. Per producer it sizes chunks
+// (about target_chunk_time of work), keeps about one round trip of work queued, re-sends the
+// work of a lost or stuck producer, replaces stuck local producers, quarantines producers that
+// keep throwing, and sends a chunk that holds up a job to an idle producer as well (first
+// answer wins). At close() it ends every job, then the producers.
 #include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
@@ -12,35 +16,37 @@
 #include <cmath>
 #include <deque>
 #include <map>
-#include <set>
-#include <unordered_map>
+#include <memory>
 
+#include "scheduler_parts.hpp"
 #include "troupe/bulk.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
 #include "troupe/messages.hpp"
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::run_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
 
 namespace troupe::detail {
 namespace {
 
-using clock_type = std::chrono::steady_clock;
 constexpr std::size_t min_depth = 2;   ///< chunks queued at a producer, at least
 constexpr std::size_t max_depth = 32;  ///< and at most (distant producers),
 /// holding at most this many times options::max_chunk_bytes
 constexpr std::size_t max_queued_chunk_bytes = 8;
-constexpr int max_restarts_in_row = 3;  ///< per slot and run, without an answer in between
+constexpr int max_restarts_in_row = 3;        ///< per slot and job, without an answer in between
+constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an item before we know
 
 /// The scheduler's own timers.
 using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
+using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
+using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
 
 /// A chunk sent to a producer and not answered yet.
 struct sent_chunk {
-  std::uint64_t run = 0;
-  std::uint64_t id = 0;
+  std::uint64_t job = 0;
+  std::uint64_t id = 0;  ///< the piece's id in its job's table
   std::size_t items = 0;
   clock_type::time_point sent;
   std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
@@ -54,7 +60,9 @@ struct producer_slot {
   std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
   bool alive = true;      ///< takes work
   bool restarting = false;
+  bool quarantined = false;
   int restarts_in_row = 0;
+  std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
   std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
   std::size_t items = 0;               ///< items outstanding
   clock_type::time_point last_done{};  ///< when its last answer arrived
@@ -65,11 +73,25 @@ struct producer_slot {
   double chunk_bytes = 0;         ///< the size of the chunks it gets, on average
 };
 
-/// A chunk of the current run, from its dispatch until its outputs are delivered.
-struct chunk {
-  std::uint64_t first = 0;  ///< index of its first item in the run's input
-  batch items;
-  std::vector<std::size_t> holders;  ///< producers it has been sent to and that still hold it
+/// One job, from submit() until it ends. Dropped as a whole when it ends.
+struct job_state {
+  std::uint64_t id = 0;
+  std::shared_ptr<job_core> core;
+  std::shared_ptr<input_source> source;
+  caf::actor consumer;
+  bool ordered = false;
+  job_options opts;
+  std::uint64_t next_item = 0;  ///< index of the next item to pull
+  std::uint64_t consumed = 0;
+  bool exhausted = false;
+  bool ending = false;      ///< end_of_input sent
+  std::size_t backlog = 0;  ///< chunks sent to the consumer, not yet acknowledged
+  inflight_table pieces;
+  reorder_window reorder;
+  double pass = 0;  ///< producer time given to it, divided by its weight (fair share)
+  job_report report;
+  clock_type::time_point started;
+  clock_type::time_point last_progress;
 };
 
 class scheduler {
@@ -100,25 +122,63 @@ class scheduler {
     if (opts_.work_timeout.count() > 0) schedule_stall_check();
   }
 
-  void start(std::shared_ptr<run_spec> spec) {
+  void start(std::shared_ptr<job_spec> spec) {
     if (closing_) {
-      spec->done.set_exception(
-          std::make_exception_ptr(runner_closed("the runner was closed before this run started")));
+      spec->core->finish(
+          std::make_exception_ptr(runner_closed("the runner was closed before this job started")));
       return;
     }
-    if (run_) {  // runtime serializes runs; this would be a bug
-      spec->done.set_exception(
-          std::make_exception_ptr(protocol_error("a run started while another was active")));
-      return;
-    }
-    run_ = std::move(spec);
-    next_item_ = next_chunk_ = deliver_chunk_ = consumed_ = 0;
-    exhausted_ = ending_ = false;
-    failure_ = nullptr;
-    backlog_ = 0;
-    started_ = last_progress_ = clock_type::now();
-    for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per run
+    auto j = std::make_unique<job_state>();
+    j->id = spec->core->id();
+    j->core = std::move(spec->core);
+    j->source = std::move(spec->source);
+    j->consumer = std::move(spec->consumer);
+    j->ordered = spec->ordered;
+    j->opts = std::move(spec->opts);
+    j->started = j->last_progress = clock_type::now();
+    // A new job starts level with the least served running job: it neither waits for the
+    // others' past nor takes their turn for long.
+    std::optional<double> least;
+    for (auto& [id, other] : jobs_) least = least ? std::min(*least, other->pass) : other->pass;
+    j->pass = least.value_or(0);
+    auto id = j->id;
+    if (j->opts.deadline.count() > 0)
+      self_->delayed_send(self_, j->opts.deadline, deadline_atom::value, id);
+    // The consumer's constructor runs before any chunk reaches it (its mailbox is FIFO).
+    self_->request(j->consumer, caf::infinite, init_atom::value)
+        .then([](const consume_ack&) {},
+              [this, id](const caf::error& err) {
+                end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
+                pump();
+              });
+    jobs_.emplace(id, std::move(j));
+    for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per job
     check_survivors();
+    pump();
+  }
+
+  /// job_handle::cancel(): nothing more of the job reaches a producer; answered when done.
+  void cancel(std::uint64_t id) {
+    end_job(id, std::make_exception_ptr(cancelled("job " + std::to_string(id) +
+                                                  " was cancelled (job_handle::cancel)")));
+    pump();
+  }
+
+  void deadline_passed(std::uint64_t id) {
+    auto i = jobs_.find(id);
+    if (i == jobs_.end()) return;
+    auto& j = *i->second;
+    auto why = "job " + std::to_string(id) + " passed its deadline of " +
+               std::to_string(j.opts.deadline.count()) + " ms with " + std::to_string(j.consumed) +
+               " output(s) delivered" +
+               (j.source->total() ? " of " + std::to_string(*j.source->total()) : std::string{}) +
+               "; its remaining items were withdrawn";
+    end_job(id, std::make_exception_ptr(deadline_exceeded(why)));
+    pump();
+  }
+
+  void wakeup() {
+    wakeup_at_.reset();
     pump();
   }
 
@@ -140,7 +200,7 @@ class scheduler {
     schedule_stall_check();
   }
 
-  /// close(): ends the run (runner_closed), then every producer (producer::end()), within
+  /// close(): ends every job (runner_closed), then every producer (producer::end()), within
   /// options::close_timeout in all (close_timeout_atom); producers still busy then are left
   /// behind. `timed`: this actor keeps that time itself (when nobody waits for `done`); else the
   /// waiting closer sends close_timeout_atom, so that no timer keeps this actor's thread alive
@@ -152,8 +212,9 @@ class scheduler {
     }
     closing_ = true;
     close_promise_ = std::move(done);
-    if (run_)
-      finish(std::make_exception_ptr(runner_closed("the runner was closed during this run")));
+    while (!jobs_.empty())
+      end_job(jobs_.begin()->first,
+              std::make_exception_ptr(runner_closed("the runner was closed during this job")));
     for (auto& s : producers_) {
       if (!s.alive) {  // stuck, lost or still starting: not waited on
         if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
@@ -211,10 +272,10 @@ class scheduler {
     return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
   }
 
-  bool consumer_has_room() const { return backlog_ < opts_.consumer_backlog; }
+  bool consumer_has_room(const job_state& j) const { return j.backlog < opts_.consumer_backlog; }
 
-  bool window_open() const {
-    return consumer_has_room() && (!run_->ordered || next_chunk_ - deliver_chunk_ < window());
+  bool window_open(const job_state& j) const {
+    return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
   }
 
   std::size_t chunk_limit(const producer_slot& s) const {
@@ -223,102 +284,149 @@ class scheduler {
     return std::max<std::size_t>(n, 1);
   }
 
-  /// The live producer with room and the least work queued, or -1.
-  int pick_producer() const {
-    int best = -1;
-    for (std::size_t i = 0; i < producers_.size(); ++i) {
-      auto& s = producers_[i];
-      if (!s.alive || s.outstanding.size() >= s.depth) continue;
-      if (opts_.max_in_flight && !s.outstanding.empty() &&
-          s.items + chunk_limit(s) > opts_.max_in_flight)
-        continue;
-      if (best < 0) {
-        best = static_cast<int>(i);
-        continue;
-      }
-      auto& b = producers_[best];
-      auto load = [](const producer_slot& x) {
-        return static_cast<double>(x.outstanding.size()) / static_cast<double>(x.depth);
-      };
-      if (load(s) < load(b) || (load(s) == load(b) && s.items < b.items))
-        best = static_cast<int>(i);
-    }
-    return best;
+  bool has_room(const producer_slot& s) const {
+    if (!s.alive || s.outstanding.size() >= s.depth) return false;
+    return !(opts_.max_in_flight && !s.outstanding.empty() &&
+             s.items + chunk_limit(s) > opts_.max_in_flight);
+  }
+
+  /// Live producers with room, the least loaded first.
+  std::vector<std::size_t> producers_with_room() const {
+    std::vector<std::size_t> out;
+    for (std::size_t i = 0; i < producers_.size(); ++i)
+      if (has_room(producers_[i])) out.push_back(i);
+    auto load = [this](std::size_t i) {
+      auto& x = producers_[i];
+      return std::make_pair(
+          static_cast<double>(x.outstanding.size()) / static_cast<double>(x.depth), x.items);
+    };
+    std::stable_sort(out.begin(), out.end(),
+                     [&](std::size_t a, std::size_t b) { return load(a) < load(b); });
+    return out;
+  }
+
+  /// Whether a retry that threw on `p` may go back to it: no other producer can take work.
+  bool only_choice(std::size_t p) const {
+    for (std::size_t i = 0; i < producers_.size(); ++i)
+      if (i != p && (producers_[i].alive || producers_[i].restarting)) return false;
+    return true;
+  }
+
+  bool has_work_for(const job_state& j, std::size_t p, clock_type::time_point now) const {
+    if (!consumer_has_room(j)) return false;
+    return j.pieces.has_queued(p, now, only_choice(p)) || (!j.exhausted && window_open(j));
   }
 
   void pump() {
-    while (run_ && !failure_ && !closing_) {
-      int p = pick_producer();
-      if (p < 0) break;
-      auto& s = producers_[static_cast<std::size_t>(p)];
-      if (!retry_.empty()) {
-        auto id = *retry_.begin();
-        retry_.erase(retry_.begin());
-        send(static_cast<std::size_t>(p), id);
-      } else if (!exhausted_ && window_open()) {
-        chunk c;
-        try {
-          c.items =
-              run_->source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
-        } catch (...) {
-          exhausted_ = true;
-          fail(std::current_exception());
+    if (closing_) return;
+    bool sent = true;
+    while (sent) {
+      sent = false;
+      auto now = clock_type::now();
+      for (auto p : producers_with_room())
+        if (dispatch_to(p, now)) {
+          sent = true;
           break;
         }
-        exhausted_ = run_->source->exhausted();
-        if (c.items.empty()) break;
-        auto id = next_chunk_++;
-        c.first = next_item_;
-        next_item_ += c.items.size();
-        chunks_.emplace(id, std::move(c));
-        send(static_cast<std::size_t>(p), id);
-      } else if (opts_.speculative && s.outstanding.empty() && consumer_has_room()) {
-        auto id = pick_copy(static_cast<std::size_t>(p));
-        if (!id) break;
-        send(static_cast<std::size_t>(p), *id);
-      } else {
-        break;
-      }
     }
-    maybe_finish();
+    // Jobs whose every item is through: end_of_input to their consumer.
+    std::vector<std::uint64_t> ids;
+    for (auto& [id, j] : jobs_) ids.push_back(id);
+    for (auto id : ids) maybe_finish(id);
+    schedule_wakeup();
   }
 
-  /// For an idle producer with nothing new to take: the oldest chunk held by exactly one other
-  /// producer (an ordered run's head of line, or the end of a run waiting on a slow producer).
-  std::optional<std::uint64_t> pick_copy(std::size_t p) const {
-    std::optional<std::uint64_t> best;
-    for (auto& [id, c] : chunks_)
-      if (c.holders.size() == 1 && c.holders[0] != p && (!best || id < *best)) best = id;
-    return best;
+  /// Sends producer `p` its next chunk: from the job with the least pass that has work for it;
+  /// else, when it is idle, a copy of a chunk that holds up a job. False when there is none.
+  bool dispatch_to(std::size_t p, clock_type::time_point now) {
+    job_state* best = nullptr;
+    for (auto& [id, j] : jobs_)
+      if (has_work_for(*j, p, now) &&
+          (!best || j->pass < best->pass ||
+           (j->pass == best->pass && j->pieces.size() < best->pieces.size())))
+        best = j.get();
+    if (best) return dispatch_from(*best, p, now);
+    if (!opts_.speculative || !producers_[p].outstanding.empty()) return false;
+    std::vector<job_state*> order;
+    for (auto& [id, j] : jobs_)
+      if (consumer_has_room(*j)) order.push_back(j.get());
+    std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->pass < b->pass; });
+    for (auto* j : order)
+      if (auto id = j->pieces.copy_for(p)) {
+        send(p, *j, *id);
+        return true;
+      }
+    return false;
   }
 
-  void send(std::size_t p, std::uint64_t id) {
+  bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now) {
+    if (auto id = j.pieces.take_queued(p, now, only_choice(p))) {
+      send(p, j, *id);
+      return true;
+    }
     auto& s = producers_[p];
-    auto& c = chunks_.at(id);
-    c.holders.push_back(p);
+    piece x;
+    try {
+      x.items = j.source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
+    } catch (...) {
+      j.exhausted = true;
+      end_job(j.id, std::current_exception());
+      return true;  // the job is gone; look again
+    }
+    j.exhausted = j.source->exhausted();
+    if (x.items.empty()) return j.exhausted;  // looked again with the job now exhausted
+    x.first = j.next_item;
+    j.next_item += x.items.size();
+    j.report.items = j.next_item;
+    send(p, j, j.pieces.add(std::move(x)));
+    return true;
+  }
+
+  void send(std::size_t p, job_state& j, std::uint64_t id) {
+    auto& s = producers_[p];
+    auto& x = *j.pieces.find(id);
+    x.holders.push_back(p);
     sent_chunk rec;
-    rec.run = run_->id;
+    rec.job = j.id;
     rec.id = id;
-    rec.items = c.items.size();
+    rec.items = x.items.size();
     rec.sent = clock_type::now();
     rec.behind = s.outstanding.size();
-    rec.bytes = c.items.get() ? c.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
+    rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
     s.outstanding.push_back(rec);
     s.items += rec.items;
+    auto cost =
+        static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
+    j.pass += cost / static_cast<double>(j.opts.weight);
     auto gen = s.gen;
-    auto run = run_->id;
+    auto job = j.id;
     // A large chunk for a remote producer travels as fragments, then a small reference.
-    work_chunk msg{run, c.first, bulk::split_for(self_, s.handle, c.items)};
+    work_chunk msg{job, x.first, bulk::split_for(self_, s.handle, x.items),
+                   !j.opts.on_error.fails_fast()};
     self_->request(s.handle, caf::infinite, std::move(msg))
-        .then([this, p, gen, id, run](chunk_result& r) { on_result(p, gen, id, run, r); },
+        .then([this, p, gen, id, job](chunk_result& r) { on_result(p, gen, job, id, r); },
               [this, p, gen](caf::error& err) {
                 if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, err);
               });
   }
 
+  /// Wakes this actor when the earliest retry backoff ends.
+  void schedule_wakeup() {
+    auto now = clock_type::now();
+    std::optional<clock_type::time_point> t;
+    for (auto& [id, j] : jobs_)
+      if (auto w = j->pieces.next_wakeup(now)) t = t ? std::min(*t, *w) : *w;
+    if (!t || (wakeup_at_ && *wakeup_at_ <= *t)) return;
+    wakeup_at_ = *t;
+    self_->delayed_send(self_,
+                        std::chrono::duration_cast<std::chrono::microseconds>(*t - now) +
+                            std::chrono::microseconds{100},
+                        wakeup_atom::value);
+  }
+
   // -- results -----------------------------------------------------------------------------
 
-  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t id, std::uint64_t run,
+  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
                  chunk_result& r) {
     // Joined first, even for an answer dropped below, so that its fragments are released.
     try {
@@ -336,7 +444,7 @@ class scheduler {
     if (s.gen != gen) return;
     auto now = clock_type::now();
     auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
-                            [&](const sent_chunk& x) { return x.run == run && x.id == id; });
+                            [&](const sent_chunk& x) { return x.job == job && x.id == id; });
     if (rec != s.outstanding.end()) {
       learn(s, *rec, r, now);
       s.items -= rec->items;
@@ -348,31 +456,151 @@ class scheduler {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.producers[p].busy += std::chrono::nanoseconds{r.busy_ns};
     }
-    if (!run_ || run_->id != run || closing_) return;  // an answer for a run that ended
-    auto i = chunks_.find(id);
-    if (i == chunks_.end()) {  // a copy elsewhere answered first
-      pump();
-      return;
+    if (closing_) return;
+    auto ji = jobs_.find(job);
+    std::optional<piece> x;
+    if (ji != jobs_.end()) x = ji->second->pieces.take_out(id);
+    // Quarantine counts every throw of this producer, also for a job that has ended.
+    bool quarantine = count_failures(s, r, x ? x->items.size() : 0, x ? x->first : 0);
+    if (x) {
+      auto& j = *ji->second;
+      if (!r.ok()) {
+        if (r.code == errc::work_error)
+          end_job(job,
+                  std::make_exception_ptr(work_error(
+                      "producer::work threw on item " + std::to_string(r.failed_index) + " on " +
+                          s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
+                      r.failed_index, s.where.str())));
+        else
+          end_job(job, std::make_exception_ptr(protocol_error(r.what)));
+      } else {
+        {
+          std::lock_guard<std::mutex> guard{stats_->mtx};
+          stats_->value.producers[p].items += r.outputs.size();
+        }
+        if (r.failures.empty())
+          deliver(j, x->first, x->items.size(), std::move(r.outputs));
+        else
+          handle_failures(j, p, std::move(*x), r);
+      }
     }
-    auto n = i->second.items.size();
-    chunks_.erase(i);
-    if (!r.ok()) {
-      if (r.code == errc::work_error)
-        fail(std::make_exception_ptr(
-            work_error("producer::work threw on item " + std::to_string(r.failed_index) + " on " +
-                           s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
-                       r.failed_index, s.where.str())));
-      else
-        fail(std::make_exception_ptr(protocol_error(r.what)));
-      pump();
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> guard{stats_->mtx};
-      stats_->value.producers[p].items += n;
-    }
-    deliver(id, std::move(r.outputs));
+    if (quarantine) quarantine_producer(p);
     pump();
+  }
+
+  /// Counts the items that threw in a row on `s`; true when it reaches quarantine_after.
+  bool count_failures(producer_slot& s, const chunk_result& r, std::size_t n, std::uint64_t first) {
+    if (!r.ok() && r.code != errc::work_error) return false;
+    if (r.ok() && r.failures.empty()) {
+      s.failures_in_row = 0;
+      return false;
+    }
+    bool reached = false;
+    auto bump = [&] {
+      ++s.failures_in_row;
+      reached = reached || (opts_.quarantine_after && s.failures_in_row >= opts_.quarantine_after);
+    };
+    if (!r.ok()) {  // stopped at its first throw
+      if (r.failed_index != first) s.failures_in_row = 0;
+      bump();
+      return reached;
+    }
+    auto expect = first;  // the item after the previous failure
+    for (auto& f : r.failures) {
+      if (f.index != expect) s.failures_in_row = 0;
+      bump();
+      expect = f.index + 1;
+    }
+    if (n > 0 && expect != first + n) s.failures_in_row = 0;
+    return reached;
+  }
+
+  /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
+  /// job; the outputs of the others are delivered around them.
+  void handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r) {
+    auto& pol = j.opts.on_error;
+    auto& s = producers_[p];
+    auto job = j.id;
+    std::uint64_t seg = x.first;  // the first item of the current run of successes
+    std::size_t out = 0;          // its first output
+    auto flush = [&](std::uint64_t upto) {
+      if (upto > seg) {
+        auto n = static_cast<std::size_t>(upto - seg);
+        deliver_part(j, seg, n, r.outputs, out);
+        out += n;
+      }
+    };
+    for (auto& f : r.failures) {
+      if (f.index < x.first || f.index >= x.first + x.items.size()) {
+        end_job(job, std::make_exception_ptr(protocol_error("a producer reported item " +
+                                                            std::to_string(f.index) +
+                                                            " outside the chunk it was sent")));
+        return;
+      }
+      flush(f.index);
+      seg = f.index + 1;
+      auto attempts = x.attempt + 1;
+      if (attempts <= pol.retries) {
+        piece again;
+        again.first = f.index;
+        auto at = static_cast<std::size_t>(f.index - x.first);
+        again.items = x.items.slice(at, at + 1);
+        again.attempt = attempts;
+        again.avoid = p;
+        again.not_before = clock_type::now() + pol.backoff;
+        again.last_error = f.what;
+        again.last_where = s.where.str();
+        j.pieces.add_queued(std::move(again));
+        j.report.retries += 1;
+        continue;
+      }
+      auto what = "producer::work threw on item " + std::to_string(f.index) + " on " +
+                  s.where.str() + " (producer " + std::to_string(p) + ")" +
+                  (attempts > 1 ? " at each of " + std::to_string(attempts) + " attempts" : "") +
+                  ": " + f.what;
+      if (!pol.skips) {
+        end_job(job, std::make_exception_ptr(work_error(what, f.index, s.where.str())));
+        return;
+      }
+      j.report.failures.push_back(item_failure{f.index, f.what, s.where.str(), attempts});
+      if (j.report.failures.size() > pol.max_failures) {
+        end_job(job, std::make_exception_ptr(work_error(
+                         "more than " + std::to_string(pol.max_failures) +
+                             " item(s) failed (error_policy max_failures); the last: " + what,
+                         f.index, s.where.str())));
+        return;
+      }
+      if (j.ordered) j.reorder.add(f.index, 1, batch{});  // a gap the order passes over
+    }
+    flush(x.first + x.items.size());
+    if (j.ordered) release(j);
+  }
+
+  /// Outputs [out, out + n) of `outputs` are items [first, first + n) of `j`.
+  void deliver_part(job_state& j, std::uint64_t first, std::size_t n, const batch& outputs,
+                    std::size_t out) {
+    if (!j.ordered) {
+      if (out == 0 && n == outputs.size())
+        send_to_consumer(j, outputs);
+      else
+        send_to_consumer(j, outputs.slice(out, out + n));
+      return;
+    }
+    j.reorder.add(first, n, outputs.slice(out, out + n));
+  }
+
+  /// A piece's outputs, all of its items.
+  void deliver(job_state& j, std::uint64_t first, std::size_t n, batch outputs) {
+    if (!j.ordered) {
+      send_to_consumer(j, std::move(outputs));
+      return;
+    }
+    j.reorder.add(first, n, std::move(outputs));
+    release(j);
+  }
+
+  void release(job_state& j) {
+    j.reorder.release([&](batch b) { send_to_consumer(j, std::move(b)); });
   }
 
   /// Per-item time (chunk size) and round trip (how many chunks to keep queued) of `s`.
@@ -421,34 +649,44 @@ class scheduler {
 
   /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the
   /// others, its late answers are dropped, and a local one is replaced by a fresh one.
-  void give_up(std::size_t p, const caf::error& err) {
+  void give_up(std::size_t p, const caf::error& err, bool quarantine = false) {
     auto& s = producers_[p];
     if (!s.alive) return;
     s.alive = false;
     s.gen += 1;
-    bool replace = s.local && !closing_ && s.restarts_in_row < max_restarts_in_row;
-    log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() + " is " +
-                             (err == caf::exit_reason::unreachable ? "unreachable" : "lost") +
-                             " (" + error_text(err) + "); its work goes to the others" +
-                             (replace ? ", and a fresh producer replaces it" : ""));
+    s.quarantined = quarantine;
+    bool replace = s.local && !closing_ && !quarantine && s.restarts_in_row < max_restarts_in_row;
+    if (quarantine)
+      log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
+                               " is quarantined: its work() threw " +
+                               std::to_string(s.failures_in_row) +
+                               " times in a row (options::quarantine_after); its work goes to "
+                               "the others");
+    else
+      log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() + " is " +
+                               (err == caf::exit_reason::unreachable ? "unreachable" : "lost") +
+                               " (" + error_text(err) + "); its work goes to the others" +
+                               (replace ? ", and a fresh producer replaces it" : ""));
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.producers[p].alive = false;
+      stats_->value.producers[p].quarantined = quarantine;
     }
     for (auto& rec : s.outstanding) {
-      if (!run_ || rec.run != run_->id) continue;
-      auto i = chunks_.find(rec.id);
-      if (i == chunks_.end()) continue;
-      auto& h = i->second.holders;
-      h.erase(std::remove(h.begin(), h.end(), p), h.end());
-      if (h.empty()) retry_.insert(rec.id);
+      auto ji = jobs_.find(rec.job);
+      if (ji == jobs_.end()) continue;
+      if (ji->second->pieces.drop_holder(rec.id, p)) ji->second->report.redispatched += rec.items;
     }
     s.outstanding.clear();
     s.items = 0;
-    if (s.local) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+    if (s.local || quarantine) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
     if (replace) restart(p);
     check_survivors();
     pump();
+  }
+
+  void quarantine_producer(std::size_t p) {
+    give_up(p, make_error(errc::work_error, "quarantined"), true);
   }
 
   /// Starts a fresh producer on the device of slot `p`; it takes work once constructed.
@@ -501,131 +739,126 @@ class scheduler {
             });
   }
 
-  /// Fails the run with node_error when no producer is left to take its work.
+  /// Fails every job with node_error when no producer is left to take work.
   void check_survivors() {
-    if (!run_) return;
+    if (jobs_.empty()) return;
     if (std::any_of(producers_.begin(), producers_.end(),
                     [](auto& s) { return s.alive || s.restarting; }))
       return;
     std::string what = "every producer is lost (";
     bool all_local = true;
+    bool any_quarantined = false;
     for (std::size_t i = 0; i < producers_.size(); ++i) {
-      what += (i ? ", " : "") + producers_[i].where.str();
+      what += (i ? ", " : "") + producers_[i].where.str() +
+              (producers_[i].quarantined ? ": quarantined" : "");
       all_local = all_local && producers_[i].local;
+      any_quarantined = any_quarantined || producers_[i].quarantined;
     }
-    what += "); " + std::to_string(retry_.size()) + " chunk(s) of work could not be done: ";
-    what += all_local ? "their replacements were stuck too or failed to start (see the log); "
-                        "create a new runner"
-                      : "create a new runner, with reachable nodes";
-    fail(std::make_exception_ptr(node_error(what)));
-    retry_.clear();
+    what += "); the job's remaining work could not be done: ";
+    what += any_quarantined ? "quarantined producers threw options::quarantine_after times in a "
+                              "row; create a new runner"
+            : all_local     ? "their replacements were stuck too or failed to start (see the "
+                              "log); create a new runner"
+                            : "create a new runner, with reachable nodes";
+    while (!jobs_.empty()) end_job(jobs_.begin()->first, std::make_exception_ptr(node_error(what)));
   }
 
   // -- consumer ------------------------------------------------------------------------------
 
-  void deliver(std::uint64_t id, batch outputs) {
-    if (!run_->ordered) {
-      send_to_consumer(std::move(outputs));
-      return;
-    }
-    reorder_.emplace(id, std::move(outputs));
-    for (auto i = reorder_.begin(); i != reorder_.end() && i->first == deliver_chunk_;
-         i = reorder_.erase(i)) {
-      send_to_consumer(std::move(i->second));
-      ++deliver_chunk_;
-    }
-  }
-
-  void send_to_consumer(batch outputs) {
+  void send_to_consumer(job_state& j, batch outputs) {
     auto n = outputs.size();
-    auto run = run_->id;
-    backlog_ += 1;
-    self_->request(run_->consumer, caf::infinite, consume_chunk{run, std::move(outputs)})
+    auto job = j.id;
+    j.backlog += 1;
+    self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs)})
         .then(
-            [this, run, n](const consume_ack&) {
-              if (!run_ || run_->id != run) return;
-              backlog_ -= 1;
-              consumed_ += n;
+            [this, job, n](const consume_ack&) {
+              auto ji = jobs_.find(job);
+              if (ji == jobs_.end()) return;
+              auto& j = *ji->second;
+              j.backlog -= 1;
+              j.consumed += n;
+              j.report.delivered = j.consumed;
               {
                 std::lock_guard<std::mutex> guard{stats_->mtx};
                 stats_->value.items += n;
               }
-              report_progress(false);
+              report_progress(j, false);
               pump();
             },
-            [this, run](caf::error& err) {
-              if (!run_ || run_->id != run) return;
-              backlog_ -= 1;
-              fail(std::make_exception_ptr(consumer_error(error_text(err))));
+            [this, job](caf::error& err) {
+              if (!jobs_.count(job)) return;
+              end_job(job, std::make_exception_ptr(consumer_error(error_text(err))));
               pump();
             });
   }
 
-  void report_progress(bool final) {
-    if (!opts_.on_progress) return;
+  void report_progress(job_state& j, bool final) {
     auto now = clock_type::now();
-    if (!final && now - last_progress_ < std::chrono::milliseconds{100}) return;
-    last_progress_ = now;
+    if (!final && now - j.last_progress < std::chrono::milliseconds{100}) return;
+    j.last_progress = now;
     progress p;
-    p.done = consumed_;
-    p.total = run_->source->total();
-    p.elapsed_seconds = std::chrono::duration<double>(now - started_).count();
+    p.done = j.consumed;
+    p.total = j.source ? j.source->total() : std::nullopt;
+    p.elapsed_seconds = std::chrono::duration<double>(now - j.started).count();
     p.items_per_second =
-        p.elapsed_seconds > 0 ? static_cast<double>(consumed_) / p.elapsed_seconds : 0;
-    try {
-      opts_.on_progress(p);
-    } catch (...) {
-      log(log_level::warn, "on_progress threw; ignored");
+        p.elapsed_seconds > 0 ? static_cast<double>(j.consumed) / p.elapsed_seconds : 0;
+    j.core->set_progress(p);
+    j.core->update_report([&](job_report& r) {
+      r.items = j.report.items;
+      r.delivered = j.report.delivered;
+      r.retries = j.report.retries;
+      r.redispatched = j.report.redispatched;
+    });
+    for (auto* f : {&j.opts.on_progress, &opts_.on_progress}) {
+      if (!*f) continue;
+      try {
+        (*f)(p);
+      } catch (...) {
+        log(log_level::warn, "on_progress threw; ignored");
+      }
     }
   }
 
-  // -- the end of a run ----------------------------------------------------------------------
+  // -- the end of a job ----------------------------------------------------------------------
 
-  void fail(std::exception_ptr e) {
-    if (!failure_) failure_ = std::move(e);
-  }
-
-  void maybe_finish() {
-    if (!run_) return;
-    if (failure_) {
-      // At once: chunks still at producers are answered into the void (their answers carry
-      // this run's id), and the consumer is disposed of by run() before it returns.
-      finish(failure_);
+  void maybe_finish(std::uint64_t id) {
+    auto ji = jobs_.find(id);
+    if (ji == jobs_.end()) return;
+    auto& j = *ji->second;
+    if (j.ending || !j.exhausted || !j.pieces.empty() || !j.reorder.empty() || j.backlog > 0)
       return;
-    }
-    if (ending_ || !exhausted_ || !chunks_.empty() || !retry_.empty() || !reorder_.empty() ||
-        backlog_ > 0)
-      return;
-    ending_ = true;
-    auto run = run_->id;
-    self_->request(run_->consumer, caf::infinite, end_of_input{run})
+    j.ending = true;
+    self_->request(j.consumer, caf::infinite, end_of_input{id})
         .then(
-            [this, run](const consume_ack&) {
-              if (run_ && run_->id == run) finish(nullptr);
+            [this, id](const consume_ack&) {
+              end_job(id, nullptr);
+              pump();
             },
-            [this, run](caf::error& err) {
-              if (run_ && run_->id == run)
-                finish(std::make_exception_ptr(consumer_error(error_text(err))));
+            [this, id](caf::error& err) {
+              end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
+              pump();
             });
   }
 
-  void finish(std::exception_ptr e) {
-    if (!e) report_progress(true);
-    auto spec = std::move(run_);
-    run_ = nullptr;
-    spec->source.reset();  // the caller's range must not be touched once run() returns
-    chunks_.clear();
-    retry_.clear();
-    reorder_.clear();
+  /// Ends job `id` (e: nullptr on success): its state is dropped, answers still on their way
+  /// are dropped when they come, and its handle wakes up. Its consumer is disposed of by the
+  /// thread that waits for the job, before get() returns.
+  void end_job(std::uint64_t id, std::exception_ptr e) {
+    auto ji = jobs_.find(id);
+    if (ji == jobs_.end()) return;
+    auto j = std::move(ji->second);
+    jobs_.erase(ji);
+    if (!e) report_progress(*j, true);
+    j->source.reset();  // the caller's range must not be touched once the job has ended
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.runs += 1;
       if (e) stats_->value.failed_runs += 1;
     }
-    if (e)
-      spec->done.set_exception(std::move(e));
-    else
-      spec->done.set_value();
+    std::sort(j->report.failures.begin(), j->report.failures.end(),
+              [](const item_failure& a, const item_failure& b) { return a.index < b.index; });
+    j->core->update_report([&](job_report& r) { r = std::move(j->report); });
+    j->core->finish(std::move(e));
   }
 
   void ended_one() {
@@ -651,21 +884,8 @@ class scheduler {
   bool closing_ = false;
   std::size_t pending_ends_ = 0;
   std::shared_ptr<std::promise<void>> close_promise_;
-
-  std::shared_ptr<run_spec> run_;
-  std::uint64_t next_item_ = 0;
-  std::uint64_t next_chunk_ = 0;
-  std::uint64_t deliver_chunk_ = 0;
-  std::uint64_t consumed_ = 0;
-  bool exhausted_ = false;
-  bool ending_ = false;
-  std::exception_ptr failure_;
-  std::size_t backlog_ = 0;
-  std::unordered_map<std::uint64_t, chunk> chunks_;  ///< dispatched, outputs not delivered
-  std::set<std::uint64_t> retry_;                    ///< chunks no producer holds: oldest first
-  std::map<std::uint64_t, batch> reorder_;
-  clock_type::time_point started_;
-  clock_type::time_point last_progress_;
+  std::map<std::uint64_t, std::unique_ptr<job_state>> jobs_;  ///< running, oldest first
+  std::optional<clock_type::time_point> wakeup_at_;
 };
 
 }  // namespace
@@ -683,10 +903,17 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         std::make_shared<scheduler>(self, std::move(producers), std::move(devices), std::move(opts),
                                     std::move(box), std::move(spawn), std::move(cfg));
     return {
-        [st](std::shared_ptr<run_spec>& spec) {
+        [st](std::shared_ptr<job_spec>& spec) {
           mark_internal_thread();
           st->start(std::move(spec));
         },
+        [st](cancel_atom, std::uint64_t id) {
+          mark_internal_thread();
+          st->cancel(id);
+          return consume_ack{id};
+        },
+        [st](deadline_atom, std::uint64_t id) { st->deadline_passed(id); },
+        [st](wakeup_atom) { st->wakeup(); },
         [st](stall_check_atom) { st->check_stalls(); },
         [st](close_atom, std::shared_ptr<std::promise<void>>& done, bool timed) {
           mark_internal_thread();

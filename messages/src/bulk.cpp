@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "troupe/error.hpp"
@@ -173,6 +174,9 @@ class ref_batch final : public batch_base {
     return sink(s, t, n);
   }
   caf::error load(caf::deserializer& source) override { return source(stream_, total_, items_); }
+  [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t, std::size_t) const override {
+    throw std::logic_error("a bulk reference cannot be sliced before it is resolved");
+  }
   [[nodiscard]] std::uint64_t stream() const noexcept { return stream_; }
   [[nodiscard]] std::uint64_t total() const noexcept { return total_; }
 

@@ -24,6 +24,10 @@ const char* to_string(errc code) noexcept {
       return "node_error";
     case errc::protocol_error:
       return "protocol_error";
+    case errc::cancelled:
+      return "cancelled";
+    case errc::deadline_exceeded:
+      return "deadline_exceeded";
   }
   return "unknown";
 }
@@ -46,6 +50,10 @@ void throw_error(errc code, const std::string& what) {
       throw config_error(what);
     case errc::node_error:
       throw node_error(what);
+    case errc::cancelled:
+      throw cancelled(what);
+    case errc::deadline_exceeded:
+      throw deadline_exceeded(what);
     case errc::none:
     case errc::protocol_error:
       break;

@@ -12,10 +12,10 @@
 
 namespace troupe {
 
-/// What on_progress receives. Called on an internal thread, at most every 100 ms and once at
-/// the end of every run; keep it short.
+/// What on_progress receives. Called on an internal thread (the scheduler's), at most every
+/// 100 ms per job and once at the end of every successful job; keep it short.
 struct progress {
-  std::uint64_t done = 0;              ///< items the consumer has received in this run
+  std::uint64_t done = 0;              ///< items the consumer has received in this job
   std::optional<std::uint64_t> total;  ///< the input's size, when the range knows it
   double items_per_second = 0;
   double elapsed_seconds = 0;
@@ -62,6 +62,9 @@ struct options {
   /// current chunk and run producer::end(); producers still busy then are left behind (their
   /// threads end when work() returns).
   std::chrono::milliseconds close_timeout{5000};
+  /// A producer whose work() throws this many times in a row (items of any job) is ended and
+  /// taken out of the pool (producer_stats::quarantined); its items go to the others. 0 = never.
+  std::size_t quarantine_after = 0;
 };
 
 struct producer_stats {
@@ -72,12 +75,14 @@ struct producer_stats {
   /// Times this producer was replaced by a fresh one on the same device after it was given up
   /// on (options::work_timeout) or its actor died.
   std::uint64_t restarts = 0;
+  /// Taken out of the pool after options::quarantine_after failures in a row.
+  bool quarantined = false;
 };
 
 struct stats {
-  std::uint64_t items = 0;  ///< items consumed over every run
-  std::uint64_t runs = 0;   ///< runs finished (successfully or not)
-  std::uint64_t failed_runs = 0;
+  std::uint64_t items = 0;        ///< items consumed over every job
+  std::uint64_t runs = 0;         ///< jobs (runs) finished: successfully, failed or cancelled
+  std::uint64_t failed_runs = 0;  ///< of those, failed, cancelled or past their deadline
   std::vector<producer_stats> producers;
 };
 

@@ -1,5 +1,6 @@
-// troupe::ordered_runner and troupe::unordered_runner: a pool of device-bound producers and a
-// consumer, driven by a scheduler actor (API.md §2).
+// troupe::ordered_runner and troupe::unordered_runner: a long-lived pool of device-bound
+// producers shared by any number of jobs, each with its own consumer, driven by a scheduler
+// actor (docs/api.md: "Runners" and "One pool, many jobs").
 #pragma once
 
 #include <caf/actor_system.hpp>
@@ -16,6 +17,8 @@
 #include "troupe/device.hpp"
 #include "troupe/generate.hpp"
 #include "troupe/job.hpp"
+#include "troupe/job_handle.hpp"
+#include "troupe/job_options.hpp"
 #include "troupe/options.hpp"
 #include "troupe/registry.hpp"
 
@@ -40,28 +43,57 @@ class basic_runner {
   explicit basic_runner(std::size_t cpu_producers, config cfg = {}, options opts = {})
       : basic_runner(cpus(cpu_producers), std::move(cfg), std::move(opts)) {}
 
-  /// Runs every item of `inputs` (any input range, or troupe::generate(fn)) through the
-  /// producers into a fresh consumer and returns consumer::end(). Inputs are pulled lazily.
+  /// Starts a job: every item of `inputs` (any input range, or troupe::generate(fn)) through
+  /// the producers into a fresh consumer, next to the jobs already running. Returns at once.
+  /// An lvalue range is read in place and must outlive the job; an rvalue one (a temporary, a
+  /// generator) is moved into the job. Inputs are pulled lazily, on the scheduler's thread.
   template <class InputRange>
-  result_type run(InputRange&& inputs) {
-    if (!rt_) throw runner_closed("run() on a moved-from runner");
+  job_handle<result_type> submit(InputRange&& inputs, job_options o = {}) {
     auto slot = std::make_shared<std::optional<result_type>>();
-    rt_->run(
-        detail::make_source<input_type>(inputs),
+    auto core = rt().submit(
+        detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
         [&slot](caf::actor_system& sys, const config& cfg) {
           return sys.spawn<caf::detached>(detail::consumer_actor<Job>, cfg, slot);
         },
-        Order == ordering::ordered);
-    return std::move(**slot);
+        Order == ordering::ordered, std::move(o));
+    return job_handle<result_type>{std::move(core), std::move(slot)};
   }
-  result_type run(std::initializer_list<input_type> inputs) {
-    return run<std::initializer_list<input_type>&>(inputs);
+  job_handle<result_type> submit(std::initializer_list<input_type> inputs, job_options o = {}) {
+    return submit(std::vector<input_type>(inputs), std::move(o));
   }
 
-  /// Ends the current run and every run() waiting for its turn (they throw runner_closed),
-  /// then every producer (producer::end() runs on its thread), within options::close_timeout.
-  /// Idempotent, safe from any thread. Called from on_progress or a job's own code, it starts
-  /// closing and returns at once.
+  /// submit(inputs, o).get(): runs every item of `inputs` and returns consumer::end() (or the
+  /// outputs, for a job without consumer). Other threads' jobs run at the same time.
+  template <class InputRange>
+  result_type run(InputRange&& inputs, job_options o = {}) {
+    return submit(inputs, std::move(o)).get();  // an lvalue: run() outlives the job
+  }
+  result_type run(std::initializer_list<input_type> inputs, job_options o = {}) {
+    return submit(inputs, std::move(o)).get();
+  }
+
+  /// The outputs as they come (in input order on an ordered runner), through a bounded buffer:
+  /// a slow reader pauses the producers. Leaving the loop early cancels the rest of the job.
+  /// The job's consumer is not used.
+  template <class InputRange>
+  output_stream<output_type> stream(InputRange&& inputs, job_options o = {}) {
+    auto buf = std::make_shared<detail::stream_buffer>(stream_buffer_chunks);
+    auto core = rt().submit(
+        detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
+        [&buf](caf::actor_system& sys, const config&) {
+          return sys.spawn<caf::detached>(detail::stream_consumer_actor, buf);
+        },
+        Order == ordering::ordered, std::move(o));
+    core->on_finish([buf] { buf->notify(); });
+    return output_stream<output_type>{std::move(core), std::move(buf)};
+  }
+  output_stream<output_type> stream(std::initializer_list<input_type> inputs, job_options o = {}) {
+    return stream(std::vector<input_type>(inputs), std::move(o));
+  }
+
+  /// Ends every job still running (their get() throws runner_closed), then every producer
+  /// (producer::end() runs on its thread), within options::close_timeout. Idempotent, safe from any
+  /// thread. Called from on_progress or a job's own code, it starts closing and returns at once.
   void close() noexcept {
     if (rt_) rt_->close();
   }
@@ -73,6 +105,13 @@ class basic_runner {
   [[nodiscard]] troupe::stats stats() const { return rt_ ? rt_->stats() : troupe::stats{}; }
 
  private:
+  /// Chunks a stream keeps for its reader (each at most options::max_chunk_bytes).
+  static constexpr std::size_t stream_buffer_chunks = 4;
+
+  detail::runtime& rt() const {
+    if (!rt_) throw runner_closed("a moved-from runner");
+    return *rt_;
+  }
   static caf::actor spawn_producer(caf::actor_system& sys, const device& d, const config& cfg) {
     return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
   }

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <typeinfo>
@@ -75,6 +76,9 @@ class batch_base {
   }
   virtual caf::error save(caf::serializer& sink) const = 0;
   virtual caf::error load(caf::deserializer& source) = 0;
+  /// A copy of items [from, to) (for a retried item, or outputs around a skipped one).
+  [[nodiscard]] virtual std::shared_ptr<batch_base> slice(std::size_t from,
+                                                          std::size_t to) const = 0;
 };
 
 template <class T>
@@ -106,6 +110,15 @@ class batch_of final : public batch_base {
       return sink(const_cast<std::vector<T>&>(items));
     else
       return caf::make_error(caf::sec::state_not_serializable);
+  }
+  [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t from, std::size_t to) const override {
+    if constexpr (std::is_copy_constructible<T>::value) {
+      return std::make_shared<batch_of<T>>(
+          std::vector<T>(items.begin() + static_cast<std::ptrdiff_t>(from),
+                         items.begin() + static_cast<std::ptrdiff_t>(to)));
+    } else {
+      throw std::logic_error("items of this type cannot be copied: no retries or skips");
+    }
   }
   caf::error load(caf::deserializer& source) override {
     if constexpr (detail::raw_items<T>) {
@@ -151,6 +164,11 @@ class batch {
   [[nodiscard]] std::size_t size() const noexcept { return ptr_ ? ptr_->size() : 0; }
   [[nodiscard]] bool empty() const noexcept { return size() == 0; }
   [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  /// A copy of items [from, to).
+  [[nodiscard]] batch slice(std::size_t from, std::size_t to) const {
+    return ptr_ ? batch{ptr_->slice(from, to)} : batch{};
+  }
 
   /// The type-erased items (nullptr for no batch).
   [[nodiscard]] const batch_base* get() const noexcept { return ptr_.get(); }

@@ -19,6 +19,8 @@ enum class errc : std::uint8_t {
   config_error,
   node_error,
   protocol_error,
+  cancelled,
+  deadline_exceeded,
 };
 
 /// Returns a short name for `code`, e.g. "work_error".
@@ -46,6 +48,10 @@ TROUPE_DECLARE_ERROR(runner_closed)
 TROUPE_DECLARE_ERROR(config_error)
 TROUPE_DECLARE_ERROR(node_error)
 TROUPE_DECLARE_ERROR(protocol_error)
+/// job_handle::cancel() (or leaving a stream early) ended the job.
+TROUPE_DECLARE_ERROR(cancelled)
+/// The job's job_options::deadline passed before it finished.
+TROUPE_DECLARE_ERROR(deadline_exceeded)
 
 #undef TROUPE_DECLARE_ERROR
 

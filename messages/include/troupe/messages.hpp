@@ -27,9 +27,18 @@ using end_atom = caf::atom_constant<caf::atom("tr_end")>;
 
 /// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
 struct work_chunk {
-  std::uint64_t run = 0;
+  std::uint64_t run = 0;  ///< the job's id
   std::uint64_t first = 0;
   batch items;
+  /// Go on after an item throws (the job has an error policy other than fail()): the answer
+  /// then holds the outputs of the items that worked and lists the ones that threw.
+  bool keep_going = false;
+};
+
+/// An item that threw, in a chunk_result of a work_chunk with keep_going.
+struct item_error {
+  std::uint64_t index = 0;  ///< the item's index in the job's input
+  std::string what;
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.
@@ -44,6 +53,8 @@ struct chunk_result {
   errc code = errc::none;          ///< none, or why the chunk failed
   std::uint64_t failed_index = 0;  ///< the failing item's index in the run
   std::string what;                ///< the failure's message
+  /// keep_going: the items that threw, in index order; `outputs` holds the others' outputs.
+  std::vector<item_error> failures;
 
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };
@@ -71,13 +82,18 @@ struct init_done {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
-  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items);
+  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items, x.keep_going);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, item_error& x) {
+  return f(caf::meta::type_name("troupe.item_error"), x.index, x.what);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
   return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
-           x.idle_ns, x.code, x.failed_index, x.what);
+           x.idle_ns, x.code, x.failed_index, x.what, x.failures);
 }
 
 template <class Inspector>
@@ -113,10 +129,11 @@ std::string error_text(const caf::error& err);
 
 namespace troupe {
 
-// -- node control (API.md §6) ------------------------------------------------------------------
+// -- node control (docs/api.md, several machines)
+// ------------------------------------------------------------------
 
 /// The version of troupe's node protocol; peers with another version are refused.
-constexpr std::uint32_t node_protocol_version = 2;  // 2: chunk_result::idle_ns
+constexpr std::uint32_t node_protocol_version = 3;  // 2: idle_ns; 3: keep_going, failures
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "troupe/bulk.hpp"
+#include "troupe/detail/job_core.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/job.hpp"
@@ -49,7 +50,9 @@ struct producer_state {
   }
 
   chunk_result work(const work_chunk& w) {
-    chunk_result r{w.run, w.first, {}, 0, 0, errc::none, 0, {}};
+    chunk_result r;
+    r.run = w.run;
+    r.first = w.first;
     batch joined;
     try {
       joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
@@ -71,22 +74,30 @@ struct producer_state {
     auto start = std::chrono::steady_clock::now();
     if (last_end != std::chrono::steady_clock::time_point{})
       r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
-    try {
-      for (auto n = items->items.size(); i < n; ++i) {
-        if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
-          outputs.push_back(producer->work(in(items->items[i])));
-        else
-          outputs.push_back(producer->work(items->items[i]));
+    for (auto n = items->items.size(); i < n;) {
+      try {
+        for (; i < n; ++i) {
+          if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
+            outputs.push_back(producer->work(in(items->items[i])));
+          else
+            outputs.push_back(producer->work(items->items[i]));
+        }
+        if (binding) binding->synchronize();
+      } catch (...) {
+        if (!w.keep_going || i >= n) {  // i == n: the device's synchronize() failed
+          r.code = errc::work_error;
+          r.failed_index = w.first + std::min(i, n - 1);
+          r.what = describe_current_exception();
+          break;
+        }
+        // The job skips or retries failed items: note this one and go on with the next.
+        r.failures.push_back(item_error{w.first + i, describe_current_exception()});
+        ++i;
       }
-      if (binding) binding->synchronize();
-    } catch (...) {
-      r.code = errc::work_error;
-      r.failed_index = w.first + i;
-      r.what = describe_current_exception();
     }
     last_end = std::chrono::steady_clock::now();
     r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
-    if (r.ok()) r.outputs = batch::of(std::move(outputs));
+    if (r.ok()) r.outputs = batch::of(std::move(outputs));  // without the failed items
     return r;
   }
 
@@ -224,6 +235,27 @@ caf::behavior consumer_actor(caf::event_based_actor* self, config cfg,
       [st](end_atom) {
         if (st->failure.empty()) st->failure = "the run has ended";
         st->dispose();
+        return consume_ack{};
+      },
+  };
+}
+
+/// The consumer actor of a stream: hands each chunk of outputs to the reader's bounded buffer
+/// (waiting while it is full, which pauses the job's dispatch). Spawn it detached.
+inline caf::behavior stream_consumer_actor(caf::event_based_actor*,
+                                           std::shared_ptr<stream_buffer> buf) {
+  return {
+      [](init_atom) {
+        mark_internal_thread();
+        return consume_ack{};
+      },
+      [buf](consume_chunk& c) {
+        buf->push(std::move(c.items));
+        return consume_ack{c.run};
+      },
+      [](const end_of_input& e) { return consume_ack{e.run}; },
+      [buf](end_atom) {
+        buf->close();
         return consume_ack{};
       },
   };

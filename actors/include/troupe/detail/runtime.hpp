@@ -1,5 +1,5 @@
 // The non-template core of a runner: its producers, its scheduler actor, and the rules for
-// run() and close() across threads.
+// submit() and close() across threads.
 #pragma once
 
 #include <caf/actor.hpp>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "troupe/config.hpp"
+#include "troupe/detail/job_core.hpp"
 #include "troupe/detail/source.hpp"
 #include "troupe/device.hpp"
 #include "troupe/node.hpp"
@@ -20,13 +21,13 @@
 
 namespace troupe::detail {
 
-/// One run, handed from the caller's thread to the scheduler actor.
-struct run_spec {
-  std::uint64_t id = 0;
+/// One job, handed from the caller's thread to the scheduler actor.
+struct job_spec {
+  std::shared_ptr<job_core> core;
   std::shared_ptr<input_source> source;
   caf::actor consumer;
   bool ordered = false;
-  std::promise<void> done;  ///< fulfilled by the scheduler; holds the run's exception
+  job_options opts;
 };
 
 /// Statistics shared between the scheduler and the caller.
@@ -63,12 +64,13 @@ class runtime {
   runtime(const runtime&) = delete;
   runtime& operator=(const runtime&) = delete;
 
-  /// Runs `source` through the producers into a fresh consumer. Blocks; runs of one runner
-  /// take turns. When it returns or throws, the consumer has been destroyed and none of its
-  /// members is called again. Throws runner_closed when close() ends the run or the wait.
-  void run(std::shared_ptr<input_source> source, const consumer_spawner& spawn, bool ordered);
-  /// Ends the current run and every waiting one (runner_closed), then the producers. From
-  /// troupe's own threads (on_progress, a job's code) it only starts closing and returns.
+  /// Starts a job: `source` through the producers into a fresh consumer (spawned here), next
+  /// to the jobs already running. Throws runner_closed after close(), invalid_argument for bad
+  /// options.
+  std::shared_ptr<job_core> submit(std::shared_ptr<input_source> source,
+                                   const consumer_spawner& spawn, bool ordered, job_options o);
+  /// Ends every job (runner_closed), then the producers. From troupe's own threads
+  /// (on_progress, a job's code) it only starts closing and returns.
   void close() noexcept;
   [[nodiscard]] bool is_open() const;
   [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
@@ -87,11 +89,8 @@ class runtime {
   caf::actor_system* sys_ = nullptr;  ///< local_system(), or the process's network system
 
   mutable std::mutex mtx_;  ///< guards the fields below; never held while waiting on actors
-  std::condition_variable turn_;
   bool open_ = false;
-  bool running_ = false;     ///< a run holds the producers
-  std::size_t callers_ = 0;  ///< threads inside run()
-  std::uint64_t next_run_ = 1;
+  std::uint64_t next_job_ = 1;
   std::shared_future<void> closed_;  ///< set once the scheduler has ended the producers
 
   caf::actor scheduler_;
@@ -110,5 +109,7 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
 using close_atom = caf::atom_constant<caf::atom("tr_close")>;
 /// options::close_timeout has passed: producers still busy are left behind.
 using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
+/// Ends a job (with its id): answered once its items are withdrawn.
+using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
 
 }  // namespace troupe::detail

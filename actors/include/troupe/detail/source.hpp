@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -156,6 +157,35 @@ std::shared_ptr<input_source> make_source(Range& r) {
     return std::make_shared<generator_source<In, typename Range::function_type>>(r);
   else
     return std::make_shared<range_source<In, Range>>(r);
+}
+
+/// A source that owns its range (a range or generator handed to submit() as an rvalue).
+template <class In, class Range>
+class owning_source final : public input_source {
+ public:
+  explicit owning_source(Range&& r) : range_(std::move(r)), inner_(make_source<In>(range_)) {
+    total_ = inner_->total();
+  }
+  batch pull(std::size_t max_items, std::size_t max_bytes,
+             std::chrono::nanoseconds budget) override {
+    auto b = inner_->pull(max_items, max_bytes, budget);
+    exhausted_ = inner_->exhausted();
+    return b;
+  }
+
+ private:
+  Range range_;
+  std::shared_ptr<input_source> inner_;
+};
+
+/// For submit(): an lvalue range is read in place (it must outlive the job), an rvalue one is
+/// moved into the job.
+template <class In, class Range>
+std::shared_ptr<input_source> make_job_source(Range&& r) {
+  if constexpr (std::is_lvalue_reference<Range>::value)
+    return make_source<In>(r);
+  else
+    return std::make_shared<owning_source<In, std::decay_t<Range>>>(std::move(r));
 }
 
 }  // namespace troupe::detail

@@ -1,0 +1,167 @@
+// troupe::job_handle and troupe::output_stream: a job submitted to a runner, waited for as a
+// whole or read as it comes (docs/api.md, "One pool, many jobs").
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "troupe/detail/job_core.hpp"
+#include "troupe/error.hpp"
+#include "troupe/job_options.hpp"
+
+namespace troupe {
+
+/// A job running on a runner's producers. Movable, not copyable. Destroying the handle of an
+/// unfinished job cancels it.
+template <class R>
+class job_handle {
+ public:
+  job_handle() = default;
+  job_handle(std::shared_ptr<detail::job_core> core, std::shared_ptr<std::optional<R>> slot)
+      : core_(std::move(core)), slot_(std::move(slot)) {}
+  job_handle(job_handle&&) noexcept = default;
+  job_handle& operator=(job_handle&& other) noexcept {
+    if (this != &other) {
+      release();
+      core_ = std::move(other.core_);
+      slot_ = std::move(other.slot_);
+    }
+    return *this;
+  }
+  job_handle(const job_handle&) = delete;
+  job_handle& operator=(const job_handle&) = delete;
+  ~job_handle() { release(); }
+
+  /// Waits for the job; returns consumer::end() (or the outputs, for a job without consumer).
+  /// Throws what run() throws, or cancelled / deadline_exceeded. Call it once. When it returns
+  /// or throws, no member of the job's consumer runs any more.
+  R get() {
+    if (!core_) throw invalid_argument("get() on an empty or moved-from job_handle");
+    core_->get();
+    return std::move(**slot_);
+  }
+  /// True once the job has ended (any way).
+  bool wait_for(std::chrono::milliseconds d) { return core().wait_for(d); }
+  [[nodiscard]] bool done() const { return core().done(); }
+  /// Ends the job unless it has ended: no further item of it reaches a producer, results in
+  /// flight are dropped, get() throws cancelled. Idempotent.
+  void cancel() { core().cancel(); }
+  [[nodiscard]] troupe::progress progress() const { return core().current_progress(); }
+  /// Complete once done().
+  [[nodiscard]] job_report report() const { return core().report(); }
+  [[nodiscard]] bool valid() const noexcept { return core_ != nullptr; }
+
+ private:
+  detail::job_core& core() const {
+    if (!core_) throw invalid_argument("an empty or moved-from job_handle");
+    return *core_;
+  }
+  void release() noexcept {
+    if (core_) core_->abandon();
+    core_.reset();
+  }
+
+  std::shared_ptr<detail::job_core> core_;
+  std::shared_ptr<std::optional<R>> slot_;
+};
+
+/// The outputs of a job as they come (an ordered runner gives them in input order), with a
+/// bounded buffer: when the reader is slow the producers pause. An input range: iterate it
+/// once. Leaving the loop early or destroying the stream cancels the rest of the job; an error
+/// of the job is thrown by the iteration, after the outputs that reached the buffer before it.
+template <class T>
+class output_stream {
+ public:
+  struct sentinel {};
+  class iterator {
+   public:
+    using iterator_category = std::input_iterator_tag;
+    using value_type = T;
+    using difference_type = std::ptrdiff_t;
+    using pointer = T*;
+    using reference = T&;
+
+    iterator() = default;
+    explicit iterator(output_stream* s) : s_(s) {}
+    T& operator*() const { return s_->current(); }
+    T* operator->() const { return &s_->current(); }
+    iterator& operator++() {
+      s_->advance();
+      return *this;
+    }
+    void operator++(int) { s_->advance(); }
+    friend bool operator==(const iterator& i, sentinel) { return !i.s_ || i.s_->at_end(); }
+    friend bool operator!=(const iterator& i, sentinel s) { return !(i == s); }
+    friend bool operator==(sentinel s, const iterator& i) { return i == s; }
+    friend bool operator!=(sentinel s, const iterator& i) { return !(i == s); }
+
+   private:
+    output_stream* s_ = nullptr;
+  };
+
+  output_stream(std::shared_ptr<detail::job_core> core, std::shared_ptr<detail::stream_buffer> buf)
+      : core_(std::move(core)), buf_(std::move(buf)) {}
+  output_stream(output_stream&&) noexcept = default;
+  output_stream& operator=(output_stream&&) = delete;
+  output_stream(const output_stream&) = delete;
+  output_stream& operator=(const output_stream&) = delete;
+  ~output_stream() {
+    if (core_) {
+      buf_->close();
+      core_->abandon();
+    }
+  }
+
+  /// Waits for the first output.
+  iterator begin() {
+    fetch();
+    return iterator{this};
+  }
+  sentinel end() const noexcept { return {}; }
+  /// Ends the job; the iteration ends after the outputs already read.
+  void cancel() {
+    buf_->close();
+    core_->cancel();
+    ended_ = true;
+  }
+  [[nodiscard]] job_report report() const { return core_->report(); }
+  [[nodiscard]] troupe::progress progress() const { return core_->current_progress(); }
+
+  // The iterator's steps (an input range has one position: the stream's).
+  T& current() { return items()->items[pos_]; }
+  [[nodiscard]] bool at_end() const noexcept { return ended_; }
+  void advance() {
+    ++pos_;
+    fetch();
+  }
+
+ private:
+  batch_of<T>* items() const { return chunk_.template as<T>(); }
+  /// Moves to the next output, waiting for it; at the end, rethrows the job's error.
+  void fetch() {
+    if (ended_) return;
+    while (!items() || pos_ >= items()->items.size()) {
+      auto next = buf_->pop(*core_);
+      if (!next) {
+        ended_ = true;
+        chunk_ = batch{};
+        core_->get();  // disposes of the consumer; throws the job's error
+        return;
+      }
+      chunk_ = std::move(*next);
+      pos_ = 0;
+    }
+  }
+
+  std::shared_ptr<detail::job_core> core_;
+  std::shared_ptr<detail::stream_buffer> buf_;
+  batch chunk_;
+  std::size_t pos_ = 0;
+  bool ended_ = false;
+};
+
+}  // namespace troupe
