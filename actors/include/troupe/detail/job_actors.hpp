@@ -68,19 +68,33 @@ struct producer_state {
                         : "producer on " + where.str() + " was not started or has ended";
       return r;
     }
+    auto n = items->items.size();
     std::vector<out> outputs;
-    outputs.reserve(items->size());
-    std::size_t i = 0;
+    // Numbers are written in place through local pointers (no per-item capacity check);
+    // other outputs are appended.
+    constexpr bool in_place = raw_items<out> && raw_items<in>;
+    if constexpr (in_place)
+      outputs.resize(n);
+    else
+      outputs.reserve(n);
+    std::size_t i = 0, k = 0;  // item, output
     auto start = std::chrono::steady_clock::now();
     if (last_end != std::chrono::steady_clock::time_point{})
       r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
-    for (auto n = items->items.size(); i < n;) {
+    auto& p = *producer;
+    while (i < n) {
       try {
-        for (; i < n; ++i) {
-          if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
-            outputs.push_back(producer->work(in(items->items[i])));
-          else
-            outputs.push_back(producer->work(items->items[i]));
+        if constexpr (in_place) {
+          const in* x = items->items.data();
+          out* o = outputs.data();
+          for (; i < n; ++i, ++k) o[k] = p.work(in(x[i]));  // numbers: a copy is free
+        } else {
+          for (; i < n; ++i, ++k) {
+            if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
+              outputs.push_back(p.work(in(items->items[i])));
+            else
+              outputs.push_back(p.work(items->items[i]));
+          }
         }
         if (binding) binding->synchronize();
       } catch (...) {
@@ -95,6 +109,7 @@ struct producer_state {
         ++i;
       }
     }
+    if constexpr (in_place) outputs.resize(k);
     last_end = std::chrono::steady_clock::now();
     r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
     if (r.ok()) r.outputs = batch::of(std::move(outputs));  // without the failed items

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -90,18 +91,26 @@ batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanosecond
            bool& exhausted, Next&& next) {
   using clock = std::chrono::steady_clock;
   std::vector<In> items;
-  items.reserve(max_items < 1024 ? max_items : 1024);
   std::size_t bytes = 0;
+  if constexpr (std::is_arithmetic<In>::value) {
+    // Numbers: the byte bound is a count, and the chunk's room is reserved once (growing a
+    // vector item by item costs more than pulling the items).
+    max_items = std::min(max_items, std::max<std::size_t>(1, max_bytes / sizeof(In)));
+    items.reserve(max_items);
+    max_bytes = std::numeric_limits<std::size_t>::max();
+  } else {
+    items.reserve(max_items < 1024 ? max_items : 1024);
+  }
   auto start = clock::now();
-  std::size_t check_every = 1;  // the clock is read after every item at first, then rarely
-  while (items.size() < max_items && bytes < max_bytes) {
+  std::size_t check_every = 1;  // a power of two: the clock is read after every item at first,
+  while (items.size() < max_items && bytes < max_bytes) {  // then every 256th
     if (!next(items)) {
       exhausted = true;
       break;
     }
-    bytes += item_bytes(items.back());
+    if constexpr (!std::is_arithmetic<In>::value) bytes += item_bytes(items.back());
     auto n = items.size();
-    if (n % check_every == 0) {
+    if ((n & (check_every - 1)) == 0) {
       if (clock::now() - start >= budget) break;
       if (n >= 16 * check_every && check_every < 256) check_every *= 2;
     }
