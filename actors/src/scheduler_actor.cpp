@@ -135,7 +135,7 @@ class scheduler {
     j->consumer = std::move(spec->consumer);
     j->ordered = spec->ordered;
     j->opts = std::move(spec->opts);
-    j->started = j->last_progress = clock_type::now();
+    j->started = clock_type::now();  // last_progress: never, so the first ack reports at once
     // A new job starts level with the least served running job: it neither waits for the
     // others' past nor takes their turn for long.
     std::optional<double> least;
