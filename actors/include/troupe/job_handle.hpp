@@ -118,6 +118,10 @@ class output_stream {
 
   /// Waits for the first output.
   iterator begin() {
+    if (!ended_ && detail::on_internal_thread())
+      throw invalid_argument(
+          "reading a stream on troupe's own threads (on_progress, a producer, a consumer) "
+          "would wait for itself");
     fetch();
     return iterator{this};
   }

@@ -18,6 +18,9 @@
 
 namespace troupe::detail {
 
+/// True on a thread that runs troupe's actors (see runtime.hpp).
+bool on_internal_thread() noexcept;
+
 class job_core {
  public:
   job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer)
