@@ -1,4 +1,5 @@
-# Finds troupe's dependencies. Sets TROUPE_HAVE_TORCH, TROUPE_HAVE_TORCH_CUDA and
+# Finds troupe's dependencies (the core needs CAF, OpenSSL and Threads; troupe::torch LibTorch and,
+# for CUDA producers, the CUDA toolkit). Sets TROUPE_HAVE_TORCH, TROUPE_HAVE_TORCH_CUDA and
 # TROUPE_HAVE_CUDART.
 find_package(Threads REQUIRED)
 find_package(CAF 0.17 REQUIRED)
@@ -28,14 +29,7 @@ if(TROUPE_WITH_TORCH)
     if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
       set(TROUPE_HAVE_TORCH_CUDA ON)
     endif()
-    # The PyPI wheel's libtorch_cuda needs the wheel's own NCCL, cuDNN ... (found at run time
-    # through its RPATH). Let the linker see them too, before the CUDA toolkit's older copies.
-    get_filename_component(_troupe_site "${Torch_DIR}/../../../.." ABSOLUTE)
-    file(GLOB _troupe_wheel_libs "${_troupe_site}/nvidia/*/lib")
-    set(TROUPE_TORCH_LINK_OPTIONS "")
-    foreach(_dir IN LISTS _troupe_wheel_libs)
-      list(APPEND TROUPE_TORCH_LINK_OPTIONS "LINKER:-rpath-link,${_dir}")
-    endforeach()
+    include(TroupeTorchLinks)
   endif()
 endif()
 message(STATUS "troupe: LibTorch ${TROUPE_HAVE_TORCH} (CUDA ${TROUPE_HAVE_TORCH_CUDA}), "

@@ -14,6 +14,7 @@
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <caf/io/basp/header.hpp>
+#include <caf/actor_system.hpp>
 #include <caf/node_id.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -30,7 +31,9 @@
 #include <thread>
 #include <troupe/bulk.hpp>
 #include <troupe/messages.hpp>
+#include <troupe/detail/network.hpp>
 #include <troupe/node.hpp>
+#include <troupe/registry.hpp>
 
 #include "remote_jobs.hpp"
 #include "test_util.hpp"

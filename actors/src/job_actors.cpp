@@ -1,5 +1,20 @@
 #include "troupe/detail/job_actors.hpp"
 
+#include <caf/actor_system.hpp>
+#include <caf/event_based_actor.hpp>
+#include <chrono>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "troupe/bulk.hpp"
+#include "troupe/detail/job_core.hpp"
+#include "troupe/detail/runtime.hpp"
+#include "troupe/device_binding.hpp"
+#include "troupe/messages.hpp"
+#include "troupe/register.hpp"
+#include "troupe/registry.hpp"
+
 namespace troupe::detail {
 
 std::string describe_current_exception() {
@@ -13,6 +28,259 @@ std::string describe_current_exception() {
   } catch (...) {
     return "an exception of a type not derived from std::exception";
   }
+}
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+struct producer_state {
+  producer_maker make = nullptr;
+  device where;
+  config cfg;
+  std::size_t index = 0;
+  std::unique_ptr<device_binding> binding;
+  std::unique_ptr<producer_ops> producer;
+  clock::time_point last_end{};  ///< when the previous chunk was done
+
+  caf::result<init_done> init() {
+    try {
+      binding = bind_device(where);
+      producer = make(where, cfg, index);
+      return init_done{where.str()};
+    } catch (const device_unavailable& e) {
+      return make_error(errc::device_unavailable, e.what());
+    } catch (...) {
+      binding.reset();
+      return make_error(errc::init_error, "producer on " + where.str() +
+                                              " failed to start: " + describe_current_exception());
+    }
+  }
+
+  chunk_result work(const work_chunk& w) {
+    chunk_result r;
+    r.run = w.run;
+    r.first = w.first;
+    batch joined;
+    try {
+      joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
+    } catch (const std::exception& e) {
+      r.code = errc::protocol_error;
+      r.what = e.what();
+      return r;
+    }
+    if (!producer) {
+      r.code = errc::protocol_error;
+      r.what = "producer on " + where.str() + " was not started or has ended";
+      return r;
+    }
+    auto start = clock::now();
+    if (last_end != clock::time_point{})
+      r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
+    work_outcome out;
+    producer->work(joined, w.first, w.keep_going, out);
+    if (out.wrong_type) {
+      r.code = errc::protocol_error;
+      r.what = "work chunk holds items of another type than the job's input";
+      return r;
+    }
+    if (out.failed) {
+      r.code = errc::work_error;
+      r.failed_index = out.failed_index;
+      r.what = std::move(out.what);
+    } else if (binding) {
+      try {
+        binding->synchronize();
+      } catch (...) {  // the device failed the chunk's queued work
+        r.code = errc::work_error;
+        r.failed_index = w.first + (joined.size() > 0 ? joined.size() - 1 : 0);
+        r.what = describe_current_exception();
+      }
+    }
+    last_end = clock::now();
+    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    r.failures = std::move(out.failures);
+    if (r.ok()) r.outputs = std::move(out.outputs);  // without the failed items
+    return r;
+  }
+
+  caf::result<consume_ack> end() {
+    auto p = std::move(producer);
+    try {
+      if (p) {
+        p->end();
+        p->destroy();  // the destructor runs here, on its own thread, and may throw
+      }
+      binding.reset();
+      return consume_ack{};
+    } catch (...) {
+      binding.reset();
+      return make_error(errc::work_error, "producer::end() on " + where.str() +
+                                              " threw: " + describe_current_exception());
+    }
+  }
+};
+
+caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<producer_state> st) {
+  self->attach_functor([st] {
+    try {
+      if (st->producer) st->producer->destroy();
+    } catch (...) {
+    }
+    st->producer.reset();
+    st->binding.reset();
+  });
+  return {
+      [st](init_atom) {
+        mark_internal_thread();
+        return st->init();
+      },
+      [self, st](const work_chunk& w) {
+        mark_internal_thread();
+        auto r = st->work(w);
+        // Large outputs for a remote scheduler go back as fragments, then a small reference.
+        if (r.ok())
+          r.outputs =
+              bulk::split_for(self, caf::actor_cast<caf::actor>(self->current_sender()), r.outputs);
+        return r;
+      },
+      [](const bulk::fragment&) {},  // joined while it was deserialized
+      [st](end_atom) {
+        mark_internal_thread();
+        return st->end();
+      },
+  };
+}
+
+struct consumer_state {
+  consumer_maker make;
+  config cfg;
+  std::unique_ptr<consumer_ops> consumer;
+  std::string failure;
+
+  caf::error fail(const char* member) {
+    failure = std::string{"consumer::"} + member + " threw: " + describe_current_exception();
+    dispose();
+    return make_error(errc::consumer_error, failure);
+  }
+
+  /// Destroys the consumer object (its destructor may throw: ignored).
+  void dispose() noexcept {
+    try {
+      if (consumer) consumer->destroy();
+    } catch (...) {
+    }
+    consumer.reset();
+  }
+
+  caf::result<consume_ack> init() {
+    try {
+      consumer = make(cfg);
+      return consume_ack{};
+    } catch (...) {
+      return fail("consumer (constructor)");
+    }
+  }
+
+  caf::result<consume_ack> work(consume_chunk& c) {
+    if (!consumer) return make_error(errc::consumer_error, failure);
+    try {
+      if (!consumer->work(c.items))
+        return make_error(errc::protocol_error, "output chunk of another type");
+      return consume_ack{c.run};
+    } catch (...) {
+      return fail("work");
+    }
+  }
+
+  caf::result<consume_ack> end(const end_of_input& e) {
+    if (!consumer) return make_error(errc::consumer_error, failure);
+    try {
+      consumer->end();
+      dispose();
+      return consume_ack{e.run};
+    } catch (...) {
+      return fail("end");
+    }
+  }
+};
+
+caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consumer_state> st) {
+  self->attach_functor([st] { st->dispose(); });
+  return {
+      [st](init_atom) {
+        mark_internal_thread();
+        return st->init();
+      },
+      [st](consume_chunk& c) { return st->work(c); },
+      [st](const end_of_input& e) { return st->end(e); },
+      // The job is returning: nothing of this consumer may run after it (a high-priority
+      // message, ahead of chunks still queued).
+      [st](end_atom) {
+        if (st->failure.empty()) st->failure = "the run has ended";
+        st->dispose();
+        return consume_ack{};
+      },
+  };
+}
+
+caf::behavior stream_consumer_actor(caf::event_based_actor*, std::shared_ptr<stream_buffer> buf) {
+  return {
+      [](init_atom) {
+        mark_internal_thread();
+        return consume_ack{};
+      },
+      [buf](consume_chunk& c) {
+        buf->push(std::move(c.items));
+        return consume_ack{c.run};
+      },
+      [](const end_of_input& e) { return consume_ack{e.run}; },
+      [buf](end_atom) {
+        buf->close();
+        return consume_ack{};
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, device d, config cfg,
+                                std::size_t index) {
+  auto st = std::make_shared<producer_state>();
+  st->make = make;
+  st->where = std::move(d);
+  st->cfg = std::move(cfg);
+  st->index = index;
+  return sys.spawn<caf::detached>(producer_actor, std::move(st));
+}
+
+caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg) {
+  auto st = std::make_shared<consumer_state>();
+  st->make = std::move(make);
+  st->cfg = std::move(cfg);
+  return sys.spawn<caf::detached>(consumer_actor, std::move(st));
+}
+
+caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf) {
+  return sys.spawn<caf::detached>(stream_consumer_actor, std::move(buf));
+}
+
+}  // namespace troupe::detail
+
+namespace troupe::detail {
+
+bool register_job_ops(const std::string& name, const std::type_info& job, producer_maker make,
+                      std::string signature) {
+  return register_job(
+      name, job,
+      [make](caf::actor_system& sys, const device& d, const config& cfg, std::size_t index) {
+        return spawn_producer_actor(sys, make, d, cfg, index);
+      },
+      std::move(signature));
+}
+
+std::string registered_job_name(const std::type_info& job) {
+  return job_name(job);
 }
 
 }  // namespace troupe::detail

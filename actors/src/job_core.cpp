@@ -1,12 +1,27 @@
 #include "troupe/detail/job_core.hpp"
 
+#include <caf/actor.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
 
-#include "troupe/detail/runtime.hpp"
+#include "runtime_impl.hpp"
 #include "troupe/messages.hpp"
 
 namespace troupe::detail {
+
+struct job_core::actors {
+  caf::actor scheduler;
+  caf::actor consumer;
+};
+
+job_core::job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer)
+    : id_(id), actors_(new actors{std::move(scheduler), std::move(consumer)}) {}
+
+job_core::~job_core() = default;
+
+const caf::actor& job_core::consumer() const noexcept {
+  return actors_->consumer;
+}
 
 void job_core::finish(std::exception_ptr e) {
   std::function<void()> wake;
@@ -59,12 +74,12 @@ void job_core::get() {
 void job_core::cancel() {
   if (done()) return;
   if (on_internal_thread()) {
-    caf::anon_send(scheduler_, cancel_atom::value, id_);
+    caf::anon_send(actors_->scheduler, cancel_atom::value, id_);
     return;
   }
   try {
-    caf::scoped_actor self{scheduler_->home_system()};
-    self->request(scheduler_, caf::infinite, cancel_atom::value, id_)
+    caf::scoped_actor self{actors_->scheduler->home_system()};
+    self->request(actors_->scheduler, caf::infinite, cancel_atom::value, id_)
         .receive([](const consume_ack&) {}, [](const caf::error&) {});
   } catch (...) {
   }
@@ -82,19 +97,19 @@ void job_core::abandon() noexcept {
 void job_core::dispose() noexcept {
   {
     std::lock_guard<std::mutex> guard{mtx_};
-    if (disposed_ || !consumer_) return;
+    if (disposed_ || !actors_->consumer) return;
     disposed_ = true;
   }
   try {
     if (on_internal_thread()) {
-      caf::anon_send<caf::message_priority::high>(consumer_, end_atom::value);
-      caf::anon_send_exit(consumer_, caf::exit_reason::user_shutdown);
+      caf::anon_send<caf::message_priority::high>(actors_->consumer, end_atom::value);
+      caf::anon_send_exit(actors_->consumer, caf::exit_reason::user_shutdown);
       return;
     }
-    caf::scoped_actor self{consumer_->home_system()};
-    self->request<caf::message_priority::high>(consumer_, caf::infinite, end_atom::value)
+    caf::scoped_actor self{actors_->consumer->home_system()};
+    self->request<caf::message_priority::high>(actors_->consumer, caf::infinite, end_atom::value)
         .receive([](const consume_ack&) {}, [](const caf::error&) {});
-    self->send_exit(consumer_, caf::exit_reason::user_shutdown);
+    self->send_exit(actors_->consumer, caf::exit_reason::user_shutdown);
   } catch (...) {
   }
 }

@@ -1,4 +1,4 @@
-#include "troupe/detail/runtime.hpp"
+#include "runtime_impl.hpp"
 
 #include <algorithm>
 #include <caf/actor_system.hpp>
@@ -10,6 +10,7 @@
 #include <caf/send.hpp>
 #include <map>
 
+#include "troupe/detail/job_actors.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
 #include "troupe/messages.hpp"
@@ -53,11 +54,13 @@ caf::actor_system& local_system() {
 }
 
 runtime::runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-                 producer_spawner spawn)
+                 producer_maker make)
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
-      spawn_(std::move(spawn)),
+      spawn_([make](caf::actor_system& sys, const device& d, const config& c, std::size_t i) {
+        return spawn_producer_actor(sys, make, d, c, i);
+      }),
       stats_(std::make_shared<stats_box>()) {
   if (devices_.empty())
     throw invalid_argument(
@@ -131,9 +134,10 @@ std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& se
     for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
     if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
   };
-  for (auto& d : devices_) {
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    auto& d = devices_[i];
     if (d.is_local()) {
-      spawned.push_back(spawn_(*sys_, d, cfg_));
+      spawned.push_back(spawn_(*sys_, d, cfg_, i));
       continue;
     }
     if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
@@ -149,7 +153,7 @@ std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& se
     caf::error failed;
     caf::actor producer;
     self->request(node, remote_reply_timeout,
-                  spawn_producer{job, find_job(job).signature, d.local().str(), cfg_}, anchor_)
+                  spawn_producer{job, find_job(job).signature, d.local().str(), cfg_, i}, anchor_)
         .receive([&](caf::actor& p) { producer = std::move(p); },
                  [&](caf::error& err) { failed = std::move(err); });
     if (failed) {
@@ -235,13 +239,14 @@ troupe::stats runtime::stats() const {
 std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
                                           const consumer_spawner& spawn, bool ordered,
                                           job_options o) {
+  // (consumer_spawner: the job's consumer actor, spawned in this runner's actor system)
   if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
   if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
   {
     std::lock_guard<std::mutex> guard{mtx_};
     if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");
   }
-  auto consumer = spawn(*sys_, cfg_);
+  auto consumer = spawn(*sys_);
   std::lock_guard<std::mutex> guard{mtx_};
   if (!open_) {
     caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown);
@@ -258,6 +263,54 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
   // this job before it closes (and ends it with runner_closed).
   caf::anon_send(scheduler_, std::move(spec));
   return core;
+}
+
+void runtime_deleter::operator()(runtime* rt) const noexcept {
+  delete rt;
+}
+
+runtime_ptr make_runtime(std::vector<device> devices, config cfg, options opts, std::string job,
+                         producer_maker make) {
+  return runtime_ptr{
+      new runtime(std::move(devices), std::move(cfg), std::move(opts), std::move(job), make)};
+}
+
+std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> source,
+                                     consumer_maker make, bool ordered, job_options o) {
+  auto cfg = rt.job_config();
+  return rt.submit(
+      std::move(source),
+      [&make, &cfg](caf::actor_system& sys) {
+        return spawn_consumer_actor(sys, std::move(make), cfg);
+      },
+      ordered, std::move(o));
+}
+
+std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_source> source,
+                                        std::shared_ptr<stream_buffer> buf, bool ordered,
+                                        job_options o) {
+  auto core = rt.submit(
+      std::move(source),
+      [&buf](caf::actor_system& sys) { return spawn_stream_consumer(sys, buf); }, ordered,
+      std::move(o));
+  core->on_finish([buf] { buf->notify(); });
+  return core;
+}
+
+void close_runtime(runtime& rt) noexcept {
+  rt.close();
+}
+
+bool runtime_open(const runtime& rt) {
+  return rt.is_open();
+}
+
+const std::vector<device>& runtime_devices(const runtime& rt) noexcept {
+  return rt.devices();
+}
+
+troupe::stats runtime_stats(const runtime& rt) {
+  return rt.stats();
 }
 
 }  // namespace troupe::detail

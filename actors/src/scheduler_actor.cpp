@@ -20,7 +20,7 @@
 
 #include "scheduler_parts.hpp"
 #include "troupe/bulk.hpp"
-#include "troupe/detail/runtime.hpp"
+#include "runtime_impl.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
 #include "troupe/messages.hpp"
@@ -694,7 +694,7 @@ class scheduler {
     auto& s = producers_[p];
     caf::actor fresh;
     try {
-      fresh = spawn_(self_->system(), s.where, cfg_);
+      fresh = spawn_(self_->system(), s.where, cfg_, p);
     } catch (const std::exception& e) {
       log(log_level::error, "cannot replace the producer on " + s.where.str() + ": " + e.what());
       return;

@@ -4,9 +4,6 @@
 
 #include "troupe/error.hpp"
 
-#ifdef TROUPE_WITH_CUDART
-#include <cuda_runtime_api.h>
-#endif
 
 namespace troupe {
 namespace {
@@ -88,28 +85,26 @@ std::vector<device> cpus(std::size_t n) {
   return std::vector<device>(n, device{"cpu"});
 }
 
+namespace detail {
+int cuda_device_count() noexcept;  // device_binding.cpp: -1 without troupe::torch's CUDA support
+}
+
 std::vector<device> gpus() {
   std::vector<device> out;
-#ifdef TROUPE_WITH_CUDART
-  int count = 0;  // cudaGetDeviceCount leaves it untouched on error (e.g. no driver: 35)
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky error state
-    count = 0;
-  }
+  int count = detail::cuda_device_count();
   for (int i = 0; i < count; ++i) out.emplace_back("cuda:" + std::to_string(i));
-#endif
   return out;
 }
 
 std::string why_unavailable(const device& d) {
   if (!d.is_local()) return {};  // its node decides
   if (d.is_cpu()) return {};
-#if !defined(TROUPE_WITH_CUDA)
-  return "device " + d.str() +
-         ": troupe was built without CUDA support (LibTorch without "
-         "CUDA or no CUDA toolkit); use cpu devices";
-#else
-  auto n = gpus().size();
+  int count = detail::cuda_device_count();
+  if (count < 0)
+    return "device " + d.str() +
+           ": this program has no CUDA support (link troupe::torch, built with a CUDA "
+           "LibTorch and the CUDA toolkit); use cpu devices";
+  auto n = static_cast<std::size_t>(count);
   if (n == 0)
     return "device " + d.str() +
            ": no usable GPU in this process (no GPU, or no NVIDIA "
@@ -118,7 +113,6 @@ std::string why_unavailable(const device& d) {
     return "device " + d.str() + ": only " + std::to_string(n) +
            " GPU(s) here (cuda:0 to cuda:" + std::to_string(n - 1) + ")";
   return {};
-#endif
 }
 
 }  // namespace troupe

@@ -25,6 +25,7 @@
 #include "troupe/bulk.hpp"
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
+#include "troupe/detail/network.hpp"
 #include "troupe/node.hpp"
 #include "troupe/registry.hpp"
 
@@ -398,7 +399,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
           return make_error(errc::device_unavailable,
                             "this node offers " + join(offered) + ", not " + req.device);
         }
-        auto p = job.spawn(self->system(), *d, req.cfg);
+        auto p = job.spawn(self->system(), *d, req.cfg, static_cast<std::size_t>(req.index));
         auto& mine = st->producers_of[owner.address()];
         if (mine.empty()) self->monitor(owner);
         mine.push_back(p);

@@ -111,10 +111,13 @@ struct job_traits {
   static_assert(std::is_copy_constructible<input_type>::value &&
                     std::is_copy_constructible<output_type>::value,
                 "troupe: the input and output types of Job::producer::work must be copyable");
-  static_assert(std::is_constructible<producer_type, const device&, const config&>::value ||
+  static_assert(std::is_constructible<producer_type, const device&, const config&,
+                                      std::size_t>::value ||
+                    std::is_constructible<producer_type, const device&, const config&>::value ||
                     std::is_constructible<producer_type, const device&>::value ||
                     std::is_default_constructible<producer_type>::value,
                 "troupe: Job::producer needs a constructor taking (const troupe::device&, const "
+                "troupe::config&, std::size_t index), (const troupe::device&, const "
                 "troupe::config&), (const troupe::device&) or nothing");
 
   static constexpr bool has_job_consumer = has_consumer<Job>::value;
@@ -138,6 +141,19 @@ struct job_traits {
           std::is_default_constructible<consumer_type>::value,
       "troupe: Job::consumer needs a constructor taking (const troupe::config&) or nothing");
 };
+
+/// Constructs a producer from what it accepts of (device, config, index in the runner).
+template <class T>
+std::unique_ptr<T> make_producer(const device& d, const config& cfg, std::size_t index) {
+  if constexpr (std::is_constructible<T, const device&, const config&, std::size_t>::value)
+    return std::make_unique<T>(d, cfg, index);
+  else if constexpr (std::is_constructible<T, const device&, const config&>::value)
+    return std::make_unique<T>(d, cfg);
+  else if constexpr (std::is_constructible<T, const device&>::value)
+    return std::make_unique<T>(d);
+  else
+    return std::make_unique<T>();
+}
 
 /// Constructs T from what it accepts of (device, config).
 template <class T>

@@ -4,14 +4,21 @@
 // serializable by CAF (an inspect() overload; include <troupe/torch.hpp> for tensors).
 #pragma once
 
-#include <caf/actor_system.hpp>
 #include <caf/detail/type_traits.hpp>
+#include <string>
+#include <typeinfo>
 
 #include "troupe/batch.hpp"
-#include "troupe/detail/job_actors.hpp"
-#include "troupe/registry.hpp"
+#include "troupe/detail/job_ops.hpp"
 
 namespace troupe {
+
+namespace detail {
+/// Registers a job's producer objects under `name` (the library wraps them in producer actors
+/// for nodes); returns true.
+bool register_job_ops(const std::string& name, const std::type_info& job, producer_maker make,
+                      std::string signature);
+}  // namespace detail
 
 template <class Job>
 bool register_job_type(const char* name) {
@@ -25,12 +32,9 @@ bool register_job_type(const char* name) {
   using out = typename traits::output_type;
   register_batch_type<in>();
   register_batch_type<out>();
-  return register_job(
-      name, typeid(Job),
-      [](caf::actor_system& sys, const device& d, const config& cfg) {
-        return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
-      },
-      batch_type_name(typeid(in)) + " -> " + batch_type_name(typeid(out)));
+  return detail::register_job_ops(name, typeid(Job), &detail::make_producer_ops<Job>,
+                                  batch_type_name(typeid(in)) + " -> " +
+                                      batch_type_name(typeid(out)));
 }
 
 }  // namespace troupe

@@ -3,7 +3,6 @@
 // actor (docs/api.md: "Runners" and "One pool, many jobs").
 #pragma once
 
-#include <caf/actor_system.hpp>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -11,7 +10,7 @@
 #include <vector>
 
 #include "troupe/config.hpp"
-#include "troupe/detail/job_actors.hpp"
+#include "troupe/detail/job_ops.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
 #include "troupe/device.hpp"
@@ -20,7 +19,6 @@
 #include "troupe/job_handle.hpp"
 #include "troupe/job_options.hpp"
 #include "troupe/options.hpp"
-#include "troupe/registry.hpp"
 
 namespace troupe {
 
@@ -37,8 +35,9 @@ class basic_runner {
 
   /// Starts one producer per device entry; returns once every producer's constructor has run.
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
-      : rt_(std::make_unique<detail::runtime>(std::move(devices), std::move(cfg), std::move(opts),
-                                              job_name(typeid(Job)), &spawn_producer)) {}
+      : rt_(detail::make_runtime(std::move(devices), std::move(cfg), std::move(opts),
+                                 detail::registered_job_name(typeid(Job)),
+                                 &detail::make_producer_ops<Job>)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
   explicit basic_runner(std::size_t cpu_producers, config cfg = {}, options opts = {})
       : basic_runner(cpus(cpu_producers), std::move(cfg), std::move(opts)) {}
@@ -50,12 +49,9 @@ class basic_runner {
   template <class InputRange>
   job_handle<result_type> submit(InputRange&& inputs, job_options o = {}) {
     auto slot = std::make_shared<std::optional<result_type>>();
-    auto core = rt().submit(
-        detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
-        [&slot](caf::actor_system& sys, const config& cfg) {
-          return sys.spawn<caf::detached>(detail::consumer_actor<Job>, cfg, slot);
-        },
-        Order == ordering::ordered, std::move(o));
+    auto core = detail::submit_job(
+        rt(), detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
+        detail::make_consumer_maker<Job>(slot), Order == ordering::ordered, std::move(o));
     return job_handle<result_type>{std::move(core), std::move(slot)};
   }
   job_handle<result_type> submit(std::initializer_list<input_type> inputs, job_options o = {}) {
@@ -78,13 +74,9 @@ class basic_runner {
   template <class InputRange>
   output_stream<output_type> stream(InputRange&& inputs, job_options o = {}) {
     auto buf = std::make_shared<detail::stream_buffer>(stream_buffer_chunks);
-    auto core = rt().submit(
-        detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
-        [&buf](caf::actor_system& sys, const config&) {
-          return sys.spawn<caf::detached>(detail::stream_consumer_actor, buf);
-        },
+    auto core = detail::submit_stream(
+        rt(), detail::make_job_source<input_type>(std::forward<InputRange>(inputs)), buf,
         Order == ordering::ordered, std::move(o));
-    core->on_finish([buf] { buf->notify(); });
     return output_stream<output_type>{std::move(core), std::move(buf)};
   }
   output_stream<output_type> stream(std::initializer_list<input_type> inputs, job_options o = {}) {
@@ -95,14 +87,16 @@ class basic_runner {
   /// (producer::end() runs on its thread), within options::close_timeout. Idempotent, safe from any
   /// thread. Called from on_progress or a job's own code, it starts closing and returns at once.
   void close() noexcept {
-    if (rt_) rt_->close();
+    if (rt_) detail::close_runtime(*rt_);
   }
-  [[nodiscard]] bool is_open() const { return rt_ && rt_->is_open(); }
+  [[nodiscard]] bool is_open() const { return rt_ && detail::runtime_open(*rt_); }
   [[nodiscard]] const std::vector<device>& devices() const noexcept {
     static const std::vector<device> none;
-    return rt_ ? rt_->devices() : none;
+    return rt_ ? detail::runtime_devices(*rt_) : none;
   }
-  [[nodiscard]] troupe::stats stats() const { return rt_ ? rt_->stats() : troupe::stats{}; }
+  [[nodiscard]] troupe::stats stats() const {
+    return rt_ ? detail::runtime_stats(*rt_) : troupe::stats{};
+  }
 
  private:
   /// Chunks a stream keeps for its reader (each at most options::max_chunk_bytes).
@@ -112,11 +106,7 @@ class basic_runner {
     if (!rt_) throw runner_closed("a moved-from runner");
     return *rt_;
   }
-  static caf::actor spawn_producer(caf::actor_system& sys, const device& d, const config& cfg) {
-    return sys.spawn<caf::detached>(detail::producer_actor<Job>, d, cfg);
-  }
-
-  std::unique_ptr<detail::runtime> rt_;
+  detail::runtime_ptr rt_;
 };
 
 /// The consumer sees outputs in input order.

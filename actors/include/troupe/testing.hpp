@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "troupe/detail/job_actors.hpp"
+#include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
 #include "troupe/messages.hpp"
@@ -42,9 +43,10 @@ class producer_probe {
 
   /// Spawns the producer and sends it init_atom. Throws what a runner would throw
   /// (init_error, device_unavailable).
-  explicit producer_probe(device d = "cpu", config cfg = {})
+  explicit producer_probe(device d = "cpu", config cfg = {}, std::size_t index = 0)
       : sys_(std::make_unique<test_system>()), self_(sys_->get()) {
-    actor_ = sys_->get().spawn<caf::detached>(detail::producer_actor<Job>, d, std::move(cfg));
+    actor_ = detail::spawn_producer_actor(sys_->get(), &detail::make_producer_ops<Job>, d,
+                                          std::move(cfg), index);
     caf::error failed;
     self_->request(actor_, caf::infinite, init_atom::value)
         .receive([](const init_done&) {}, [&](caf::error& e) { failed = std::move(e); });
@@ -104,7 +106,8 @@ class consumer_probe {
       : sys_(std::make_unique<test_system>()),
         self_(sys_->get()),
         slot_(std::make_shared<std::optional<result_type>>()) {
-    actor_ = sys_->get().spawn<caf::detached>(detail::consumer_actor<Job>, std::move(cfg), slot_);
+    actor_ = detail::spawn_consumer_actor(sys_->get(), detail::make_consumer_maker<Job>(slot_),
+                                          std::move(cfg));
     ask(init_atom::value);
   }
   ~consumer_probe() { self_->send_exit(actor_, caf::exit_reason::user_shutdown); }

@@ -18,6 +18,7 @@
 
 #include "troupe/batch.hpp"
 #include "troupe/config.hpp"
+#include "troupe/detail/work_outcome.hpp"
 #include "troupe/error.hpp"
 
 namespace troupe {
@@ -33,12 +34,6 @@ struct work_chunk {
   /// Go on after an item throws (the job has an error policy other than fail()): the answer
   /// then holds the outputs of the items that worked and lists the ones that threw.
   bool keep_going = false;
-};
-
-/// An item that threw, in a chunk_result of a work_chunk with keep_going.
-struct item_error {
-  std::uint64_t index = 0;  ///< the item's index in the job's input
-  std::string what;
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.
@@ -133,7 +128,7 @@ namespace troupe {
 // ------------------------------------------------------------------
 
 /// The version of troupe's node protocol; peers with another version are refused.
-constexpr std::uint32_t node_protocol_version = 3;  // 2: idle_ns; 3: keep_going, failures
+constexpr std::uint32_t node_protocol_version = 4;  // 2: idle_ns; 3: keep_going, failures; 4: index
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 
@@ -150,6 +145,7 @@ struct spawn_producer {
   std::string signature;  ///< the coordinator's "INPUT -> OUTPUT" type names
   std::string device;
   config cfg;
+  std::uint64_t index = 0;  ///< the producer's place in the coordinator's device list
 };
 
 template <class Inspector>
@@ -159,7 +155,8 @@ typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, spawn_producer& x) {
-  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.signature, x.device, x.cfg);
+  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.signature, x.device, x.cfg,
+           x.index);
 }
 
 }  // namespace troupe

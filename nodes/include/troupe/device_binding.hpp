@@ -22,6 +22,19 @@ class device_binding {
 /// nullptr. Throws troupe::device_unavailable when `d` cannot be used here.
 std::unique_ptr<device_binding> bind_device(const device& d);
 
+namespace detail {
+/// How this process binds CUDA devices: installed by troupe::torch (torch/src/cuda.cpp) when
+/// a program links it; without it, only CPU devices are usable and gpus() is empty.
+struct cuda_support {
+  int (*device_count)() = nullptr;
+  std::unique_ptr<device_binding> (*bind)(const device& d) = nullptr;
+};
+/// Installs `s` (once, from a static initializer of troupe::torch).
+bool install_cuda_support(const cuda_support& s) noexcept;
+/// Makes `b` the calling thread's binding (nullptr: none), for current_stream().
+void set_current_binding(device_binding* b) noexcept;
+}  // namespace detail
+
 /// The stream of the producer running on the calling thread (a cudaStream_t), or nullptr when
 /// the thread belongs to no CUDA producer.
 void* current_stream() noexcept;

@@ -4,8 +4,6 @@
 // The transport is CAF's own network layer (middleman, BASP), optionally over mutual TLS.
 #pragma once
 
-#include <caf/actor.hpp>
-#include <caf/fwd.hpp>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -115,27 +113,6 @@ struct host_port {
 
 /// Parses "HOST:PORT"; throws invalid_argument quoting it.
 host_port parse_host_port(const std::string& spec);
-
-/// The actor system settings troupe uses: work sharing, CAF's own logging quiet; with
-/// `network`, the middleman, troupe's message types and heartbeats; with TLS, CAF's OpenSSL
-/// module (key files are validated first: a bad key must not hang the handshake).
-std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const tls& t = {});
-
-/// The one actor system that every networked part of this process shares: runners with remote
-/// devices, nodes, cluster::connect. (CAF 0.17 gives every actor system of a process the same
-/// node id, so two systems of one process on the network confuse their peers: when one closes
-/// its connection, a node drops the other's actors too.) Created on first use with TLS settings
-/// `t`; a later use with other TLS settings throws invalid_argument. It lives until the process
-/// exits.
-caf::actor_system& network_system(const tls& t);
-
-/// Connects to the node at `address` and checks its protocol version; returns the node actor
-/// and fills `devices`. Throws node_error naming the node and the reason.
-caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
-                        std::chrono::milliseconds deadline, std::vector<std::string>* devices);
-
-/// The TLS settings cluster::connect remembered for `address` (empty when none).
-tls tls_for(const std::string& address);
 
 }  // namespace detail
 }  // namespace troupe

@@ -4,6 +4,7 @@
 
 #include <caf/actor.hpp>
 #include <caf/fwd.hpp>
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <typeinfo>
@@ -14,8 +15,10 @@
 
 namespace troupe {
 
+/// Spawns a producer actor of the job on a local device; the index is the producer's place in
+/// the coordinator's device list.
 using producer_factory =
-    std::function<caf::actor(caf::actor_system&, const device&, const config&)>;
+    std::function<caf::actor(caf::actor_system&, const device&, const config&, std::size_t)>;
 
 struct registered_job {
   producer_factory spawn;  ///< empty when no job has the name

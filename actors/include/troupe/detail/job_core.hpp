@@ -2,13 +2,14 @@
 // output_stream that waits for it.
 #pragma once
 
-#include <caf/actor.hpp>
+#include <caf/fwd.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -23,13 +24,13 @@ bool on_internal_thread() noexcept;
 
 class job_core {
  public:
-  job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer)
-      : id_(id), scheduler_(std::move(scheduler)), consumer_(std::move(consumer)) {}
+  job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer);
+  ~job_core();
   job_core(const job_core&) = delete;
   job_core& operator=(const job_core&) = delete;
 
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
-  [[nodiscard]] const caf::actor& consumer() const noexcept { return consumer_; }
+  [[nodiscard]] const caf::actor& consumer() const noexcept;
 
   // -- the scheduler's side ---------------------------------------------------------------
 
@@ -67,9 +68,9 @@ class job_core {
   [[nodiscard]] std::exception_ptr error() const;
 
  private:
+  struct actors;  ///< the scheduler and the job's consumer (job_core.cpp)
   std::uint64_t id_;
-  caf::actor scheduler_;
-  caf::actor consumer_;
+  std::unique_ptr<actors> actors_;
   mutable std::mutex mtx_;
   std::condition_variable cv_;
   bool finished_ = false;

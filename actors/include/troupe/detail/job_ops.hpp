@@ -1,0 +1,183 @@
+// The per-job code of a runner, behind two small interfaces: a producer's work loop over a
+// chunk and a consumer's loop over outputs. Only this part is a template instantiated in the
+// user's translation unit; the actors that drive it, the scheduler and the network code are
+// compiled once, in the library.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "troupe/batch.hpp"
+#include "troupe/config.hpp"
+#include "troupe/detail/work_outcome.hpp"
+#include "troupe/device.hpp"
+#include "troupe/job.hpp"
+
+namespace troupe::detail {
+
+/// One line describing the exception in flight (LibTorch's backtraces cut off).
+std::string describe_current_exception();
+
+/// A job's producer object, constructed on its producer's thread.
+class producer_ops {
+ public:
+  virtual ~producer_ops() = default;
+  /// Runs producer::work on every item of `items` (item i has index `first + i`).
+  virtual void work(const batch& items, std::uint64_t first, bool keep_going,
+                    work_outcome& out) = 0;
+  /// producer::end(), if the job has one.
+  virtual void end() = 0;
+  /// Destroys the job's producer object; its destructor may throw (and that is reported).
+  virtual void destroy() = 0;
+};
+
+/// A job's consumer object for one job, constructed on the consumer's thread.
+class consumer_ops {
+ public:
+  virtual ~consumer_ops() = default;
+  /// consumer::work on every output; returns false when the batch holds another type.
+  virtual bool work(batch& outputs) = 0;
+  /// consumer::end(): its value is kept for job_handle::get().
+  virtual void end() = 0;
+  /// Destroys the job's consumer object; its destructor may throw.
+  virtual void destroy() = 0;
+};
+
+/// Constructs a job's producer object on `d` (index: its position in the runner's devices).
+using producer_maker = std::unique_ptr<producer_ops> (*)(const device& d, const config& cfg,
+                                                         std::size_t index);
+/// Constructs a job's consumer object.
+using consumer_maker = std::function<std::unique_ptr<consumer_ops>(const config& cfg)>;
+
+template <class Job>
+class typed_producer final : public producer_ops {
+ public:
+  using traits = job_traits<Job>;
+  using in = typename traits::input_type;
+  using out = typename traits::output_type;
+
+  typed_producer(const device& d, const config& cfg, std::size_t index)
+      : p_(make_producer<typename traits::producer_type>(d, cfg, index).release()) {}
+  typed_producer(const typed_producer&) = delete;
+  typed_producer& operator=(const typed_producer&) = delete;
+  ~typed_producer() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  void work(const batch& chunk, std::uint64_t first, bool keep_going,
+            work_outcome& r) override {
+    auto* items = chunk.as<in>();
+    if (items == nullptr) {
+      r.wrong_type = true;
+      return;
+    }
+    auto n = items->items.size();
+    std::vector<out> outputs;
+    // Numbers are written in place through local pointers (no per-item capacity check);
+    // other outputs are appended.
+    constexpr bool in_place = raw_items<out> && raw_items<in>;
+    if constexpr (in_place)
+      outputs.resize(n);
+    else
+      outputs.reserve(n);
+    std::size_t i = 0, k = 0;  // item, output
+    auto& p = *p_;
+    while (i < n) {
+      try {
+        if constexpr (in_place) {
+          const in* x = items->items.data();
+          out* o = outputs.data();
+          for (; i < n; ++i, ++k) o[k] = p.work(in(x[i]));  // numbers: a copy is free
+        } else {
+          for (; i < n; ++i, ++k) {
+            if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
+              outputs.push_back(p.work(in(items->items[i])));
+            else
+              outputs.push_back(p.work(items->items[i]));
+          }
+        }
+      } catch (...) {
+        if (!keep_going) {
+          r.failed = true;
+          r.failed_index = first + i;
+          r.what = describe_current_exception();
+          return;
+        }
+        // The job skips or retries failed items: note this one and go on with the next.
+        r.failures.push_back(item_error{first + i, describe_current_exception()});
+        ++i;
+      }
+    }
+    if constexpr (in_place) outputs.resize(k);
+    r.outputs = batch::of(std::move(outputs));  // without the failed items
+  }
+
+  void end() override {
+    if constexpr (has_end<typename traits::producer_type>::value) p_->end();
+  }
+  void destroy() override { delete std::exchange(p_, nullptr); }
+
+ private:
+  typename traits::producer_type* p_;
+};
+
+template <class Job>
+std::unique_ptr<producer_ops> make_producer_ops(const device& d, const config& cfg,
+                                                std::size_t index) {
+  return std::make_unique<typed_producer<Job>>(d, cfg, index);
+}
+
+/// Where a job's consumer leaves consumer::end()'s value for job_handle::get().
+template <class R>
+using result_slot = std::shared_ptr<std::optional<R>>;
+
+template <class Job>
+class typed_consumer final : public consumer_ops {
+ public:
+  using traits = job_traits<Job>;
+  using out = typename traits::output_type;
+
+  typed_consumer(const config& cfg, result_slot<typename traits::result_type> slot)
+      : c_(make_with<typename traits::consumer_type>(cfg).release()), slot_(std::move(slot)) {}
+  typed_consumer(const typed_consumer&) = delete;
+  typed_consumer& operator=(const typed_consumer&) = delete;
+  ~typed_consumer() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  bool work(batch& outputs) override {
+    auto* items = outputs.as<out>();
+    if (items == nullptr) return false;
+    for (auto&& x : items->items) c_->work(std::move(x));
+    return true;
+  }
+  void end() override { slot_->emplace(c_->end()); }
+  void destroy() override { delete std::exchange(c_, nullptr); }
+
+ private:
+  typename traits::consumer_type* c_;
+  result_slot<typename traits::result_type> slot_;
+};
+
+template <class Job>
+consumer_maker make_consumer_maker(result_slot<typename job_traits<Job>::result_type> slot) {
+  return [slot = std::move(slot)](const config& cfg) -> std::unique_ptr<consumer_ops> {
+    return std::make_unique<typed_consumer<Job>>(cfg, slot);
+  };
+}
+
+}  // namespace troupe::detail

@@ -1,0 +1,115 @@
+// The core of a runner (private to the library): its producers, its scheduler actor, and the
+// rules for submit() and close() across threads. Runners reach it through the functions of
+// <troupe/detail/runtime.hpp>.
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/fwd.hpp>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "troupe/config.hpp"
+#include "troupe/detail/job_core.hpp"
+#include "troupe/detail/job_ops.hpp"
+#include "troupe/detail/network.hpp"
+#include "troupe/detail/runtime.hpp"
+#include "troupe/detail/source.hpp"
+#include "troupe/device.hpp"
+#include "troupe/node.hpp"
+#include "troupe/options.hpp"
+
+namespace troupe::detail {
+
+/// One job, handed from the caller's thread to the scheduler actor.
+struct job_spec {
+  std::shared_ptr<job_core> core;
+  std::shared_ptr<input_source> source;
+  caf::actor consumer;
+  bool ordered = false;
+  job_options opts;
+};
+
+/// Statistics shared between the scheduler and the caller.
+struct stats_box {
+  std::mutex mtx;
+  troupe::stats value;
+};
+
+/// Creates a job's producer actor on a device (not yet constructed: it answers init_atom); the
+/// index is its place in the runner's device list.
+using producer_spawner =
+    std::function<caf::actor(caf::actor_system&, const device&, const config&, std::size_t)>;
+
+/// The actor system every local-only runner of this process shares. It is never destroyed:
+/// a producer stuck inside a native call can be left behind without blocking anything, and no
+/// thread that once used a runner can make a destructor wait.
+caf::actor_system& local_system();
+
+class runtime {
+ public:
+  using consumer_spawner = std::function<caf::actor(caf::actor_system&)>;
+
+  /// Starts one producer per device and waits until each has been constructed.
+  /// Throws invalid_argument, device_unavailable or init_error.
+  /// `job`: the job's registered name ("" if none), needed for remote devices.
+  runtime(std::vector<device> devices, config cfg, options opts, std::string job,
+          producer_maker make);
+  ~runtime();
+  runtime(const runtime&) = delete;
+  runtime& operator=(const runtime&) = delete;
+
+  /// Starts a job: `source` through the producers into a fresh consumer (spawned here), next
+  /// to the jobs already running. Throws runner_closed after close(), invalid_argument for bad
+  /// options.
+  std::shared_ptr<job_core> submit(std::shared_ptr<input_source> source,
+                                   const consumer_spawner& spawn, bool ordered, job_options o);
+  /// Ends every job (runner_closed), then the producers. From troupe's own threads
+  /// (on_progress, a job's code) it only starts closing and returns.
+  void close() noexcept;
+  [[nodiscard]] bool is_open() const;
+  [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
+  [[nodiscard]] const config& job_config() const noexcept { return cfg_; }
+  [[nodiscard]] troupe::stats stats() const;
+
+ private:
+  /// Spawns one producer per device: locally, or through the device's node.
+  std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);
+  /// Ends actors that started before the runner failed to start.
+  void abandon(const std::vector<caf::actor>& started) noexcept;
+
+  std::vector<device> devices_;
+  config cfg_;
+  options opts_;
+  producer_spawner spawn_;
+  caf::actor_system* sys_ = nullptr;  ///< local_system(), or the process's network system
+
+  mutable std::mutex mtx_;  ///< guards the fields below; never held while waiting on actors
+  bool open_ = false;
+  std::uint64_t next_job_ = 1;
+  std::shared_future<void> closed_;  ///< set once the scheduler has ended the producers
+
+  caf::actor scheduler_;
+  caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
+  std::shared_ptr<stats_box> stats_;
+};
+
+/// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`
+/// start replacements for local producers that were given up on.
+caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
+                           std::vector<device> devices, options opts,
+                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg);
+
+/// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
+/// the producers and itself, and whether it keeps options::close_timeout itself).
+using close_atom = caf::atom_constant<caf::atom("tr_close")>;
+/// options::close_timeout has passed: producers still busy are left behind.
+using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
+/// Ends a job (with its id): answered once its items are withdrawn.
+using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
+
+}  // namespace troupe::detail
