@@ -39,6 +39,7 @@ struct producer_state {
   device where;
   config cfg;
   std::size_t index = 0;
+  bool serialize = false;  ///< options::serialize
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<producer_ops> producer;
   clock::time_point last_end{};  ///< when the previous chunk was done
@@ -64,6 +65,7 @@ struct producer_state {
     batch joined;
     try {
       joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
+      if (serialize) joined = round_trip_batch(joined, "the chunk's inputs");
     } catch (const std::exception& e) {
       r.code = errc::protocol_error;
       r.what = e.what();
@@ -101,6 +103,14 @@ struct producer_state {
     r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
     r.failures = std::move(out.failures);
     if (r.ok()) r.outputs = std::move(out.outputs);  // without the failed items
+    if (r.ok() && serialize) {
+      try {
+        r.outputs = round_trip_batch(r.outputs, "the chunk's outputs");
+      } catch (const std::exception& e) {
+        r.code = errc::protocol_error;
+        r.what = e.what();
+      }
+    }
     return r;
   }
 
@@ -245,8 +255,9 @@ caf::behavior stream_consumer_actor(caf::event_based_actor*, std::shared_ptr<str
 }  // namespace
 
 caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, device d, config cfg,
-                                std::size_t index) {
+                                std::size_t index, bool serialize) {
   auto st = std::make_shared<producer_state>();
+  st->serialize = serialize;
   st->make = make;
   st->where = std::move(d);
   st->cfg = std::move(cfg);

@@ -58,8 +58,9 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
-      spawn_([make](caf::actor_system& sys, const device& d, const config& c, std::size_t i) {
-        return spawn_producer_actor(sys, make, d, c, i);
+      spawn_([make, wire = opts_.serialize](caf::actor_system& sys, const device& d,
+                                           const config& c, std::size_t i) {
+        return spawn_producer_actor(sys, make, d, c, i, wire);
       }),
       stats_(std::make_shared<stats_box>()) {
   if (devices_.empty())
@@ -77,9 +78,10 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     throw invalid_argument(
         "remote devices need a registered job: add TROUPE_REGISTER_JOB(your_job) at namespace "
         "scope, in this program and in the nodes' programs");
-  for (auto& d : devices_) {
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
     producer_stats ps;
-    ps.where = d;
+    ps.index = i;
+    ps.where = devices_[i];
     stats_->value.producers.push_back(ps);
   }
   tls settings;

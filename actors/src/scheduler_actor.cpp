@@ -193,9 +193,11 @@ class scheduler {
       // ahead of it was answered, whichever came later. Time spent queued does not count.
       auto began = std::max(s.outstanding.front().sent, s.last_done);
       if (now - began >= opts_.work_timeout)
-        give_up(p, make_error(errc::node_error, "busy with one chunk for more than " +
-                                                    std::to_string(opts_.work_timeout.count()) +
-                                                    " ms (options::work_timeout)"));
+        give_up(p,
+                make_error(errc::node_error, "busy with one chunk for more than " +
+                                                 std::to_string(opts_.work_timeout.count()) +
+                                                 " ms (options::work_timeout)"),
+                false, producer_event::kind::timed_out);
     }
     schedule_stall_check();
   }
@@ -647,11 +649,31 @@ class scheduler {
     (void)now;
   }
 
+  /// Tells options::on_event (on this thread; what it throws is ignored).
+  void emit(producer_event::kind kind, std::size_t p, std::string reason) {
+    if (!opts_.on_event) return;
+    producer_event e;
+    e.what = kind;
+    e.producer = p;
+    e.where = producers_[p].where;
+    e.reason = std::move(reason);
+    try {
+      opts_.on_event(e);
+    } catch (...) {
+      log(log_level::warn, "on_event threw; ignored");
+    }
+  }
+
   /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the
   /// others, its late answers are dropped, and a local one is replaced by a fresh one.
-  void give_up(std::size_t p, const caf::error& err, bool quarantine = false) {
+  void give_up(std::size_t p, const caf::error& err, bool quarantine = false,
+               producer_event::kind kind = producer_event::kind::lost) {
     auto& s = producers_[p];
     if (!s.alive) return;
+    if (quarantine) kind = producer_event::kind::quarantined;
+    emit(kind, p, quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
+                                   " times in a row (options::quarantine_after)"
+                             : error_text(err));
     s.alive = false;
     s.gen += 1;
     s.quarantined = quarantine;
@@ -726,6 +748,7 @@ class scheduler {
               }
               log(log_level::info, "producer " + std::to_string(p) + " on " + s.where.str() +
                                        " was replaced by a fresh one");
+              emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
               pump();
             },
             [this, p, gen](const caf::error& err) {

@@ -1,11 +1,14 @@
 #include "troupe/batch.hpp"
 
 #include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
+#include <caf/sec.hpp>
 #include <mutex>
 #include <typeindex>
 #include <unordered_map>
 
 #include "troupe/bulk.hpp"
+#include "troupe/error.hpp"
 
 namespace troupe {
 namespace {
@@ -72,6 +75,31 @@ caf::error batch::load_from(caf::deserializer& source) {
   if (auto err = fresh->load(source)) return err;
   ptr_ = std::move(fresh);
   return {};
+}
+
+batch round_trip_batch(const batch& b, const std::string& what) {
+  if (!b) return b;
+  auto type = b.get()->item_type().name();
+  if (!bulk::is_reference(b.get()) && batch_type_name(b.get()->item_type()).empty())
+    throw protocol_error(what + " (item type " + std::string{type} +
+                         ") cannot be serialized: the type is not registered "
+                         "(TROUPE_REGISTER_JOB(job) or troupe::register_batch_type<T>())");
+  std::vector<char> bytes;
+  caf::binary_serializer sink{nullptr, bytes};
+  if (auto err = b.save_to(sink))
+    throw protocol_error(what + " (item type " + type + ") failed to serialize: " +
+                         caf::to_string(err));
+  caf::binary_deserializer source{nullptr, bytes};
+  batch copy;
+  if (auto err = copy.load_from(source))
+    throw protocol_error(what + " (item type " + type + ") failed to deserialize: " +
+                         caf::to_string(err) + ": its inspect() reads what it did not write");
+  if (source.remaining() != 0)
+    throw protocol_error(what + " (item type " + type + "): " +
+                         std::to_string(source.remaining()) +
+                         " serialized bytes were left unread: its inspect() writes more than "
+                         "it reads");
+  return copy;
 }
 
 }  // namespace troupe

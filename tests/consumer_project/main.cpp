@@ -1,6 +1,8 @@
-// A project outside troupe's tree, built against the installed package.
+// A project outside troupe's tree, built against the installed package (core only).
 #include <cstdint>
+#include <fstream>
 #include <iostream>
+#include <string>
 #include <troupe/troupe.hpp>
 
 struct squares {
@@ -15,6 +17,14 @@ struct squares {
 };
 
 int main() {
-  troupe::unordered_runner<squares> runner{2};
-  std::cout << "result: " << runner.run({1, 2, 3}) << "\n";
+  std::int64_t result = 0;
+  {
+    troupe::unordered_runner<squares> runner{2};
+    result = runner.run({1, 2, 3});
+  }
+  std::ifstream status{"/proc/self/status"};
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0)
+      std::cout << "peak RSS: " << std::stoll(line.substr(6)) << " KiB\n";
+  std::cout << "result: " << result << "\n";
 }

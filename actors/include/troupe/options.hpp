@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "troupe/device.hpp"
@@ -19,6 +20,21 @@ struct progress {
   std::optional<std::uint64_t> total;  ///< the input's size, when the range knows it
   double items_per_second = 0;
   double elapsed_seconds = 0;
+};
+
+/// Something happened to a producer that the application may want to know without a log
+/// handler (options::on_event).
+struct producer_event {
+  enum class kind {
+    lost,         ///< its actor or its node died, or the node became unreachable
+    timed_out,    ///< busy with one chunk for longer than options::work_timeout
+    quarantined,  ///< work() threw options::quarantine_after times in a row
+    replaced,     ///< a fresh producer took the place of a lost or timed-out local one
+  };
+  kind what = kind::lost;
+  std::size_t producer = 0;  ///< its index in the runner's devices (producer_stats::index)
+  device where;
+  std::string reason;  ///< one line, for people
 };
 
 /// A plain aggregate: every field has a sensible default.
@@ -65,9 +81,18 @@ struct options {
   /// A producer whose work() throws this many times in a row (items of any job) is ended and
   /// taken out of the pool (producer_stats::quarantined); its items go to the others. 0 = never.
   std::size_t quarantine_after = 0;
+  /// Called when a producer is lost, timed out, quarantined or replaced (producer_event), on the
+  /// scheduler's thread, like on_progress: keep it short; what it throws is ignored.
+  std::function<void(const producer_event&)> on_event;
+  /// Tests: every chunk crosses the wire format even between local actors (the inputs before
+  /// producer::work, the outputs after it), exactly as it would to and from a node, so that a
+  /// type whose inspect() forgets a field fails a local test. Needs input and output types
+  /// with inspect(); costs a copy of every item both ways.
+  bool serialize = false;
 };
 
 struct producer_stats {
+  std::size_t index = 0;  ///< its place in the runner's devices (the producer's constructor's)
   device where;
   std::uint64_t items = 0;
   std::chrono::nanoseconds busy{0};  ///< time spent inside producer::work

@@ -35,7 +35,7 @@ class basic_runner {
 
   /// Starts one producer per device entry; returns once every producer's constructor has run.
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
-      : rt_(detail::make_runtime(std::move(devices), std::move(cfg), std::move(opts),
+      : rt_(detail::make_runtime(std::move(devices), std::move(cfg), checked(std::move(opts)),
                                  detail::registered_job_name(typeid(Job)),
                                  &detail::make_producer_ops<Job>)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
@@ -102,6 +102,10 @@ class basic_runner {
   /// Chunks a stream keeps for its reader (each at most options::max_chunk_bytes).
   static constexpr std::size_t stream_buffer_chunks = 4;
 
+  static options checked(options o) {
+    if (o.serialize) detail::register_wire_types<Job>();
+    return o;
+  }
   detail::runtime& rt() const {
     if (!rt_) throw runner_closed("a moved-from runner");
     return *rt_;

@@ -23,6 +23,29 @@
 
 namespace troupe::testing {
 
+/// `x` serialized the way a node receives it (a batch of one item, through CAF's binary
+/// serializer) and read back into a fresh object. A type whose inspect() forgets a field comes
+/// back without it. Throws troupe::protocol_error when it fails to serialize or deserialize, or
+/// reads back fewer bytes than it wrote.
+template <class T>
+T round_trip(const T& x) {
+  static_assert(caf::detail::is_serializable<T>::value,
+                "troupe::testing::round_trip: T needs an inspect() overload (include "
+                "<troupe/torch.hpp> for tensors)");
+  register_batch_type<T>();
+  auto copy = round_trip_batch(batch::of(std::vector<T>{x}), "round_trip");
+  auto* items = copy.template as<T>();
+  if (items == nullptr || items->items.size() != 1)
+    throw protocol_error("round_trip: the copy holds another type or count of items");
+  return std::move(items->items.front());
+}
+
+/// How a probe talks to its producer.
+struct probe_options {
+  std::size_t index = 0;   ///< the producer's index (its constructor's third argument)
+  bool serialize = false;  ///< every chunk through the wire format, as options::serialize
+};
+
 /// An actor system for tests, with the settings troupe's runners use.
 class test_system {
  public:
@@ -43,10 +66,11 @@ class producer_probe {
 
   /// Spawns the producer and sends it init_atom. Throws what a runner would throw
   /// (init_error, device_unavailable).
-  explicit producer_probe(device d = "cpu", config cfg = {}, std::size_t index = 0)
+  explicit producer_probe(device d = "cpu", config cfg = {}, probe_options o = {})
       : sys_(std::make_unique<test_system>()), self_(sys_->get()) {
+    if (o.serialize) detail::register_wire_types<Job>();
     actor_ = detail::spawn_producer_actor(sys_->get(), &detail::make_producer_ops<Job>, d,
-                                          std::move(cfg), index);
+                                          std::move(cfg), o.index, o.serialize);
     caf::error failed;
     self_->request(actor_, caf::infinite, init_atom::value)
         .receive([](const init_done&) {}, [&](caf::error& e) { failed = std::move(e); });

@@ -143,6 +143,13 @@ void register_batch_type(const std::string& name, const std::type_info& type,
 std::string batch_type_name(const std::type_info& type);
 std::unique_ptr<batch_base> make_batch(const std::string& name);
 
+class batch;
+/// `b` written in the wire format and read back, as a node would receive it (options::serialize,
+/// testing::round_trip). Throws troupe::protocol_error naming `what` when its item type is not
+/// registered (register_batch_type, TROUPE_REGISTER_JOB), fails to serialize or deserialize, or
+/// reads back fewer bytes than it wrote.
+batch round_trip_batch(const batch& b, const std::string& what);
+
 /// Registers std::vector<T> batches under `name` (the same name in every process; by default
 /// the type's mangled name, equal in programs built by the same compiler).
 template <class T>

@@ -20,8 +20,9 @@ class stream_buffer;
 
 /// Spawns the producer actor of a job on device `d` (detached). It constructs the job's producer
 /// object (`make`) when it receives init_atom, runs chunks, and runs producer::end() on end_atom.
+/// `serialize`: every chunk's inputs and outputs go through the wire format (options::serialize).
 caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, device d, config cfg,
-                                std::size_t index);
+                                std::size_t index, bool serialize = false);
 
 /// Spawns the consumer actor of one job (detached); `make` runs on init_atom.
 caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg);

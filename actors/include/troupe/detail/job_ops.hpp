@@ -19,6 +19,7 @@
 #include "troupe/config.hpp"
 #include "troupe/detail/work_outcome.hpp"
 #include "troupe/device.hpp"
+#include "troupe/error.hpp"
 #include "troupe/job.hpp"
 
 namespace troupe::detail {
@@ -136,6 +137,22 @@ template <class Job>
 std::unique_ptr<producer_ops> make_producer_ops(const device& d, const config& cfg,
                                                 std::size_t index) {
   return std::make_unique<typed_producer<Job>>(d, cfg, index);
+}
+
+/// Registers the job's input and output types for the wire format (options::serialize, probes
+/// that serialize). Throws invalid_argument when one of them has no inspect() overload.
+template <class Job>
+void register_wire_types() {
+  using in = typename job_traits<Job>::input_type;
+  using out = typename job_traits<Job>::output_type;
+  if constexpr (caf::detail::is_serializable<in>::value && caf::detail::is_serializable<out>::value) {
+    register_batch_type<in>();
+    register_batch_type<out>();
+  } else {
+    throw invalid_argument(
+        "options::serialize: the job's input or output type cannot be serialized (give it an "
+        "inspect() overload); it could not cross a network either");
+  }
 }
 
 /// Where a job's consumer leaves consumer::end()'s value for job_handle::get().

@@ -1,0 +1,263 @@
+// Serialization a user can test (troupe::testing::round_trip, options::serialize, the probe's
+// serialize option), producer identity (the index a producer's constructor may take) and
+// producer events reported without a log handler (options::on_event).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <troupe/testing.hpp>
+#include <troupe/troupe.hpp>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+// Two versions of one item: the first one's inspect() forgets `label`, the second is fixed.
+struct broken_item {
+  std::int64_t id = 0;
+  std::string label;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, broken_item& x) {
+  return f(caf::meta::type_name("test.broken_item"), x.id);  // `label` forgotten
+}
+
+struct fixed_item {
+  std::int64_t id = 0;
+  std::string label;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, fixed_item& x) {
+  return f(caf::meta::type_name("test.fixed_item"), x.id, x.label);
+}
+
+/// Sums the lengths of the items' labels: an item that lost its label adds 0.
+template <class Item>
+struct label_lengths {
+  struct producer {
+    std::int64_t work(const Item& x) { return static_cast<std::int64_t>(x.label.size()) + x.id; }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+template <class Item>
+std::vector<Item> labelled(int n) {
+  std::vector<Item> xs;
+  for (int i = 0; i < n; ++i) xs.push_back(Item{i, std::string(static_cast<std::size_t>(i % 7), 'x')});
+  return xs;
+}
+
+template <class Item>
+std::int64_t expected_sum(int n) {
+  std::int64_t sum = 0;
+  for (auto& x : labelled<Item>(n)) sum += x.id + static_cast<std::int64_t>(x.label.size());
+  return sum;
+}
+
+}  // namespace
+
+TEST(Serialization, RoundTripLosesTheFieldABrokenInspectForgets) {
+  broken_item b{7, "seven"};
+  auto copy = troupe::testing::round_trip(b);
+  EXPECT_EQ(copy.id, 7);
+  EXPECT_NE(copy.label, b.label);  // what a node would have received
+  EXPECT_TRUE(copy.label.empty());
+}
+
+TEST(Serialization, RoundTripKeepsEveryFieldOnceTheFieldIsAdded) {
+  fixed_item f{7, "seven"};
+  auto copy = troupe::testing::round_trip(f);
+  EXPECT_EQ(copy.id, 7);
+  EXPECT_EQ(copy.label, "seven");
+  // Numbers, strings and containers travel as they are.
+  EXPECT_EQ(troupe::testing::round_trip(std::int64_t{-5}), -5);
+  EXPECT_EQ(troupe::testing::round_trip(std::string{"abc"}), "abc");
+  EXPECT_EQ(troupe::testing::round_trip(std::vector<double>{1.5, 2.5}),
+            (std::vector<double>{1.5, 2.5}));
+}
+
+TEST(Serialization, TheSerializeOptionShowsABrokenInspectInALocalRun) {
+  constexpr int n = 1000;
+  auto xs = labelled<broken_item>(n);
+  // Without the option, nothing is serialized locally: the bug stays hidden.
+  troupe::unordered_runner<label_lengths<broken_item>> plain{2};
+  EXPECT_EQ(plain.run(xs), expected_sum<broken_item>(n));
+  // With it, every chunk crosses the wire format: the labels are lost as on a node.
+  troupe::options opts;
+  opts.serialize = true;
+  troupe::unordered_runner<label_lengths<broken_item>> wire{2, {}, opts};
+  EXPECT_NE(wire.run(xs), expected_sum<broken_item>(n));
+  EXPECT_EQ(wire.run(xs), static_cast<std::int64_t>(n) * (n - 1) / 2);  // ids only
+}
+
+TEST(Serialization, TheSerializeOptionPassesOnceTheFieldIsAdded) {
+  constexpr int n = 1000;
+  troupe::options opts;
+  opts.serialize = true;
+  troupe::ordered_runner<label_lengths<fixed_item>> wire{2, {}, opts};
+  EXPECT_EQ(wire.run(labelled<fixed_item>(n)), expected_sum<fixed_item>(n));
+}
+
+TEST(Serialization, TheProbeCanSerializeToo) {
+  troupe::testing::probe_options o;
+  o.serialize = true;
+  troupe::testing::producer_probe<label_lengths<broken_item>> broken{"cpu", {}, o};
+  EXPECT_EQ(broken.work({broken_item{1, "abc"}}), (std::vector<std::int64_t>{1}));
+  troupe::testing::producer_probe<label_lengths<fixed_item>> fixed{"cpu", {}, o};
+  EXPECT_EQ(fixed.work({fixed_item{1, "abc"}}), (std::vector<std::int64_t>{4}));
+}
+
+namespace {
+struct not_serializable {
+  std::int64_t x = 0;
+};
+struct unserializable_job {
+  struct producer {
+    std::int64_t work(not_serializable v) { return v.x; }
+  };
+};
+}  // namespace
+
+TEST(Serialization, TheSerializeOptionRefusesTypesWithoutInspect) {
+  troupe::options opts;
+  opts.serialize = true;
+  EXPECT_THROW((troupe::unordered_runner<unserializable_job>{1, {}, opts}),
+               troupe::invalid_argument);
+}
+
+// -- producer identity ---------------------------------------------------------------------------
+
+namespace {
+struct which_producer {
+  struct producer {
+    producer(const troupe::device&, const troupe::config&, std::size_t index) : index(index) {}
+    std::int64_t work(std::int64_t) { return static_cast<std::int64_t>(index); }
+    std::size_t index;
+  };
+  struct consumer {
+    void work(std::int64_t i) { seen.insert(i); }
+    std::set<std::int64_t> end() { return seen; }
+    std::set<std::int64_t> seen;
+  };
+};
+}  // namespace
+
+TEST(ProducerIdentity, EachProducerKnowsItsIndexAndStatsCarryIt) {
+  troupe::options opts;
+  opts.chunk_size = 1;
+  troupe::unordered_runner<which_producer> runner{3, {}, opts};
+  std::set<std::int64_t> seen;
+  // Every index is one of 0, 1, 2; run until each has answered at least once (bounded).
+  for (int round = 0; round < 200 && seen.size() < 3; ++round) {
+    auto s = runner.run(test_util::iota(300));
+    seen.insert(s.begin(), s.end());
+  }
+  EXPECT_EQ(seen, (std::set<std::int64_t>{0, 1, 2}));
+  auto st = runner.stats();
+  ASSERT_EQ(st.producers.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(st.producers[i].index, i);
+}
+
+TEST(ProducerIdentity, TheProbePassesTheIndex) {
+  troupe::testing::probe_options o;
+  o.index = 5;
+  troupe::testing::producer_probe<which_producer> p{"cpu", {}, o};
+  EXPECT_EQ(p.work({0, 0}), (std::vector<std::int64_t>{5, 5}));
+}
+
+// -- producer events -----------------------------------------------------------------------------
+
+namespace {
+std::atomic<int> bad_constructed{0};
+/// The first producer constructed throws on every item.
+struct first_one_throws {
+  struct producer {
+    producer() : bad(bad_constructed.fetch_add(1) == 0) {}
+    std::int64_t work(std::int64_t x) {
+      if (bad) throw std::runtime_error("a broken device");
+      return x;
+    }
+    bool bad;
+  };
+};
+
+std::atomic<bool> stalled_once{false};
+/// The first item ever worked on stalls its producer for config "stall_ms".
+struct stalls_once {
+  struct producer {
+    explicit producer(const troupe::device&, const troupe::config& cfg)
+        : stall(cfg.get<std::int64_t>("stall_ms")) {}
+    std::int64_t work(std::int64_t x) {
+      if (!stalled_once.exchange(true)) std::this_thread::sleep_for(std::chrono::milliseconds{stall});
+      return x;
+    }
+    std::int64_t stall;
+  };
+};
+
+struct event_log {
+  std::mutex mtx;
+  std::vector<troupe::producer_event> events;
+  std::function<void(const troupe::producer_event&)> handler() {
+    return [this](const troupe::producer_event& e) {
+      std::lock_guard<std::mutex> guard{mtx};
+      events.push_back(e);
+    };
+  }
+  std::size_t count(troupe::producer_event::kind k) {
+    std::lock_guard<std::mutex> guard{mtx};
+    std::size_t n = 0;
+    for (auto& e : events) n += e.what == k ? 1 : 0;
+    return n;
+  }
+};
+}  // namespace
+
+TEST(ProducerEvents, AQuarantinedProducerIsReportedWithoutALogHandler) {
+  bad_constructed = 0;
+  event_log log;
+  troupe::options opts;
+  opts.quarantine_after = 3;
+  opts.chunk_size = 1;
+  opts.on_event = log.handler();
+  troupe::ordered_runner<first_one_throws> runner{3, {}, opts};
+  troupe::job_options o;
+  o.on_error = troupe::error_policy::retry(3);
+  EXPECT_EQ(runner.run(test_util::iota(300), o), test_util::iota(300));
+  ASSERT_EQ(log.count(troupe::producer_event::kind::quarantined), 1u);
+  std::lock_guard<std::mutex> guard{log.mtx};
+  auto& e = log.events.front();
+  EXPECT_EQ(e.what, troupe::producer_event::kind::quarantined);
+  EXPECT_TRUE(runner.stats().producers.at(e.producer).quarantined);
+  EXPECT_EQ(e.where, troupe::device{"cpu"});
+  EXPECT_NE(e.reason.find("quarantine_after"), std::string::npos) << e.reason;
+}
+
+TEST(ProducerEvents, ATimedOutProducerAndItsReplacementAreReported) {
+  stalled_once = false;
+  event_log log;
+  troupe::options opts;
+  opts.work_timeout = std::chrono::milliseconds{150};
+  opts.speculative = false;  // else the idle producer takes the stuck chunk and the job ends first
+  opts.chunk_size = 1;
+  opts.on_event = log.handler();
+  troupe::config cfg;
+  cfg.set("stall_ms", 1500);
+  troupe::ordered_runner<stalls_once> runner{2, cfg, opts};
+  EXPECT_EQ(runner.run(test_util::iota(50)), test_util::iota(50));
+  EXPECT_EQ(log.count(troupe::producer_event::kind::timed_out), 1u);
+  // The replacement starts in the background: wait for its event (bounded).
+  for (int i = 0; i < 500 && log.count(troupe::producer_event::kind::replaced) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds{10});
+  EXPECT_EQ(log.count(troupe::producer_event::kind::replaced), 1u);
+  EXPECT_EQ(log.count(troupe::producer_event::kind::lost), 0u);
+}
