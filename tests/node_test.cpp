@@ -29,11 +29,11 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <troupe/bulk.hpp>
-#include <troupe/messages.hpp>
+#include <troupe/detail/bulk.hpp>
+#include <troupe/detail/messages.hpp>
 #include <troupe/detail/network.hpp>
 #include <troupe/node.hpp>
-#include <troupe/registry.hpp>
+#include <troupe/detail/registry.hpp>
 
 #include "remote_jobs.hpp"
 #include "test_util.hpp"

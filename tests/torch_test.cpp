@@ -6,7 +6,7 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <troupe/messages.hpp>
+#include <troupe/detail/messages.hpp>
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
 

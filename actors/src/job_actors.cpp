@@ -7,13 +7,13 @@
 #include <string>
 #include <utility>
 
-#include "troupe/bulk.hpp"
+#include "troupe/detail/bulk.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 #include "troupe/register.hpp"
-#include "troupe/registry.hpp"
+#include "troupe/detail/registry.hpp"
 
 namespace troupe::detail {
 

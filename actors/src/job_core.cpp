@@ -5,7 +5,7 @@
 #include <caf/send.hpp>
 
 #include "runtime_impl.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 namespace troupe::detail {
 

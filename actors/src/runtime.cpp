@@ -13,9 +13,9 @@
 #include "troupe/detail/job_actors.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 #include "troupe/node.hpp"
-#include "troupe/registry.hpp"
+#include "troupe/detail/registry.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)

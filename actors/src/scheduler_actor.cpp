@@ -19,11 +19,11 @@
 #include <memory>
 
 #include "scheduler_parts.hpp"
-#include "troupe/bulk.hpp"
+#include "troupe/detail/bulk.hpp"
 #include "runtime_impl.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)

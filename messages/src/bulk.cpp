@@ -1,4 +1,4 @@
-#include "troupe/bulk.hpp"
+#include "troupe/detail/bulk.hpp"
 
 #include <sys/mman.h>
 
@@ -15,7 +15,7 @@
 #include <unordered_map>
 
 #include "troupe/error.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 namespace troupe::bulk {
 namespace {

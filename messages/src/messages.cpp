@@ -1,4 +1,4 @@
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 #include <caf/message.hpp>
 

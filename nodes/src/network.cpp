@@ -22,12 +22,12 @@
 #include <mutex>
 #include <thread>
 
-#include "troupe/bulk.hpp"
+#include "troupe/detail/bulk.hpp"
 #include "troupe/error.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/node.hpp"
-#include "troupe/registry.hpp"
+#include "troupe/detail/registry.hpp"
 
 namespace troupe {
 namespace detail {

@@ -1,4 +1,4 @@
-#include "troupe/registry.hpp"
+#include "troupe/detail/registry.hpp"
 
 #include <algorithm>
 #include <map>

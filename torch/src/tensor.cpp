@@ -5,9 +5,9 @@
 #include <cstring>
 #include <limits>
 
-#include "troupe/bulk.hpp"
+#include "troupe/detail/bulk.hpp"
 #include "troupe/error.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 namespace troupe {
 namespace {

@@ -19,7 +19,7 @@
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
-#include "troupe/messages.hpp"
+#include "troupe/detail/messages.hpp"
 
 namespace troupe::testing {
 
