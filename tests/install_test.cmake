@@ -2,7 +2,9 @@
 # way a user would (docs/api.md, "Using troupe from CMake"). MODE:
 #   core   the core package only, with no Torch on CMAKE_PREFIX_PATH; the program must not link
 #          LibTorch (readelf) and must start in well under 50 MB of RSS
-#   torch  find_package(troupe COMPONENTS torch) and a job whose items are tensors
+#   torch  find_package(troupe COMPONENTS torch) and a job whose items are tensors: Torch found
+#          where troupe was built against it; TROUPE_TORCH_DIR pointing elsewhere is obeyed (the
+#          component is then not found, with a message naming the variable)
 #   moved  the core package from a copy of the install prefix moved elsewhere; no installed file
 #          names the build or source tree
 set(root ${BUILD_DIR}/install-test-${MODE})
@@ -21,7 +23,12 @@ set(project_dir ${SOURCE_DIR}/tests/consumer_project)
 set(extra "")
 if(MODE STREQUAL "torch")
   set(project_dir ${SOURCE_DIR}/tests/consumer_torch)
-  set(extra "-DTROUPE_TORCH_DIR=${TORCH_DIR}")
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${project_dir} -B ${root}/no-torch
+                  "-DCMAKE_PREFIX_PATH=${prefix}" -DTROUPE_TORCH_DIR=${root}/nowhere
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "TROUPE_TORCH_DIR")
+    message(FATAL_ERROR "a wrong TROUPE_TORCH_DIR was not reported:\n${out}\n${err}")
+  endif()
 elseif(MODE STREQUAL "moved")
   file(RENAME ${prefix} ${root}/elsewhere)
   set(prefix ${root}/elsewhere)

@@ -26,6 +26,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <algorithm>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -40,6 +41,7 @@
 
 TROUPE_REGISTER_JOB(remote_squares);
 TROUPE_REGISTER_JOB(remote_blobs);
+TROUPE_REGISTER_JOB(remote_index);
 #ifdef TROUPE_WITH_TORCH
 TROUPE_REGISTER_JOB(remote_tensors);
 #endif
@@ -213,11 +215,33 @@ TEST(Nodes, SigkillOfOneNodeMidRunStillGivesTheExactResult) {
   auto c = troupe::cluster::connect({a.address(), b.address()});
   troupe::options opts;
   signal_after(a, opts, SIGKILL, 200);
+  // The loss reaches the application without a log handler (on the scheduler's thread).
+  auto lost = std::make_shared<std::vector<std::size_t>>();
+  opts.on_event = [lost](const troupe::producer_event& e) {
+    if (e.what == troupe::producer_event::kind::lost) lost->push_back(e.producer);
+  };
   troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
   EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));
   auto s = runner.stats();
   EXPECT_FALSE(s.producers[0].alive);
   EXPECT_TRUE(s.producers[2].alive);
+  runner.close();  // no more events: the vector is read after the scheduler has ended
+  std::sort(lost->begin(), lost->end());
+  EXPECT_EQ(*lost, (std::vector<std::size_t>{0, 1}));  // node a's two producers, once each
+}
+
+TEST(Nodes, AProducerOnANodeGetsItsIndexInTheCoordinatorsList) {
+  node_process a{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  std::vector<troupe::device> devices{"cpu"};
+  for (auto& d : c.devices()) devices.push_back(d);  // indices 1 and 2 are on the node
+  troupe::options opts;
+  opts.chunk_size = 1;
+  troupe::unordered_runner<remote_index> runner{devices, {}, opts};
+  std::set<std::int64_t> seen;
+  for (int round = 0; round < 100 && seen.size() < 3; ++round)
+    for (auto i : runner.run(iota(200))) seen.insert(i);
+  EXPECT_EQ(seen, (std::set<std::int64_t>{0, 1, 2}));
 }
 
 TEST(Nodes, AnOrderedStreamStaysInOrderWhenANodeIsKilledMidJob) {

@@ -51,6 +51,15 @@ struct remote_blobs {
   };
 };
 
+/// Each output is the index of the producer that made it (its constructor's third argument).
+struct remote_index {
+  struct producer {
+    producer(const troupe::device&, const troupe::config&, std::size_t index) : index(index) {}
+    std::int64_t work(std::int64_t) { return static_cast<std::int64_t>(index); }
+    std::size_t index;
+  };
+};
+
 #ifdef TROUPE_WITH_TORCH
 /// Tensors through a node and back: doubled there.
 struct remote_tensors {

@@ -167,6 +167,25 @@ TEST(ProducerIdentity, EachProducerKnowsItsIndexAndStatsCarryIt) {
   for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(st.producers[i].index, i);
 }
 
+namespace {
+/// A third constructor parameter with a default that is not an index: it keeps its default.
+struct defaulted_flag {
+  struct producer {
+    producer(const troupe::device&, const troupe::config&, bool verbose = false)
+        : verbose(verbose) {}
+    std::int64_t work(std::int64_t) { return verbose ? 1 : 0; }
+    bool verbose;
+  };
+};
+}  // namespace
+
+TEST(ProducerIdentity, ADefaultedThirdParameterIsNotHandedTheIndex) {
+  troupe::options opts;
+  opts.chunk_size = 1;
+  troupe::unordered_runner<defaulted_flag> runner{3, {}, opts};
+  for (auto v : runner.run(test_util::iota(300))) ASSERT_EQ(v, 0);
+}
+
 TEST(ProducerIdentity, TheProbePassesTheIndex) {
   troupe::testing::probe_options o;
   o.index = 5;

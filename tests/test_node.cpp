@@ -6,6 +6,7 @@
 
 TROUPE_REGISTER_JOB(remote_squares);
 TROUPE_REGISTER_JOB(remote_blobs);
+TROUPE_REGISTER_JOB(remote_index);
 #ifdef TROUPE_WITH_TORCH
 TROUPE_REGISTER_JOB(remote_tensors);
 #endif

@@ -124,9 +124,11 @@ struct producer_state {
       binding.reset();
       return consume_ack{};
     } catch (...) {
+      auto what = describe_current_exception();
+      p.reset();  // its destructor still runs with the device bound
       binding.reset();
-      return make_error(errc::work_error, "producer::end() on " + where.str() +
-                                              " threw: " + describe_current_exception());
+      return make_error(errc::work_error,
+                        "producer::end() on " + where.str() + " threw: " + what);
     }
   }
 };

@@ -652,6 +652,7 @@ class scheduler {
   /// Tells options::on_event (on this thread; what it throws is ignored).
   void emit(producer_event::kind kind, std::size_t p, std::string reason) {
     if (!opts_.on_event) return;
+    mark_internal_thread();  // a close() or run() from the handler must not wait for itself
     producer_event e;
     e.what = kind;
     e.producer = p;
@@ -671,9 +672,6 @@ class scheduler {
     auto& s = producers_[p];
     if (!s.alive) return;
     if (quarantine) kind = producer_event::kind::quarantined;
-    emit(kind, p, quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
-                                   " times in a row (options::quarantine_after)"
-                             : error_text(err));
     s.alive = false;
     s.gen += 1;
     s.quarantined = quarantine;
@@ -694,6 +692,10 @@ class scheduler {
       stats_->value.producers[p].alive = false;
       stats_->value.producers[p].quarantined = quarantine;
     }
+    emit(kind, p,
+         quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
+                          " times in a row (options::quarantine_after)"
+                    : error_text(err));
     for (auto& rec : s.outstanding) {
       auto ji = jobs_.find(rec.job);
       if (ji == jobs_.end()) continue;

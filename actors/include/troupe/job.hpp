@@ -13,6 +13,17 @@
 
 namespace troupe::detail {
 
+/// The producer's index as a constructor argument: converts to std::size_t and to nothing else,
+/// so that a constructor (device, config, bool verbose = false) is not handed the index.
+struct producer_index_arg {
+  std::size_t value;
+  template <class T, std::enable_if_t<std::is_same<T, std::size_t>::value, int> = 0>
+  operator T() const noexcept {  // NOLINT: implicit on purpose
+    return value;
+  }
+};
+
+
 template <class F>
 struct member_fn {
   static constexpr std::size_t arity = static_cast<std::size_t>(-1);
@@ -112,7 +123,7 @@ struct job_traits {
                     std::is_copy_constructible<output_type>::value,
                 "troupe: the input and output types of Job::producer::work must be copyable");
   static_assert(std::is_constructible<producer_type, const device&, const config&,
-                                      std::size_t>::value ||
+                                      producer_index_arg>::value ||
                     std::is_constructible<producer_type, const device&, const config&>::value ||
                     std::is_constructible<producer_type, const device&>::value ||
                     std::is_default_constructible<producer_type>::value,
@@ -145,8 +156,8 @@ struct job_traits {
 /// Constructs a producer from what it accepts of (device, config, index in the runner).
 template <class T>
 std::unique_ptr<T> make_producer(const device& d, const config& cfg, std::size_t index) {
-  if constexpr (std::is_constructible<T, const device&, const config&, std::size_t>::value)
-    return std::make_unique<T>(d, cfg, index);
+  if constexpr (std::is_constructible<T, const device&, const config&, producer_index_arg>::value)
+    return std::make_unique<T>(d, cfg, producer_index_arg{index});
   else if constexpr (std::is_constructible<T, const device&, const config&>::value)
     return std::make_unique<T>(d, cfg);
   else if constexpr (std::is_constructible<T, const device&>::value)

@@ -146,8 +146,9 @@ void register_wire_types() {
   using in = typename job_traits<Job>::input_type;
   using out = typename job_traits<Job>::output_type;
   if constexpr (caf::detail::is_serializable<in>::value && caf::detail::is_serializable<out>::value) {
-    register_batch_type<in>();
-    register_batch_type<out>();
+    // Types registered already (TROUPE_REGISTER_JOB, a name of the user's) keep their name.
+    if (batch_type_name(typeid(in)).empty()) register_batch_type<in>();
+    if (batch_type_name(typeid(out)).empty()) register_batch_type<out>();
   } else {
     throw invalid_argument(
         "options::serialize: the job's input or output type cannot be serialized (give it an "
