@@ -36,7 +36,6 @@
 //                              [--chunk N] [--repeat R] [--only trivial,cpu,sleep]
 //                              [--sides fixed,auto,tbb] [--pause-ms MS]
 #include <sys/prctl.h>
-
 #include <tbb/global_control.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>

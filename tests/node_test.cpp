@@ -10,11 +10,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <caf/actor_system.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <caf/io/basp/header.hpp>
-#include <caf/actor_system.hpp>
 #include <caf/node_id.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -26,15 +27,14 @@
 #include <mutex>
 #include <numeric>
 #include <random>
-#include <algorithm>
 #include <set>
 #include <sstream>
 #include <thread>
 #include <troupe/detail/bulk.hpp>
 #include <troupe/detail/messages.hpp>
 #include <troupe/detail/network.hpp>
-#include <troupe/node.hpp>
 #include <troupe/detail/registry.hpp>
+#include <troupe/node.hpp>
 
 #include "remote_jobs.hpp"
 #include "test_util.hpp"

@@ -52,7 +52,8 @@ struct label_lengths {
 template <class Item>
 std::vector<Item> labelled(int n) {
   std::vector<Item> xs;
-  for (int i = 0; i < n; ++i) xs.push_back(Item{i, std::string(static_cast<std::size_t>(i % 7), 'x')});
+  for (int i = 0; i < n; ++i)
+    xs.push_back(Item{i, std::string(static_cast<std::size_t>(i % 7), 'x')});
   return xs;
 }
 
@@ -216,7 +217,8 @@ struct stalls_once {
     explicit producer(const troupe::device&, const troupe::config& cfg)
         : stall(cfg.get<std::int64_t>("stall_ms")) {}
     std::int64_t work(std::int64_t x) {
-      if (!stalled_once.exchange(true)) std::this_thread::sleep_for(std::chrono::milliseconds{stall});
+      if (!stalled_once.exchange(true))
+        std::this_thread::sleep_for(std::chrono::milliseconds{stall});
       return x;
     }
     std::int64_t stall;

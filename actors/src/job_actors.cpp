@@ -9,11 +9,11 @@
 
 #include "troupe/detail/bulk.hpp"
 #include "troupe/detail/job_core.hpp"
+#include "troupe/detail/messages.hpp"
+#include "troupe/detail/registry.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/register.hpp"
-#include "troupe/detail/registry.hpp"
 
 namespace troupe::detail {
 
@@ -127,8 +127,7 @@ struct producer_state {
       auto what = describe_current_exception();
       p.reset();  // its destructor still runs with the device bound
       binding.reset();
-      return make_error(errc::work_error,
-                        "producer::end() on " + where.str() + " threw: " + what);
+      return make_error(errc::work_error, "producer::end() on " + where.str() + " threw: " + what);
     }
   }
 };

@@ -1,5 +1,3 @@
-#include "runtime_impl.hpp"
-
 #include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
@@ -10,12 +8,13 @@
 #include <caf/send.hpp>
 #include <map>
 
+#include "runtime_impl.hpp"
 #include "troupe/detail/job_actors.hpp"
+#include "troupe/detail/messages.hpp"
+#include "troupe/detail/registry.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/node.hpp"
-#include "troupe/detail/registry.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
@@ -59,7 +58,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
       spawn_([make, wire = opts_.serialize](caf::actor_system& sys, const device& d,
-                                           const config& c, std::size_t i) {
+                                            const config& c, std::size_t i) {
         return spawn_producer_actor(sys, make, d, c, i, wire);
       }),
       stats_(std::make_shared<stats_box>()) {
@@ -292,9 +291,8 @@ std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_sourc
                                         std::shared_ptr<stream_buffer> buf, bool ordered,
                                         job_options o) {
   auto core = rt.submit(
-      std::move(source),
-      [&buf](caf::actor_system& sys) { return spawn_stream_consumer(sys, buf); }, ordered,
-      std::move(o));
+      std::move(source), [&buf](caf::actor_system& sys) { return spawn_stream_consumer(sys, buf); },
+      ordered, std::move(o));
   core->on_finish([buf] { buf->notify(); });
   return core;
 }

@@ -18,12 +18,12 @@
 #include <map>
 #include <memory>
 
+#include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
 #include "troupe/detail/bulk.hpp"
-#include "runtime_impl.hpp"
+#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
-#include "troupe/detail/messages.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)

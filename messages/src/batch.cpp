@@ -87,16 +87,15 @@ batch round_trip_batch(const batch& b, const std::string& what) {
   std::vector<char> bytes;
   caf::binary_serializer sink{nullptr, bytes};
   if (auto err = b.save_to(sink))
-    throw protocol_error(what + " (item type " + type + ") failed to serialize: " +
-                         caf::to_string(err));
+    throw protocol_error(what + " (item type " + type +
+                         ") failed to serialize: " + caf::to_string(err));
   caf::binary_deserializer source{nullptr, bytes};
   batch copy;
   if (auto err = copy.load_from(source))
     throw protocol_error(what + " (item type " + type + ") failed to deserialize: " +
                          caf::to_string(err) + ": its inspect() reads what it did not write");
   if (source.remaining() != 0)
-    throw protocol_error(what + " (item type " + type + "): " +
-                         std::to_string(source.remaining()) +
+    throw protocol_error(what + " (item type " + type + "): " + std::to_string(source.remaining()) +
                          " serialized bytes were left unread: its inspect() writes more than "
                          "it reads");
   return copy;

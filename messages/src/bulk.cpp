@@ -14,8 +14,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "troupe/error.hpp"
 #include "troupe/detail/messages.hpp"
+#include "troupe/error.hpp"
 
 namespace troupe::bulk {
 namespace {

@@ -4,7 +4,6 @@
 
 #include "troupe/error.hpp"
 
-
 namespace troupe {
 namespace {
 

@@ -1,3 +1,5 @@
+#include "troupe/detail/network.hpp"
+
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
@@ -23,11 +25,10 @@
 #include <thread>
 
 #include "troupe/detail/bulk.hpp"
-#include "troupe/error.hpp"
 #include "troupe/detail/messages.hpp"
-#include "troupe/detail/network.hpp"
-#include "troupe/node.hpp"
 #include "troupe/detail/registry.hpp"
+#include "troupe/error.hpp"
+#include "troupe/node.hpp"
 
 namespace troupe {
 namespace detail {

@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "troupe/detail/bulk.hpp"
-#include "troupe/error.hpp"
 #include "troupe/detail/messages.hpp"
+#include "troupe/error.hpp"
 
 namespace troupe {
 namespace {

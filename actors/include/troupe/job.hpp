@@ -23,7 +23,6 @@ struct producer_index_arg {
   }
 };
 
-
 template <class F>
 struct member_fn {
   static constexpr std::size_t arity = static_cast<std::size_t>(-1);

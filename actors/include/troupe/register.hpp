@@ -32,9 +32,9 @@ bool register_job_type(const char* name) {
   using out = typename traits::output_type;
   register_batch_type<in>();
   register_batch_type<out>();
-  return detail::register_job_ops(name, typeid(Job), &detail::make_producer_ops<Job>,
-                                  batch_type_name(typeid(in)) + " -> " +
-                                      batch_type_name(typeid(out)));
+  return detail::register_job_ops(
+      name, typeid(Job), &detail::make_producer_ops<Job>,
+      batch_type_name(typeid(in)) + " -> " + batch_type_name(typeid(out)));
 }
 
 }  // namespace troupe

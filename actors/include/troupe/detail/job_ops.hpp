@@ -76,8 +76,7 @@ class typed_producer final : public producer_ops {
     }
   }
 
-  void work(const batch& chunk, std::uint64_t first, bool keep_going,
-            work_outcome& r) override {
+  void work(const batch& chunk, std::uint64_t first, bool keep_going, work_outcome& r) override {
     auto* items = chunk.as<in>();
     if (items == nullptr) {
       r.wrong_type = true;
@@ -145,7 +144,8 @@ template <class Job>
 void register_wire_types() {
   using in = typename job_traits<Job>::input_type;
   using out = typename job_traits<Job>::output_type;
-  if constexpr (caf::detail::is_serializable<in>::value && caf::detail::is_serializable<out>::value) {
+  if constexpr (caf::detail::is_serializable<in>::value &&
+                caf::detail::is_serializable<out>::value) {
     // Types registered already (TROUPE_REGISTER_JOB, a name of the user's) keep their name.
     if (batch_type_name(typeid(in)).empty()) register_batch_type<in>();
     if (batch_type_name(typeid(out)).empty()) register_batch_type<out>();

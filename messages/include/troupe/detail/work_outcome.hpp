@@ -19,12 +19,12 @@ struct item_error {
 namespace detail {
 
 struct work_outcome {
-  batch outputs;                   ///< the outputs of the items that worked, in order
+  batch outputs;                     ///< the outputs of the items that worked, in order
   std::vector<item_error> failures;  ///< keep_going: the items that threw
-  bool failed = false;             ///< an item threw and the chunk ended there
-  bool wrong_type = false;         ///< the chunk holds items of another type than the job's
-  std::uint64_t failed_index = 0;  ///< failed: the item's index in the job's input
-  std::string what;                ///< failed: its message
+  bool failed = false;               ///< an item threw and the chunk ended there
+  bool wrong_type = false;           ///< the chunk holds items of another type than the job's
+  std::uint64_t failed_index = 0;    ///< failed: the item's index in the job's input
+  std::string what;                  ///< failed: its message
 };
 
 }  // namespace detail
