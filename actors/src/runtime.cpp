@@ -16,9 +16,6 @@
 #include "troupe/log.hpp"
 #include "troupe/node.hpp"
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
-
 namespace troupe::detail {
 namespace {
 
@@ -42,6 +39,10 @@ bool on_internal_thread() noexcept {
 
 void mark_internal_thread() noexcept {
   internal_thread = true;
+}
+
+void clear_internal_thread() noexcept {
+  internal_thread = false;
 }
 
 caf::actor_system& local_system() {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <caf/actor.hpp>
+#include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/fwd.hpp>
 #include <condition_variable>
 #include <cstdint>
@@ -100,9 +101,12 @@ class runtime {
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`
 /// start replacements for local producers that were given up on.
+/// `detached`: on a thread of its own (runners); false only for the deterministic scheduler
+/// tests, which run it on CAF's test coordinator.
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
-                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg);
+                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
+                           bool detached = true);
 
 /// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
 /// the producers and itself, and whether it keeps options::close_timeout itself).
@@ -113,3 +117,6 @@ using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
 using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
 
 }  // namespace troupe::detail
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)

@@ -25,9 +25,6 @@
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)
-
 namespace troupe::detail {
 namespace {
 
@@ -917,7 +914,8 @@ class scheduler {
 
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
-                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg) {
+                           std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
+                           bool detached) {
   // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
   // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
   auto init = [producers = std::move(producers), devices = std::move(devices),
@@ -948,6 +946,7 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };
+  if (!detached) return sys.spawn(std::move(init), std::move(stats));
   return sys.spawn<caf::detached>(std::move(init), std::move(stats));
 }
 

@@ -22,6 +22,8 @@ namespace troupe::detail {
 bool on_internal_thread() noexcept;
 /// Marks the calling thread as one of troupe's (set by the actors before running user code).
 void mark_internal_thread() noexcept;
+/// Forgets that mark (for tests that run troupe's actors on their own thread).
+void clear_internal_thread() noexcept;
 
 /// The name `job` was registered under (TROUPE_REGISTER_JOB), or "".
 std::string registered_job_name(const std::type_info& job);
