@@ -443,19 +443,6 @@ TEST(Jobs, OrderedOutputsStayInOrderAfterRetriesAndAWorkTimeout) {
 
 // -- quarantine ---------------------------------------------------------------------------------
 
-std::atomic<int> bad_producers{0};
-/// The first producer constructed throws on every item.
-struct one_bad_producer {
-  struct producer {
-    producer() : bad(bad_producers.fetch_add(1) == 0) {}
-    std::int64_t work(std::int64_t x) {
-      if (bad) throw std::runtime_error("a broken device");
-      return x;
-    }
-    bool bad;
-  };
-};
-
 TEST(Jobs, AProducerThatKeepsThrowingIsQuarantined) {
   bad_producers = 0;
   troupe::options opts;

@@ -13,6 +13,7 @@
 #include <troupe/troupe.hpp>
 #include <vector>
 
+#include "test_jobs.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -197,19 +198,6 @@ TEST(ProducerIdentity, TheProbePassesTheIndex) {
 // -- producer events -----------------------------------------------------------------------------
 
 namespace {
-std::atomic<int> bad_constructed{0};
-/// The first producer constructed throws on every item.
-struct first_one_throws {
-  struct producer {
-    producer() : bad(bad_constructed.fetch_add(1) == 0) {}
-    std::int64_t work(std::int64_t x) {
-      if (bad) throw std::runtime_error("a broken device");
-      return x;
-    }
-    bool bad;
-  };
-};
-
 std::atomic<bool> stalled_once{false};
 /// The first item ever worked on stalls its producer for config "stall_ms".
 struct stalls_once {
@@ -244,13 +232,13 @@ struct event_log {
 }  // namespace
 
 TEST(ProducerEvents, AQuarantinedProducerIsReportedWithoutALogHandler) {
-  bad_constructed = 0;
+  test_jobs::bad_producers = 0;
   event_log log;
   troupe::options opts;
   opts.quarantine_after = 3;
   opts.chunk_size = 1;
   opts.on_event = log.handler();
-  troupe::ordered_runner<first_one_throws> runner{3, {}, opts};
+  troupe::ordered_runner<test_jobs::one_bad_producer> runner{3, {}, opts};
   troupe::job_options o;
   o.on_error = troupe::error_policy::retry(3);
   EXPECT_EQ(runner.run(test_util::iota(300), o), test_util::iota(300));

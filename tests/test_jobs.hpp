@@ -112,4 +112,17 @@ struct second_init_throws {
   };
 };
 
+inline std::atomic<int> bad_producers{0};
+/// The first producer constructed (since bad_producers was reset) throws on every item.
+struct one_bad_producer {
+  struct producer {
+    producer() : bad(bad_producers.fetch_add(1) == 0) {}
+    std::int64_t work(std::int64_t x) {
+      if (bad) throw std::runtime_error("a broken device");
+      return x;
+    }
+    bool bad;
+  };
+};
+
 }  // namespace test_jobs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: sets up, builds, and runs the sum_of_squares demo on local CPU producers
-# (on every GPU too when there is one), then the inference demo.
+# The main job: sets up, builds, and runs the sum_of_squares demo on local CPU producers, then
+# the inference demo (troupe::torch) on CPU producers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
