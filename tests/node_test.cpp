@@ -30,10 +30,10 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <troupe/detail/bulk.hpp>
+#include <troupe/internal/bulk.hpp>
 #include <troupe/detail/messages.hpp>
 #include <troupe/detail/network.hpp>
-#include <troupe/detail/registry.hpp>
+#include <troupe/internal/registry.hpp>
 #include <troupe/node.hpp>
 
 #include "remote_jobs.hpp"

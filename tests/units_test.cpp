@@ -6,7 +6,7 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <troupe/detail/bulk.hpp>
+#include <troupe/internal/bulk.hpp>
 #include <troupe/detail/messages.hpp>
 #include <troupe/testing.hpp>
 

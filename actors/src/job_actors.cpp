@@ -7,10 +7,10 @@
 #include <string>
 #include <utility>
 
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/messages.hpp"
-#include "troupe/detail/registry.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/register.hpp"

@@ -20,7 +20,7 @@
 
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"

@@ -7,7 +7,7 @@
 #include <typeindex>
 #include <unordered_map>
 
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/error.hpp"
 
 namespace troupe {

@@ -1,4 +1,4 @@
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 
 #include <sys/mman.h>
 

@@ -24,9 +24,9 @@
 #include <mutex>
 #include <thread>
 
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/messages.hpp"
-#include "troupe/detail/registry.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/error.hpp"
 #include "troupe/node.hpp"
 

@@ -1,4 +1,4 @@
-#include "troupe/detail/registry.hpp"
+#include "troupe/internal/registry.hpp"
 
 #include <algorithm>
 #include <map>

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "troupe/detail/bulk.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 
