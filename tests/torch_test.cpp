@@ -7,6 +7,7 @@
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <troupe/detail/messages.hpp>
+#include <troupe/testing.hpp>
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
 
@@ -136,4 +137,74 @@ TEST(Tensor, TruncatedOrLyingMessagesFailToLoad) {
   caf::binary_deserializer source{sys, lie};
   at::Tensor back;
   EXPECT_TRUE(source(back));
+}
+
+// -- custom types holding tensors (docs/api.md, "Custom types across the network") ----------------
+
+namespace {
+
+struct record {
+  std::string name;
+  at::Tensor values;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, record& x) {
+  return f(caf::meta::type_name("test.record"), x.name, x.values);
+}
+
+/// The same struct whose inspect() forgets the tensor.
+struct record_without_values {
+  std::string name;
+  at::Tensor values;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, record_without_values& x) {
+  return f(caf::meta::type_name("test.record_without_values"), x.name);
+}
+
+template <class Record>
+struct record_sums {
+  struct producer {
+    double work(const Record& r) {
+      return r.values.defined() ? r.values.sum().template item<double>() : -1;
+    }
+  };
+  struct consumer {
+    void work(double y) { sum += y; }
+    double end() { return sum; }
+    double sum = 0;
+  };
+};
+
+template <class Record>
+std::vector<Record> records(int n) {
+  std::vector<Record> rs;
+  for (int i = 0; i < n; ++i)
+    rs.push_back(Record{"r" + std::to_string(i), torch::arange(static_cast<double>(i % 4 + 1))});
+  return rs;
+}
+
+}  // namespace
+
+TEST(Tensor, AStructHoldingATensorAndAStringRoundTrips) {
+  record r{"seven", torch::arange(7.0)};
+  auto copy = troupe::testing::round_trip(r);
+  EXPECT_EQ(copy.name, "seven");
+  expect_same(copy.values, r.values);
+  // A forgotten tensor arrives undefined, as it would on a node.
+  record_without_values broken{"seven", torch::arange(7.0)};
+  auto lost = troupe::testing::round_trip(broken);
+  EXPECT_EQ(lost.name, "seven");
+  EXPECT_FALSE(lost.values.defined());
+}
+
+TEST(Tensor, TheSerializeOptionCarriesTensorsInsideStructs) {
+  troupe::options opts;
+  opts.serialize = true;
+  // Sums: 0, 1, 3, 6 repeating: 10 per 4 records.
+  troupe::ordered_runner<record_sums<record>> ok{2, {}, opts};
+  EXPECT_DOUBLE_EQ(ok.run(records<record>(40)), 100.0);
+  // Without the tensor in inspect(), every record arrives without values: -1 each.
+  troupe::ordered_runner<record_sums<record_without_values>> broken{2, {}, opts};
+  EXPECT_DOUBLE_EQ(broken.run(records<record_without_values>(40)), -40.0);
 }
