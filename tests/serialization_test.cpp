@@ -270,3 +270,30 @@ TEST(ProducerEvents, ATimedOutProducerAndItsReplacementAreReported) {
   EXPECT_EQ(log.count(troupe::producer_event::kind::replaced), 1u);
   EXPECT_EQ(log.count(troupe::producer_event::kind::lost), 0u);
 }
+
+TEST(ProducerEvents, AHandlerMayCloseTheRunnerWithoutWaitingForItself) {
+  // on_event runs on the scheduler's thread: close() from there only starts closing (it would
+  // otherwise wait for that very thread), and the job still running ends with runner_closed.
+  test_jobs::bad_producers = 0;
+  troupe::options opts;
+  opts.quarantine_after = 2;
+  opts.chunk_size = 1;
+  std::atomic<int> events{0};
+  troupe::ordered_runner<test_jobs::one_bad_producer>* self = nullptr;
+  opts.on_event = [&](const troupe::producer_event&) {
+    ++events;
+    self->close();
+  };
+  troupe::ordered_runner<test_jobs::one_bad_producer> runner{2, {}, opts};
+  self = &runner;
+  troupe::job_options o;
+  o.on_error = troupe::error_policy::retry(5);
+  // The job either finished before the close took effect or was ended by it; it never hangs.
+  try {
+    auto out = runner.run(test_util::iota(2000), o);
+    EXPECT_EQ(out, test_util::iota(2000));
+  } catch (const troupe::runner_closed&) {
+  }
+  EXPECT_GE(events.load(), 1);
+  EXPECT_FALSE(runner.is_open());
+}
