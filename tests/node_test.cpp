@@ -30,9 +30,9 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <troupe/internal/bulk.hpp>
 #include <troupe/detail/messages.hpp>
 #include <troupe/detail/network.hpp>
+#include <troupe/internal/bulk.hpp>
 #include <troupe/internal/registry.hpp>
 #include <troupe/node.hpp>
 

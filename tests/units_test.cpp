@@ -6,8 +6,8 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <troupe/internal/bulk.hpp>
 #include <troupe/detail/messages.hpp>
+#include <troupe/internal/bulk.hpp>
 #include <troupe/testing.hpp>
 
 #include "test_jobs.hpp"

@@ -7,12 +7,12 @@
 #include <string>
 #include <utility>
 
-#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/messages.hpp"
-#include "troupe/internal/registry.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
+#include "troupe/internal/bulk.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/register.hpp"
 
 namespace troupe::detail {

@@ -20,9 +20,9 @@
 
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
-#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
+#include "troupe/internal/bulk.hpp"
 #include "troupe/log.hpp"
 
 namespace troupe::detail {

@@ -7,8 +7,8 @@
 #include <typeindex>
 #include <unordered_map>
 
-#include "troupe/internal/bulk.hpp"
 #include "troupe/error.hpp"
+#include "troupe/internal/bulk.hpp"
 
 namespace troupe {
 namespace {

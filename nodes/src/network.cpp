@@ -24,10 +24,10 @@
 #include <mutex>
 #include <thread>
 
-#include "troupe/internal/bulk.hpp"
 #include "troupe/detail/messages.hpp"
-#include "troupe/internal/registry.hpp"
 #include "troupe/error.hpp"
+#include "troupe/internal/bulk.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/node.hpp"
 
 namespace troupe {
