@@ -241,7 +241,6 @@ troupe::stats runtime::stats() const {
 std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
                                           const consumer_spawner& spawn, bool ordered,
                                           job_options o) {
-  // (consumer_spawner: the job's consumer actor, spawned in this runner's actor system)
   if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
   if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
   {
@@ -279,11 +278,10 @@ runtime_ptr make_runtime(std::vector<device> devices, config cfg, options opts, 
 
 std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> source,
                                      consumer_maker make, bool ordered, job_options o) {
-  auto cfg = rt.job_config();
   return rt.submit(
       std::move(source),
-      [&make, &cfg](caf::actor_system& sys) {
-        return spawn_consumer_actor(sys, std::move(make), cfg);
+      [&make, &rt](caf::actor_system& sys) {
+        return spawn_consumer_actor(sys, std::move(make), rt.job_config());
       },
       ordered, std::move(o));
 }

@@ -2,6 +2,7 @@
 
 #include <cctype>
 
+#include "troupe/device_binding.hpp"
 #include "troupe/error.hpp"
 
 namespace troupe {
@@ -82,10 +83,6 @@ std::string to_string(const device& d) {
 
 std::vector<device> cpus(std::size_t n) {
   return std::vector<device>(n, device{"cpu"});
-}
-
-namespace detail {
-int cuda_device_count() noexcept;  // device_binding.cpp: -1 without troupe::torch's CUDA support
 }
 
 std::vector<device> gpus() {

@@ -1,7 +1,5 @@
 #include "troupe/device_binding.hpp"
 
-#include <atomic>
-
 #include "troupe/error.hpp"
 
 namespace troupe {

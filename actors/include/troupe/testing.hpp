@@ -32,7 +32,7 @@ T round_trip(const T& x) {
   static_assert(caf::detail::is_serializable<T>::value,
                 "troupe::testing::round_trip: T needs an inspect() overload (include "
                 "<troupe/torch.hpp> for tensors)");
-  if (batch_type_name(typeid(T)).empty()) register_batch_type<T>();
+  ensure_batch_type<T>();
   auto copy = round_trip_batch(batch::of(std::vector<T>{x}), "round_trip");
   auto* items = copy.template as<T>();
   if (items == nullptr || items->items.size() != 1)

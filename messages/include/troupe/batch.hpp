@@ -159,6 +159,13 @@ void register_batch_type(const std::string& name = typeid(T).name()) {
   register_batch_type(name, typeid(T), [] { return std::make_unique<batch_of<T>>(); });
 }
 
+/// Registers std::vector<T> batches under the default name unless T has a name already (from
+/// TROUPE_REGISTER_JOB or a register_batch_type call of the user's, which it keeps).
+template <class T>
+void ensure_batch_type() {
+  if (batch_type_name(typeid(T)).empty()) register_batch_type<T>();
+}
+
 class batch {
  public:
   batch() = default;

@@ -31,6 +31,8 @@ struct cuda_support {
 };
 /// Installs `s` (once, from a static initializer of troupe::torch).
 bool install_cuda_support(const cuda_support& s) noexcept;
+/// GPUs this process can use through the installed CUDA support; -1 when none is installed.
+int cuda_device_count() noexcept;
 /// Makes `b` the calling thread's binding (nullptr: none), for current_stream().
 void set_current_binding(device_binding* b) noexcept;
 }  // namespace detail

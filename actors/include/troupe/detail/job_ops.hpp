@@ -52,6 +52,28 @@ class consumer_ops {
   virtual void destroy() = 0;
 };
 
+/// Owns a job's producer or consumer object, whose destructor may throw: reset() lets that
+/// through (to be reported); the owner's own destructor swallows it.
+template <class T>
+class throwing_owner {
+ public:
+  explicit throwing_owner(std::unique_ptr<T> p) : p_(p.release()) {}
+  throwing_owner(const throwing_owner&) = delete;
+  throwing_owner& operator=(const throwing_owner&) = delete;
+  ~throwing_owner() {
+    try {
+      reset();
+    } catch (...) {
+    }
+  }
+  void reset() { delete std::exchange(p_, nullptr); }
+  T& operator*() const noexcept { return *p_; }
+  T* operator->() const noexcept { return p_; }
+
+ private:
+  T* p_;
+};
+
 /// Constructs a job's producer object on `d` (index: its position in the runner's devices).
 using producer_maker = std::unique_ptr<producer_ops> (*)(const device& d, const config& cfg,
                                                          std::size_t index);
@@ -66,15 +88,7 @@ class typed_producer final : public producer_ops {
   using out = typename traits::output_type;
 
   typed_producer(const device& d, const config& cfg, std::size_t index)
-      : p_(make_producer<typename traits::producer_type>(d, cfg, index).release()) {}
-  typed_producer(const typed_producer&) = delete;
-  typed_producer& operator=(const typed_producer&) = delete;
-  ~typed_producer() override {
-    try {
-      destroy();
-    } catch (...) {
-    }
-  }
+      : p_(make_producer<typename traits::producer_type>(d, cfg, index)) {}
 
   void work(const batch& chunk, std::uint64_t first, bool keep_going, work_outcome& r) override {
     auto* items = chunk.as<in>();
@@ -126,10 +140,10 @@ class typed_producer final : public producer_ops {
   void end() override {
     if constexpr (has_end<typename traits::producer_type>::value) p_->end();
   }
-  void destroy() override { delete std::exchange(p_, nullptr); }
+  void destroy() override { p_.reset(); }
 
  private:
-  typename traits::producer_type* p_;
+  throwing_owner<typename traits::producer_type> p_;
 };
 
 template <class Job>
@@ -146,9 +160,8 @@ void register_wire_types() {
   using out = typename job_traits<Job>::output_type;
   if constexpr (caf::detail::is_serializable<in>::value &&
                 caf::detail::is_serializable<out>::value) {
-    // Types registered already (TROUPE_REGISTER_JOB, a name of the user's) keep their name.
-    if (batch_type_name(typeid(in)).empty()) register_batch_type<in>();
-    if (batch_type_name(typeid(out)).empty()) register_batch_type<out>();
+    ensure_batch_type<in>();
+    ensure_batch_type<out>();
   } else {
     throw invalid_argument(
         "options::serialize: the job's input or output type cannot be serialized (give it an "
@@ -167,15 +180,7 @@ class typed_consumer final : public consumer_ops {
   using out = typename traits::output_type;
 
   typed_consumer(const config& cfg, result_slot<typename traits::result_type> slot)
-      : c_(make_with<typename traits::consumer_type>(cfg).release()), slot_(std::move(slot)) {}
-  typed_consumer(const typed_consumer&) = delete;
-  typed_consumer& operator=(const typed_consumer&) = delete;
-  ~typed_consumer() override {
-    try {
-      destroy();
-    } catch (...) {
-    }
-  }
+      : c_(make_with<typename traits::consumer_type>(cfg)), slot_(std::move(slot)) {}
 
   bool work(batch& outputs) override {
     auto* items = outputs.as<out>();
@@ -184,10 +189,10 @@ class typed_consumer final : public consumer_ops {
     return true;
   }
   void end() override { slot_->emplace(c_->end()); }
-  void destroy() override { delete std::exchange(c_, nullptr); }
+  void destroy() override { c_.reset(); }
 
  private:
-  typename traits::consumer_type* c_;
+  throwing_owner<typename traits::consumer_type> c_;
   result_slot<typename traits::result_type> slot_;
 };
 
