@@ -7,6 +7,7 @@
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <troupe/detail/messages.hpp>
+#include <troupe/device_binding.hpp>
 #include <troupe/testing.hpp>
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
@@ -105,6 +106,16 @@ TEST(Gpu, ProducersRunOnEveryGpu) {
   troupe::unordered_runner<double_it> runner{gpus};
   std::vector<at::Tensor> in(20, torch::ones({1000}));
   EXPECT_DOUBLE_EQ(runner.run(in), 20.0 * 2000);
+}
+
+TEST(Gpu, LinkingTheTorchComponentInstallsCudaSupport) {
+  // torch.cpp's static initializer ran (the --undefined anchor kept it in this program); with
+  // a LibTorch without CUDA nothing is installed and CUDA devices stay unavailable.
+#ifdef TROUPE_TEST_TORCH_HAS_CUDA
+  EXPECT_GE(troupe::detail::cuda_device_count(), 0);
+#else
+  GTEST_SKIP() << "troupe::torch was built without CUDA (a CPU LibTorch or no CUDA toolkit)";
+#endif
 }
 
 TEST(Gpu, CudaWithoutGpuIsDeviceUnavailable) {

@@ -7,6 +7,7 @@
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <troupe/detail/messages.hpp>
+#include <troupe/device_binding.hpp>
 #include <troupe/internal/bulk.hpp>
 #include <troupe/testing.hpp>
 
@@ -53,6 +54,20 @@ TEST(Device, GpusNeverThrowAndMatchAvailability) {
   }
   EXPECT_TRUE(troupe::why_unavailable("cpu").empty());
 }
+
+#ifndef TROUPE_WITH_TORCH
+TEST(Device, WithoutTheTorchComponentCudaDevicesAreUnavailable) {
+  // This binary links only troupe::troupe: no CUDA support is installed.
+  EXPECT_EQ(troupe::detail::cuda_device_count(), -1);
+  EXPECT_TRUE(troupe::gpus().empty());
+  try {
+    troupe::unordered_runner<test_jobs::squares> runner{std::vector<troupe::device>{"cuda:0"}};
+    FAIL() << "a cuda:0 producer started without troupe::torch";
+  } catch (const troupe::device_unavailable& e) {
+    EXPECT_NE(std::string{e.what()}.find("troupe::torch"), std::string::npos) << e.what();
+  }
+}
+#endif
 
 TEST(Config, TypedGetSetAndNesting) {
   troupe::config cfg;
