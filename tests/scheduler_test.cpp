@@ -150,7 +150,8 @@ class SchedulerTest : public ::testing::Test {
   std::shared_ptr<troupe::detail::job_core> submit(std::int64_t n, troupe::job_options o) {
     auto consumer = sys_.spawn(fake_consumer, seen_);
     auto spec = std::make_shared<troupe::detail::job_spec>();
-    spec->core = std::make_shared<troupe::detail::job_core>(next_id_++, scheduler_, consumer);
+    spec->core = std::make_shared<troupe::detail::job_core>(next_id_++, scheduler_);
+    spec->core->set_consumer(consumer);
     spec->source = troupe::detail::make_job_source<std::int64_t>(test_util::iota(n));
     spec->consumer = consumer;
     spec->ordered = true;

@@ -2,7 +2,9 @@
 
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
+#include <caf/send.hpp>
 #include <chrono>
+#include <deque>
 #include <exception>
 #include <string>
 #include <utility>
@@ -166,7 +168,9 @@ caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<produ
 struct consumer_state {
   consumer_maker make;
   config cfg;
+  std::shared_ptr<job_gate> gate;
   std::unique_ptr<consumer_ops> consumer;
+  bool started = false;  ///< the constructor ran (or threw)
   std::string failure;
 
   caf::error fail(const char* member) {
@@ -184,38 +188,63 @@ struct consumer_state {
     consumer.reset();
   }
 
-  caf::result<consume_ack> init() {
+  /// Constructs the consumer object on the first message (init_atom, or a job's first chunk).
+  caf::error start() {
+    if (started) return {};
+    started = true;
+    if (gate->stopped()) {  // the job ended before its consumer ran at all
+      failure = "the job has ended";
+      return make_error(errc::consumer_error, failure);
+    }
     try {
       consumer = make(cfg);
-      return consume_ack{};
+      return {};
     } catch (...) {
       return fail("consumer (constructor)");
     }
   }
 
+  caf::result<consume_ack> init() {
+    if (auto err = start()) return err;
+    return consume_ack{};
+  }
+
   caf::result<consume_ack> work(consume_chunk& c) {
+    if (auto err = start()) return err;
     if (!consumer) return make_error(errc::consumer_error, failure);
     try {
-      if (!consumer->work(c.items))
+      if (!consumer->work(c.items, *gate))
         return make_error(errc::protocol_error, "output chunk of another type");
-      return consume_ack{c.run};
     } catch (...) {
       return fail("work");
     }
+    if (c.last) return end(c.run);
+    return consume_ack{c.run};
   }
 
-  caf::result<consume_ack> end(const end_of_input& e) {
+  caf::result<consume_ack> end(std::uint64_t run) {
+    if (auto err = start()) return err;
     if (!consumer) return make_error(errc::consumer_error, failure);
+    // A cancel or deadline that came first wins: end() does not start. Once it has started,
+    // its value is the job's result.
+    if (!gate->begin_end()) {
+      failure = "the job has ended";
+      dispose();
+      return make_error(errc::consumer_error, failure);
+    }
     try {
       consumer->end();
       dispose();
-      return consume_ack{e.run};
+      return consume_ack{run};
     } catch (...) {
       return fail("end");
     }
   }
 };
 
+// Consumers are event-based actors on the actor system's shared threads: a job costs no thread
+// of its own, and nothing once it has ended. An actor handles one message at a time, so the
+// job's consumer still sees its outputs one chunk after the other, in the scheduler's order.
 caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consumer_state> st) {
   self->attach_functor([st] { st->dispose(); });
   return {
@@ -223,32 +252,63 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
         mark_internal_thread();
         return st->init();
       },
-      [st](consume_chunk& c) { return st->work(c); },
-      [st](const end_of_input& e) { return st->end(e); },
+      [st](consume_chunk& c) {
+        mark_internal_thread();
+        return st->work(c);
+      },
+      [st](const end_of_input& e) {
+        mark_internal_thread();
+        return st->end(e.run);
+      },
       // The job is returning: nothing of this consumer may run after it (a high-priority
       // message, ahead of chunks still queued).
-      [st](end_atom) {
+      [self, st](end_atom) {
         if (st->failure.empty()) st->failure = "the run has ended";
         st->dispose();
-        return consume_ack{};
+        self->quit();
       },
   };
 }
 
-caf::behavior stream_consumer_actor(caf::event_based_actor*, std::shared_ptr<stream_buffer> buf) {
+/// A room_atom from the reader's thread: the stream's buffer has room again.
+using room_atom = caf::atom_constant<caf::atom("tr_room")>;
+
+struct stream_state {
+  std::shared_ptr<stream_buffer> buf;
+  std::shared_ptr<job_gate> gate;
+  std::deque<caf::response_promise> held;  ///< acknowledgements held back while it is full
+};
+
+// Never blocks: a chunk beyond the buffer's capacity is kept, and its acknowledgement waits
+// until the reader makes room, so the scheduler's consumer_backlog bounds what is queued.
+caf::behavior stream_consumer_actor(caf::event_based_actor* self,
+                                    std::shared_ptr<stream_state> st) {
+  caf::actor_addr me = self->address();  // weak: the buffer must not keep this actor alive
+  st->buf->on_room([me] {
+    if (auto a = caf::actor_cast<caf::actor>(me)) caf::anon_send(a, room_atom::value);
+  });
   return {
-      [](init_atom) {
-        mark_internal_thread();
-        return consume_ack{};
+      [](init_atom) { return consume_ack{}; },
+      [self, st](consume_chunk& c) -> caf::result<consume_ack> {
+        if (st->gate->stopped()) return consume_ack{c.run};
+        auto n = c.items.size();
+        bool room = st->buf->push(std::move(c.items));
+        st->gate->add_delivered(n);
+        if (room) return consume_ack{c.run};
+        st->held.push_back(self->make_response_promise());
+        return st->held.back();
       },
-      [buf](consume_chunk& c) {
-        buf->push(std::move(c.items));
-        return consume_ack{c.run};
+      [st](room_atom) {
+        while (!st->held.empty() && st->buf->has_room()) {
+          st->held.front().deliver(consume_ack{});
+          st->held.pop_front();
+        }
       },
       [](const end_of_input& e) { return consume_ack{e.run}; },
-      [buf](end_atom) {
-        buf->close();
-        return consume_ack{};
+      [self, st](end_atom) {
+        st->buf->close();
+        st->held.clear();
+        self->quit();
       },
   };
 }
@@ -266,15 +326,21 @@ caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, dev
   return sys.spawn<caf::detached>(producer_actor, std::move(st));
 }
 
-caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg) {
+caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg,
+                                std::shared_ptr<job_gate> gate) {
   auto st = std::make_shared<consumer_state>();
   st->make = std::move(make);
   st->cfg = std::move(cfg);
-  return sys.spawn<caf::detached>(consumer_actor, std::move(st));
+  st->gate = gate ? std::move(gate) : std::make_shared<job_gate>();
+  return sys.spawn(consumer_actor, std::move(st));
 }
 
-caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf) {
-  return sys.spawn<caf::detached>(stream_consumer_actor, std::move(buf));
+caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf,
+                                 std::shared_ptr<job_gate> gate) {
+  auto st = std::make_shared<stream_state>();
+  st->buf = std::move(buf);
+  st->gate = std::move(gate);
+  return sys.spawn(stream_consumer_actor, std::move(st));
 }
 
 }  // namespace troupe::detail

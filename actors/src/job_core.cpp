@@ -14,13 +14,24 @@ struct job_core::actors {
   caf::actor consumer;
 };
 
-job_core::job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer)
-    : id_(id), actors_(new actors{std::move(scheduler), std::move(consumer)}) {}
+std::optional<std::chrono::milliseconds> finite_wait(std::chrono::milliseconds d) noexcept {
+  // Beyond ~100 years a steady_clock reading plus `d` would overflow its nanoseconds.
+  constexpr auto forever = std::chrono::hours{24 * 365 * 100};
+  if (d >= forever) return std::nullopt;
+  return d;
+}
+
+job_core::job_core(std::uint64_t id, caf::actor scheduler)
+    : id_(id), actors_(new actors{std::move(scheduler), caf::actor{}}) {}
 
 job_core::~job_core() = default;
 
 const caf::actor& job_core::consumer() const noexcept {
   return actors_->consumer;
+}
+
+void job_core::set_consumer(caf::actor consumer) {
+  actors_->consumer = std::move(consumer);
 }
 
 void job_core::finish(std::exception_ptr e) {
@@ -53,7 +64,18 @@ bool job_core::done() const {
 
 bool job_core::wait_for(std::chrono::milliseconds d) {
   std::unique_lock<std::mutex> lock{mtx_};
-  return cv_.wait_for(lock, d, [this] { return finished_; });
+  if (finished_) return true;
+  if (d.count() <= 0) return false;
+  if (on_internal_thread())
+    throw invalid_argument(
+        "job_handle::wait_for() on troupe's own threads (on_progress, a producer, a consumer) "
+        "would wait for itself and hold up every job: submit() from there and wait elsewhere");
+  auto limit = finite_wait(d);
+  if (!limit) {
+    cv_.wait(lock, [this] { return finished_; });
+    return true;
+  }
+  return cv_.wait_for(lock, *limit, [this] { return finished_; });
 }
 
 void job_core::get() {
@@ -95,21 +117,20 @@ void job_core::abandon() noexcept {
 }
 
 void job_core::dispose() noexcept {
+  gate_->stop();  // a chunk the consumer is working on stops at its next item
+  caf::actor consumer;
   {
     std::lock_guard<std::mutex> guard{mtx_};
     if (disposed_ || !actors_->consumer) return;
     disposed_ = true;
+    consumer = std::move(actors_->consumer);
+    actors_->consumer = nullptr;
   }
   try {
-    if (on_internal_thread()) {
-      caf::anon_send<caf::message_priority::high>(actors_->consumer, end_atom::value);
-      caf::anon_send_exit(actors_->consumer, caf::exit_reason::user_shutdown);
-      return;
-    }
-    caf::scoped_actor self{actors_->consumer->home_system()};
-    self->request<caf::message_priority::high>(actors_->consumer, caf::infinite, end_atom::value)
-        .receive([](const consume_ack&) {}, [](const caf::error&) {});
-    self->send_exit(actors_->consumer, caf::exit_reason::user_shutdown);
+    // Nothing waits for the consumer: it may be inside a long work() call. The high-priority
+    // message overtakes the chunks still queued for it; the exit ends the actor after it.
+    caf::anon_send<caf::message_priority::high>(consumer, end_atom::value);
+    caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown);
   } catch (...) {
   }
 }
@@ -121,7 +142,9 @@ progress job_core::current_progress() const {
 
 job_report job_core::report() const {
   std::lock_guard<std::mutex> guard{mtx_};
-  return report_;
+  auto r = report_;
+  r.delivered = gate_->delivered();  // counted by the consumer, also after a cancel
+  return r;
 }
 
 std::exception_ptr job_core::error() const {
@@ -129,35 +152,73 @@ std::exception_ptr job_core::error() const {
   return error_;
 }
 
-void stream_buffer::push(batch b) {
-  std::unique_lock<std::mutex> lock{mtx_};
-  cv_.wait(lock, [this] { return closed_ || chunks_.size() < capacity_; });
-  if (closed_) return;
+bool stream_buffer::push(batch b) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  if (closed_) return true;
   chunks_.push_back(std::move(b));
   cv_.notify_all();
+  if (chunks_.size() <= capacity_) return true;
+  waiting_ = true;
+  return false;
+}
+
+bool stream_buffer::has_room() {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return closed_ || chunks_.size() < capacity_;
+}
+
+void stream_buffer::on_room(std::function<void()> f) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  on_room_ = std::move(f);
 }
 
 std::optional<batch> stream_buffer::pop(const job_core& job) {
-  std::unique_lock<std::mutex> lock{mtx_};
-  for (;;) {
-    if (!chunks_.empty()) {
-      auto b = std::move(chunks_.front());
-      chunks_.pop_front();
-      cv_.notify_all();
-      return b;
+  std::function<void()> wake;
+  std::optional<batch> out;
+  {
+    std::unique_lock<std::mutex> lock{mtx_};
+    for (;;) {
+      if (closed_) return std::nullopt;
+      if (!chunks_.empty()) {
+        out = std::move(chunks_.front());
+        chunks_.pop_front();
+        if (waiting_ && chunks_.size() < capacity_) {
+          waiting_ = false;
+          wake = on_room_;
+        }
+        break;
+      }
+      if (job.done()) return std::nullopt;
+      cv_.wait(lock);
     }
-    if (closed_ || job.done()) return std::nullopt;
-    cv_.wait(lock);
   }
+  if (wake) wake();  // outside the lock: it sends a message to the consumer actor
+  return out;
 }
 
 void stream_buffer::close() {
+  std::function<void()> drop;
   {
     std::lock_guard<std::mutex> guard{mtx_};
     closed_ = true;
     chunks_.clear();
+    drop = std::move(on_room_);
+    on_room_ = nullptr;
   }
   cv_.notify_all();
+}
+
+void stream_buffer::cancel() {
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    cancelled_ = true;
+  }
+  close();
+}
+
+bool stream_buffer::cancelled() {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return cancelled_;
 }
 
 void stream_buffer::notify() {

@@ -71,6 +71,12 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     throw invalid_argument(
         "options: max_chunk_items, max_chunk_bytes and consumer_backlog "
         "must be positive");
+  if (!(opts_.speculation_after >= 1.0))
+    throw invalid_argument(
+        "options::speculation_after must be at least 1 (a multiple of a "
+        "chunk's expected time)");
+  if (opts_.close_timeout.count() < 0 || opts_.work_timeout.count() < 0)
+    throw invalid_argument("options: close_timeout and work_timeout must not be negative");
   for (auto& d : devices_)
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
   bool network = any_remote(devices_);
@@ -175,8 +181,10 @@ void runtime::abandon(const std::vector<caf::actor>& started) noexcept {
   try {
     caf::scoped_actor self{*sys_};
     // All at once, so that the wait is bounded by close_timeout in all.
-    std::vector<decltype(self->request(started[0], opts_.close_timeout, end_atom::value))> ends;
-    for (auto& p : started) ends.push_back(self->request(p, opts_.close_timeout, end_atom::value));
+    auto limit = finite_wait(opts_.close_timeout);
+    auto timeout = limit ? caf::duration{*limit} : caf::infinite;
+    std::vector<decltype(self->request(started[0], timeout, end_atom::value))> ends;
+    for (auto& p : started) ends.push_back(self->request(p, timeout, end_atom::value));
     for (auto& e : ends)
       e.receive([](const consume_ack&) {},
                 [](const caf::error& err) {
@@ -215,7 +223,9 @@ void runtime::close() noexcept {
     // Bounded: producers still busy after close_timeout are left behind. (Kept here rather
     // than by a timer in the scheduler, which would keep its thread alive that long.) The
     // margin covers a scheduler that is itself blocked in on_progress.
-    if (closed.wait_for(opts_.close_timeout) != std::future_status::ready) {
+    auto limit = finite_wait(opts_.close_timeout);  // milliseconds::max(): forever
+    if (!limit) closed.wait();
+    if (limit && closed.wait_for(*limit) != std::future_status::ready) {
       caf::anon_send(scheduler_, close_timeout_atom::value);
       if (closed.wait_for(std::chrono::seconds{5}) != std::future_status::ready)
         log(log_level::warn, "the scheduler did not confirm close() in time; left behind");
@@ -247,19 +257,27 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
     std::lock_guard<std::mutex> guard{mtx_};
     if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");
   }
-  auto consumer = spawn(*sys_);
+  auto core = std::make_shared<job_core>(0, scheduler_);
+  caf::actor consumer;
+  try {
+    consumer = spawn(*sys_, core->gate());
+  } catch (const std::exception& e) {  // out of memory, or of whatever the system ran out of
+    throw runner_closed(std::string{"submit(): the job's consumer could not be created ("} +
+                        e.what() + "); the job was not started");
+  }
+  core->set_consumer(consumer);
   std::lock_guard<std::mutex> guard{mtx_};
   if (!open_) {
     caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown);
     throw runner_closed("the runner was closed while the job was submitted");
   }
+  core->set_id(next_job_++);
   auto spec = std::make_shared<job_spec>();
-  spec->core = std::make_shared<job_core>(next_job_++, scheduler_, consumer);
+  spec->core = core;
   spec->source = std::move(source);
   spec->consumer = std::move(consumer);
   spec->ordered = ordered;
   spec->opts = std::move(o);
-  auto core = spec->core;
   // Sent under the lock: close() sends close_atom under it too, so the scheduler always sees
   // this job before it closes (and ends it with runner_closed).
   caf::anon_send(scheduler_, std::move(spec));
@@ -280,8 +298,8 @@ std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> 
                                      consumer_maker make, bool ordered, job_options o) {
   return rt.submit(
       std::move(source),
-      [&make, &rt](caf::actor_system& sys) {
-        return spawn_consumer_actor(sys, std::move(make), rt.job_config());
+      [&make, &rt](caf::actor_system& sys, const std::shared_ptr<job_gate>& gate) {
+        return spawn_consumer_actor(sys, std::move(make), rt.job_config(), gate);
       },
       ordered, std::move(o));
 }
@@ -290,7 +308,10 @@ std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_sourc
                                         std::shared_ptr<stream_buffer> buf, bool ordered,
                                         job_options o) {
   auto core = rt.submit(
-      std::move(source), [&buf](caf::actor_system& sys) { return spawn_stream_consumer(sys, buf); },
+      std::move(source),
+      [&buf](caf::actor_system& sys, const std::shared_ptr<job_gate>& gate) {
+        return spawn_stream_consumer(sys, buf, gate);
+      },
       ordered, std::move(o));
   core->on_finish([buf] { buf->notify(); });
   return core;

@@ -53,7 +53,8 @@ caf::actor_system& local_system();
 
 class runtime {
  public:
-  using consumer_spawner = std::function<caf::actor(caf::actor_system&)>;
+  using consumer_spawner =
+      std::function<caf::actor(caf::actor_system&, const std::shared_ptr<job_gate>&)>;
 
   /// Starts one producer per device and waits until each has been constructed.
   /// Throws invalid_argument, device_unavailable or init_error.

@@ -17,6 +17,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
@@ -81,11 +82,14 @@ struct job_state {
   std::uint64_t next_item = 0;  ///< index of the next item to pull
   std::uint64_t consumed = 0;
   bool exhausted = false;
-  bool ending = false;      ///< end_of_input sent
-  std::size_t backlog = 0;  ///< chunks sent to the consumer, not yet acknowledged
+  bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
+  std::size_t backlog = 0;    ///< chunks sent to the consumer, not yet acknowledged
+  std::deque<batch> pending;  ///< outputs held back while backlog is at consumer_backlog
+  std::shared_ptr<job_gate> gate;  ///< shared with the consumer and the handle
   inflight_table pieces;
   reorder_window reorder;
-  double pass = 0;  ///< producer time given to it, divided by its weight (fair share)
+  double pass = 0;     ///< producer time given to it, divided by its weight (fair share)
+  bool ready = false;  ///< in scheduler::ready_ (it may have work for a producer)
   job_report report;
   clock_type::time_point started;
   clock_type::time_point last_progress;
@@ -116,7 +120,8 @@ class scheduler {
         if (producers_[p].handle.address() == dm.source && !producers_[p].restarting)
           give_up(p, dm.reason);
     });
-    if (opts_.work_timeout.count() > 0) schedule_stall_check();
+    // milliseconds::max() (or anything as long) is "never", like 0.
+    if (opts_.work_timeout.count() > 0 && finite_wait(opts_.work_timeout)) schedule_stall_check();
   }
 
   void start(std::shared_ptr<job_spec> spec) {
@@ -135,11 +140,10 @@ class scheduler {
     j->started = clock_type::now();  // last_progress: never, so the first ack reports at once
     // A new job starts level with the least served running job: it neither waits for the
     // others' past nor takes their turn for long.
-    std::optional<double> least;
-    for (auto& [id, other] : jobs_) least = least ? std::min(*least, other->pass) : other->pass;
-    j->pass = least.value_or(0);
+    j->pass = by_pass_.empty() ? 0 : by_pass_.begin()->first;
+    j->gate = j->core->gate();
     auto id = j->id;
-    if (j->opts.deadline.count() > 0)
+    if (j->opts.deadline.count() > 0 && finite_wait(j->opts.deadline))
       self_->delayed_send(self_, j->opts.deadline, deadline_atom::value, id);
     // The consumer's constructor runs before any chunk reaches it (its mailbox is FIFO).
     self_->request(j->consumer, caf::infinite, init_atom::value)
@@ -148,14 +152,19 @@ class scheduler {
                 end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
                 pump();
               });
-    jobs_.emplace(id, std::move(j));
+    by_pass_.emplace(j->pass, id);
+    auto& job = *jobs_.emplace(id, std::move(j)).first->second;
+    touch(job);
     for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per job
     check_survivors();
     pump();
   }
 
   /// job_handle::cancel(): nothing more of the job reaches a producer; answered when done.
+  /// A cancel that comes after consumer::end() has begun loses: end()'s value is the result.
   void cancel(std::uint64_t id) {
+    auto i = jobs_.find(id);
+    if (i == jobs_.end() || !i->second->gate->stop()) return;
     end_job(id, std::make_exception_ptr(cancelled("job " + std::to_string(id) +
                                                   " was cancelled (job_handle::cancel)")));
     pump();
@@ -163,7 +172,7 @@ class scheduler {
 
   void deadline_passed(std::uint64_t id) {
     auto i = jobs_.find(id);
-    if (i == jobs_.end()) return;
+    if (i == jobs_.end() || !i->second->gate->stop()) return;  // end() has begun: it wins
     auto& j = *i->second;
     auto why = "job " + std::to_string(id) + " passed its deadline of " +
                std::to_string(j.opts.deadline.count()) + " ms with " + std::to_string(j.consumed) +
@@ -174,10 +183,7 @@ class scheduler {
     pump();
   }
 
-  void wakeup() {
-    wakeup_at_.reset();
-    pump();
-  }
+  void wakeup() { pump(); }
 
   /// options::work_timeout: gives up on producers that have been on one chunk too long.
   void check_stalls() {
@@ -211,9 +217,13 @@ class scheduler {
     }
     closing_ = true;
     close_promise_ = std::move(done);
-    while (!jobs_.empty())
-      end_job(jobs_.begin()->first,
-              std::make_exception_ptr(runner_closed("the runner was closed during this job")));
+    // A job whose consumer::end() has begun is left to deliver its value (until the producers
+    // have ended: finish_close ends what is left).
+    std::vector<std::uint64_t> ids;
+    for (auto& [id, j] : jobs_)
+      if (j->gate->stop()) ids.push_back(id);
+    for (auto id : ids)
+      end_job(id, std::make_exception_ptr(runner_closed("the runner was closed during this job")));
     for (auto& s : producers_) {
       if (!s.alive) {  // stuck, lost or still starting: not waited on
         if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
@@ -231,7 +241,7 @@ class scheduler {
     }
     if (pending_ends_ == 0)
       finish_close();
-    else if (timed)
+    else if (timed && finite_wait(opts_.close_timeout))
       self_->delayed_send(self_, opts_.close_timeout, close_timeout_atom::value);
   }
 
@@ -271,7 +281,9 @@ class scheduler {
     return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
   }
 
-  bool consumer_has_room(const job_state& j) const { return j.backlog < opts_.consumer_backlog; }
+  bool consumer_has_room(const job_state& j) const {
+    return j.pending.empty() && j.backlog < opts_.consumer_backlog;
+  }
 
   bool window_open(const job_state& j) const {
     return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
@@ -316,8 +328,39 @@ class scheduler {
     return j.pieces.has_queued(p, now, only_choice(p)) || (!j.exhausted && window_open(j));
   }
 
+  /// Whether `j` may have work for some producer: queued pieces, or items to pull.
+  bool may_have_work(const job_state& j) const {
+    return consumer_has_room(j) && (j.pieces.queued() > 0 || (!j.exhausted && window_open(j)));
+  }
+
+  /// Keeps the indexes of `j` current (after anything about it changed) and settles it at the
+  /// end of this event (its outputs to its consumer, its end).
+  void touch(job_state& j) {
+    bool ready = may_have_work(j);
+    if (ready != j.ready) {
+      if (ready)
+        ready_.emplace(j.pass, j.id);
+      else
+        ready_.erase({j.pass, j.id});
+      j.ready = ready;
+    }
+    touched_.push_back(j.id);
+  }
+
+  /// Changes the fair-share pass of `j`, keeping the indexes ordered by it.
+  void set_pass(job_state& j, double pass) {
+    by_pass_.erase({j.pass, j.id});
+    if (j.ready) ready_.erase({j.pass, j.id});
+    j.pass = pass;
+    by_pass_.emplace(j.pass, j.id);
+    if (j.ready) ready_.emplace(j.pass, j.id);
+  }
+
+  /// Every event ends here. Its cost grows with the producers and the jobs this event touched,
+  /// not with the number of jobs running.
   void pump() {
     if (closing_) return;
+    settle();
     bool sent = true;
     while (sent) {
       sent = false;
@@ -328,34 +371,97 @@ class scheduler {
           break;
         }
     }
-    // Jobs whose every item is through: end_of_input to their consumer.
-    std::vector<std::uint64_t> ids;
-    for (auto& [id, j] : jobs_) ids.push_back(id);
-    for (auto id : ids) maybe_finish(id);
-    schedule_wakeup();
+    settle();
+  }
+
+  /// The jobs touched since the last settle(): outputs to their consumers, their end.
+  void settle() {
+    while (!touched_.empty()) {
+      auto batch_ids = std::move(touched_);
+      touched_.clear();
+      std::sort(batch_ids.begin(), batch_ids.end());
+      batch_ids.erase(std::unique(batch_ids.begin(), batch_ids.end()), batch_ids.end());
+      for (auto id : batch_ids) {
+        auto ji = jobs_.find(id);
+        if (ji == jobs_.end()) continue;
+        flush_consumer(*ji->second);
+        maybe_finish(id);
+      }
+    }
   }
 
   /// Sends producer `p` its next chunk: from the job with the least pass that has work for it;
-  /// else, when it is idle, a copy of a chunk that holds up a job. False when there is none.
+  /// else, when it is idle (no job has an item it could take instead), a copy of a late chunk.
+  /// False when there is none.
   bool dispatch_to(std::size_t p, clock_type::time_point now) {
-    job_state* best = nullptr;
-    for (auto& [id, j] : jobs_)
-      if (has_work_for(*j, p, now) &&
-          (!best || j->pass < best->pass ||
-           (j->pass == best->pass && j->pieces.size() < best->pieces.size())))
-        best = j.get();
-    if (best) return dispatch_from(*best, p, now);
-    if (!opts_.speculative || !producers_[p].outstanding.empty()) return false;
-    std::vector<job_state*> order;
-    for (auto& [id, j] : jobs_)
-      if (consumer_has_room(*j)) order.push_back(j.get());
-    std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->pass < b->pass; });
-    for (auto* j : order)
-      if (auto id = j->pieces.copy_for(p)) {
-        send(p, *j, *id);
-        return true;
+    for (auto i = ready_.begin(); i != ready_.end();) {
+      auto& j = *jobs_.at(i->second);
+      if (!may_have_work(j)) {  // changed since it was indexed (the window, say)
+        j.ready = false;
+        i = ready_.erase(i);
+        continue;
       }
-    return false;
+      if (has_work_for(j, p, now)) return dispatch_from(j, p, now);
+      ++i;
+    }
+    return speculate(p, now);
+  }
+
+  /// options::speculative: an idle producer takes a copy of a late chunk (first answer wins):
+  /// one outstanding longer than options::speculation_after times its producer's expected time
+  /// for it (at least 10 target chunk times, and those only when its time per item is not known
+  /// yet), and only when `p` has nothing else to do.
+  bool speculate(std::size_t p, clock_type::time_point now) {
+    if (!opts_.speculative || !producers_[p].outstanding.empty()) return false;
+    auto floor = std::chrono::duration<double, std::nano>(opts_.target_chunk_time).count() * 10;
+    job_state* best_job = nullptr;
+    std::uint64_t best_id = 0;
+    double most_late = 1;             // elapsed / allowed
+    std::optional<double> next_late;  // ns from now until the first chunk becomes late
+    for (std::size_t q = 0; q < producers_.size(); ++q) {
+      auto& s = producers_[q];
+      if (q == p || !s.alive || s.outstanding.empty()) continue;
+      // A producer works FIFO: its chunks finish one after the other from when it could start
+      // the first one.
+      auto began = std::max(s.outstanding.front().sent, s.last_done);
+      auto elapsed = std::chrono::duration<double, std::nano>(now - began).count();
+      double expected = 0;
+      for (auto& rec : s.outstanding) {
+        expected += static_cast<double>(rec.items) * s.ns_per_item;
+        auto allowed = std::max(floor, opts_.speculation_after * expected);
+        if (elapsed <= allowed * most_late) {  // this one and those behind it: on time (yet)
+          if (!best_job)
+            next_late = std::min(next_late.value_or(allowed - elapsed), allowed - elapsed);
+          break;
+        }
+        auto ji = jobs_.find(rec.job);
+        if (ji == jobs_.end()) continue;
+        auto* x = ji->second->pieces.find(rec.id);
+        if (!x || x->holders.size() != 1 || x->holders[0] == p) continue;
+        best_job = ji->second.get();
+        best_id = rec.id;
+        most_late = elapsed / allowed;
+      }
+    }
+    if (!best_job) {
+      // Nothing is late yet: look again when the first chunk would be.
+      if (next_late) {
+        auto at = now + std::chrono::duration_cast<clock_type::duration>(
+                            std::chrono::duration<double, std::nano>(*next_late));
+        if (!speculation_check_ || *speculation_check_ <= now || at < *speculation_check_) {
+          speculation_check_ = at;
+          wake_at(at);
+        }
+      }
+      return false;
+    }
+    auto n = best_job->pieces.find(best_id)->items.size();
+    {
+      std::lock_guard<std::mutex> guard{stats_->mtx};
+      stats_->value.duplicated_items += n;
+    }
+    send(p, *best_job, best_id);
+    return true;
   }
 
   bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now) {
@@ -373,7 +479,10 @@ class scheduler {
       return true;  // the job is gone; look again
     }
     j.exhausted = j.source->exhausted();
-    if (x.items.empty()) return j.exhausted;  // looked again with the job now exhausted
+    if (x.items.empty()) {
+      touch(j);
+      return j.exhausted;  // looked again with the job now exhausted
+    }
     x.first = j.next_item;
     j.next_item += x.items.size();
     j.report.items = j.next_item;
@@ -396,7 +505,8 @@ class scheduler {
     s.items += rec.items;
     auto cost =
         static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
-    j.pass += cost / static_cast<double>(j.opts.weight);
+    set_pass(j, j.pass + cost / static_cast<double>(j.opts.weight));
+    touch(j);
     auto gen = s.gen;
     auto job = j.id;
     // A large chunk for a remote producer travels as fragments, then a small reference.
@@ -409,16 +519,12 @@ class scheduler {
               });
   }
 
-  /// Wakes this actor when the earliest retry backoff ends.
-  void schedule_wakeup() {
+  /// Wakes this actor when a retry's backoff ends.
+  void wake_at(clock_type::time_point t) {
     auto now = clock_type::now();
-    std::optional<clock_type::time_point> t;
-    for (auto& [id, j] : jobs_)
-      if (auto w = j->pieces.next_wakeup(now)) t = t ? std::min(*t, *w) : *w;
-    if (!t || (wakeup_at_ && *wakeup_at_ <= *t)) return;
-    wakeup_at_ = *t;
+    if (t <= now) return;
     self_->delayed_send(self_,
-                        std::chrono::duration_cast<std::chrono::microseconds>(*t - now) +
+                        std::chrono::duration_cast<std::chrono::microseconds>(t - now) +
                             std::chrono::microseconds{100},
                         wakeup_atom::value);
   }
@@ -481,6 +587,7 @@ class scheduler {
           deliver(j, x->first, x->items.size(), std::move(r.outputs));
         else
           handle_failures(j, p, std::move(*x), r);
+        if (auto again = jobs_.find(job); again != jobs_.end()) touch(*again->second);
       }
     }
     if (quarantine) quarantine_producer(p);
@@ -547,6 +654,7 @@ class scheduler {
         again.attempt = attempts;
         again.avoid = p;
         again.not_before = clock_type::now() + pol.backoff;
+        if (pol.backoff.count() > 0) wake_at(again.not_before);
         again.last_error = f.what;
         again.last_where = s.where.str();
         j.pieces.add_queued(std::move(again));
@@ -697,6 +805,7 @@ class scheduler {
       auto ji = jobs_.find(rec.job);
       if (ji == jobs_.end()) continue;
       if (ji->second->pieces.drop_holder(rec.id, p)) ji->second->report.redispatched += rec.items;
+      touch(*ji->second);
     }
     s.outstanding.clear();
     s.items = 0;
@@ -787,31 +896,52 @@ class scheduler {
 
   // -- consumer ------------------------------------------------------------------------------
 
-  void send_to_consumer(job_state& j, batch outputs) {
-    auto n = outputs.size();
-    auto job = j.id;
-    j.backlog += 1;
-    self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs)})
-        .then(
-            [this, job, n](const consume_ack&) {
-              auto ji = jobs_.find(job);
-              if (ji == jobs_.end()) return;
-              auto& j = *ji->second;
-              j.backlog -= 1;
-              j.consumed += n;
-              j.report.delivered = j.consumed;
-              {
-                std::lock_guard<std::mutex> guard{stats_->mtx};
-                stats_->value.items += n;
-              }
-              report_progress(j, false);
-              pump();
-            },
-            [this, job](caf::error& err) {
-              if (!jobs_.count(job)) return;
-              end_job(job, std::make_exception_ptr(consumer_error(error_text(err))));
-              pump();
-            });
+  /// Outputs for the consumer: sent at the end of this event (flush_consumer), at most
+  /// options::consumer_backlog chunks unacknowledged; the rest wait here.
+  void send_to_consumer(job_state& j, batch outputs) { j.pending.push_back(std::move(outputs)); }
+
+  /// Whether every output of `j` is through the producers and the reorder window.
+  static bool all_through(const job_state& j) {
+    return j.exhausted && j.pieces.empty() && j.reorder.empty();
+  }
+
+  void flush_consumer(job_state& j) {
+    while (!j.pending.empty() && j.backlog < opts_.consumer_backlog) {
+      auto outputs = std::move(j.pending.front());
+      j.pending.pop_front();
+      // The job's final outputs carry consumer::end() with them (no end_of_input round trip).
+      bool last = j.pending.empty() && all_through(j) && !j.ending;
+      if (last) j.ending = true;
+      auto n = outputs.size();
+      auto job = j.id;
+      j.backlog += 1;
+      self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs), last})
+          .then(
+              [this, job, n, last](const consume_ack&) {
+                auto ji = jobs_.find(job);
+                if (ji == jobs_.end()) return;
+                auto& j = *ji->second;
+                j.backlog -= 1;
+                j.consumed += n;
+                j.report.delivered = j.consumed;
+                {
+                  std::lock_guard<std::mutex> guard{stats_->mtx};
+                  stats_->value.items += n;
+                }
+                if (last) {
+                  end_job(job, nullptr);
+                } else {
+                  report_progress(j, false);
+                  touch(j);
+                }
+                pump();
+              },
+              [this, job](caf::error& err) {
+                if (!jobs_.count(job)) return;
+                end_job(job, std::make_exception_ptr(consumer_error(error_text(err))));
+                pump();
+              });
+    }
   }
 
   void report_progress(job_state& j, bool final) {
@@ -847,8 +977,7 @@ class scheduler {
     auto ji = jobs_.find(id);
     if (ji == jobs_.end()) return;
     auto& j = *ji->second;
-    if (j.ending || !j.exhausted || !j.pieces.empty() || !j.reorder.empty() || j.backlog > 0)
-      return;
+    if (j.ending || !all_through(j) || !j.pending.empty() || j.backlog > 0) return;
     j.ending = true;
     self_->request(j.consumer, caf::infinite, end_of_input{id})
         .then(
@@ -870,6 +999,9 @@ class scheduler {
     if (ji == jobs_.end()) return;
     auto j = std::move(ji->second);
     jobs_.erase(ji);
+    by_pass_.erase({j->pass, id});
+    if (j->ready) ready_.erase({j->pass, id});
+    if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
     if (!e) report_progress(*j, true);
     j->source.reset();  // the caller's range must not be touched once the job has ended
     {
@@ -889,6 +1021,9 @@ class scheduler {
 
   void finish_close() {
     if (!close_promise_) return;
+    while (!jobs_.empty())  // a consumer::end() that has not answered by now
+      end_job(jobs_.begin()->first,
+              std::make_exception_ptr(runner_closed("the runner was closed during this job")));
     for (auto& s : producers_)
       if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
     auto done = std::move(close_promise_);
@@ -907,7 +1042,13 @@ class scheduler {
   std::size_t pending_ends_ = 0;
   std::shared_ptr<std::promise<void>> close_promise_;
   std::map<std::uint64_t, std::unique_ptr<job_state>> jobs_;  ///< running, oldest first
-  std::optional<clock_type::time_point> wakeup_at_;
+  /// Indexes, so that an event costs the same with 10 or 10,000 jobs running: every job by its
+  /// fair-share pass; the jobs that may have work for a producer, by pass; the jobs this event
+  /// changed.
+  std::set<std::pair<double, std::uint64_t>> by_pass_;
+  std::set<std::pair<double, std::uint64_t>> ready_;
+  std::vector<std::uint64_t> touched_;
+  std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
 };
 
 }  // namespace

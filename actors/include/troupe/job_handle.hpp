@@ -126,11 +126,11 @@ class output_stream {
     return iterator{this};
   }
   sentinel end() const noexcept { return {}; }
-  /// Ends the job; the iteration ends after the outputs already read.
+  /// Ends the job; the iteration ends, without an error, after the output it is on. Safe from
+  /// any thread: a reader waiting for the next output wakes up and its loop ends.
   void cancel() {
-    buf_->close();
+    buf_->cancel();
     core_->cancel();
-    ended_ = true;
   }
   [[nodiscard]] job_report report() const { return core_->report(); }
   [[nodiscard]] troupe::progress progress() const { return core_->current_progress(); }
@@ -140,6 +140,10 @@ class output_stream {
   [[nodiscard]] bool at_end() const noexcept { return ended_; }
   void advance() {
     ++pos_;
+    if (!ended_ && buf_->cancelled()) {  // cancel(), here or from another thread
+      finish_cancelled();
+      return;
+    }
     fetch();
   }
 
@@ -151,14 +155,27 @@ class output_stream {
     while (!items() || pos_ >= items()->items.size()) {
       auto next = buf_->pop(*core_);
       if (!next) {
+        if (buf_->cancelled()) {
+          finish_cancelled();
+          return;
+        }
         ended_ = true;
         chunk_ = batch{};
-        core_->get();  // disposes of the consumer; throws the job's error
+        buf_->close();  // the stream's consumer never waits for the reader
+        core_->get();   // lets the consumer go; throws the job's error
         return;
       }
       chunk_ = std::move(*next);
       pos_ = 0;
     }
+  }
+
+  /// The loop ends quietly after cancel() (only the reader's thread writes ended_).
+  void finish_cancelled() {
+    ended_ = true;
+    chunk_ = batch{};
+    core_->cancel();
+    core_->dispose();
   }
 
   std::shared_ptr<detail::job_core> core_;

@@ -68,12 +68,19 @@ struct options {
   /// longer than `target_chunk_time`). A frozen or unreachable node is noticed by heartbeats
   /// within ~1.5 s without it.
   std::chrono::milliseconds work_timeout{0};
-  /// When a producer is idle and no new chunk can be handed out (the input is exhausted, or an
-  /// ordered run waits for its oldest chunk), a chunk still waiting at another producer is sent
-  /// to the idle one as well; the first answer wins and the other is dropped, so every output
-  /// is still delivered exactly once, but producer::work may run twice for those items. Turn it
-  /// off for jobs whose work() has side effects that must not repeat.
+  /// Speculative copies of late chunks: when a producer is idle and no job has an item it could
+  /// take instead, a chunk that has been on another producer longer than `speculation_after` times
+  /// that producer's expected time for it (its measured time per item, times the chunk's items and
+  /// those queued ahead of it; at least 10 × target_chunk_time, which alone counts while its
+  /// time per item is not known yet) is sent to the idle producer as
+  /// well. The first answer wins and the other is dropped, so every output is still delivered
+  /// exactly once, but producer::work runs twice for those items (stats::duplicated_items).
+  /// A producer that is slow all the time is not late: its chunks are sized to its speed.
+  /// Turn it off for jobs whose work() has side effects that must not repeat.
   bool speculative = true;
+  /// How late a chunk must be for a speculative copy, in multiples of its expected time (Spark
+  /// copies a task at 1.5 × the median; troupe measures each producer on its own).
+  double speculation_after = 2.0;
   /// close() and the destructor wait this long, in all, for the producers to finish their
   /// current chunk and run producer::end(); producers still busy then are left behind (their
   /// threads end when work() returns).
@@ -108,6 +115,9 @@ struct stats {
   std::uint64_t items = 0;        ///< items consumed over every job
   std::uint64_t runs = 0;         ///< jobs (runs) finished: successfully, failed or cancelled
   std::uint64_t failed_runs = 0;  ///< of those, failed, cancelled or past their deadline
+  /// Items sent to a second producer as speculative copies (options::speculative): work()
+  /// calls beyond one per item, retries aside.
+  std::uint64_t duplicated_items = 0;
   std::vector<producer_stats> producers;
 };
 

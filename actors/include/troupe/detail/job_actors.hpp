@@ -1,8 +1,9 @@
 // The producer and consumer actors (compiled in the library, driving a job's producer_ops and
-// consumer_ops). Each runs on a thread of its own (CAF detached actors), so a producer blocked
-// inside work() never stalls another. No exception crosses an actor boundary: failures become
-// chunk_result codes or troupe errors. Not included by <troupe/troupe.hpp>: only troupe's own
-// sources and <troupe/testing.hpp> need CAF's actor headers.
+// consumer_ops). Each producer runs on a thread of its own (CAF detached actors), so a producer
+// blocked inside work() never stalls another; consumers share the actor system's threads. No
+// exception crosses an actor boundary: failures become chunk_result codes or troupe errors. Not
+// included by <troupe/troupe.hpp>: only troupe's own sources and <troupe/testing.hpp> need CAF's
+// actor headers.
 #pragma once
 
 #include <caf/actor.hpp>
@@ -11,6 +12,7 @@
 #include <memory>
 
 #include "troupe/config.hpp"
+#include "troupe/detail/job_gate.hpp"
 #include "troupe/detail/job_ops.hpp"
 #include "troupe/device.hpp"
 
@@ -24,11 +26,16 @@ class stream_buffer;
 caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, device d, config cfg,
                                 std::size_t index, bool serialize = false);
 
-/// Spawns the consumer actor of one job (detached); `make` runs on init_atom.
-caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg);
+/// Spawns the consumer actor of one job, on the actor system's shared threads (no thread of its
+/// own); `make` runs on its first message. `gate`: shared with the job's handle (a fresh one
+/// when null, for probes).
+caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg,
+                                std::shared_ptr<job_gate> gate = nullptr);
 
-/// Spawns the consumer actor of a stream: it hands each chunk of outputs to the reader's bounded
-/// buffer (waiting while it is full, which pauses the job's dispatch).
-caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf);
+/// Spawns the consumer actor of a stream: it hands each chunk of outputs to the reader's
+/// buffer, never waiting; while the buffer is full it holds back its acknowledgements, which
+/// pauses the job's dispatch.
+caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf,
+                                 std::shared_ptr<job_gate> gate);
 
 }  // namespace troupe::detail

@@ -2,6 +2,7 @@
 // output_stream that waits for it.
 #pragma once
 
+#include <atomic>
 #include <caf/fwd.hpp>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include <optional>
 
 #include "troupe/batch.hpp"
+#include "troupe/detail/job_gate.hpp"
 #include "troupe/job_options.hpp"
 #include "troupe/options.hpp"
 
@@ -24,13 +26,18 @@ bool on_internal_thread() noexcept;
 
 class job_core {
  public:
-  job_core(std::uint64_t id, caf::actor scheduler, caf::actor consumer);
+  job_core(std::uint64_t id, caf::actor scheduler);
   ~job_core();
   job_core(const job_core&) = delete;
   job_core& operator=(const job_core&) = delete;
 
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
+  /// Set once, before the job reaches the scheduler.
+  void set_id(std::uint64_t id) noexcept { id_ = id; }
   [[nodiscard]] const caf::actor& consumer() const noexcept;
+  /// Set once, before the job reaches the scheduler.
+  void set_consumer(caf::actor consumer);
+  [[nodiscard]] const std::shared_ptr<job_gate>& gate() const noexcept { return gate_; }
 
   // -- the scheduler's side ---------------------------------------------------------------
 
@@ -49,18 +56,21 @@ class job_core {
   // -- the caller's side --------------------------------------------------------------------
 
   [[nodiscard]] bool done() const;
+  /// Throws invalid_argument on troupe's own threads for an unfinished job and a wait longer
+  /// than zero (it would wait for itself). milliseconds::max() waits forever.
   [[nodiscard]] bool wait_for(std::chrono::milliseconds d);
-  /// Waits for the end, disposes of the consumer (none of its members runs afterwards), and
-  /// rethrows the job's error. Throws invalid_argument on troupe's own threads (it would wait
-  /// for itself) and when called a second time.
+  /// Waits for the end, lets the consumer go (no member of it starts afterwards; a work() call
+  /// of a cancelled job may still be finishing its item), and rethrows the job's error.
+  /// Throws invalid_argument on troupe's own threads (it would wait for itself) and when called
+  /// a second time.
   void get();
   /// Ends the job (cancelled) unless it has ended; returns once the scheduler has withdrawn
   /// its items (at once on troupe's own threads).
   void cancel();
   /// The handle is going away: cancels an unfinished job and disposes of its consumer.
   void abandon() noexcept;
-  /// Ends the consumer actor: a high-priority message overtakes chunks still queued for it.
-  /// Idempotent.
+  /// Ends the consumer actor without waiting for it: a high-priority message overtakes chunks
+  /// still queued for it, and the gate stops the chunk it may be working on. Idempotent.
   void dispose() noexcept;
   [[nodiscard]] progress current_progress() const;
   [[nodiscard]] job_report report() const;
@@ -71,6 +81,7 @@ class job_core {
   struct actors;  ///< the scheduler and the job's consumer (job_core.cpp)
   std::uint64_t id_;
   std::unique_ptr<actors> actors_;
+  std::shared_ptr<job_gate> gate_ = std::make_shared<job_gate>();
   mutable std::mutex mtx_;
   std::condition_variable cv_;
   bool finished_ = false;
@@ -82,18 +93,29 @@ class job_core {
   std::function<void()> on_finish_;
 };
 
-/// The bounded buffer between a stream's consumer actor and the thread reading the stream.
-/// Its capacity in chunks (each at most options::max_chunk_bytes) bounds the stream's memory:
-/// when it is full the consumer actor waits, its backlog fills, and dispatch pauses.
+/// The buffer between a stream's consumer actor and the thread reading the stream. The actor
+/// never waits on it: a chunk pushed beyond `capacity` is kept, and its acknowledgement is held
+/// back until the reader has made room (`on_room`), so the scheduler's consumer_backlog pauses
+/// the job's dispatch. It holds at most capacity + options::consumer_backlog chunks (each at
+/// most options::max_chunk_bytes).
 class stream_buffer {
  public:
   explicit stream_buffer(std::size_t capacity) : capacity_(capacity) {}
-  /// Consumer side: waits while full; dropped once closed.
-  void push(batch b);
-  /// Reader side: the next chunk, or nothing once the buffer is empty and the job has ended.
+  /// Consumer side, never blocks: true when there is room after it (acknowledge now); dropped
+  /// once closed (true).
+  bool push(batch b);
+  /// Consumer side: whether the reader has made room since push() returned false.
+  [[nodiscard]] bool has_room();
+  /// Called (on the reader's thread) when a pop makes room while pushes wait for it.
+  void on_room(std::function<void()> f);
+  /// Reader side: the next chunk, or nothing once the buffer is empty and the job has ended, or
+  /// once it is closed.
   std::optional<batch> pop(const job_core& job);
-  /// Nothing more is kept; a waiting push returns.
+  /// Nothing more is kept; a waiting reader wakes up.
   void close();
+  /// close() by output_stream::cancel(): the reader's loop ends without an error.
+  void cancel();
+  [[nodiscard]] bool cancelled();
   void notify();
 
  private:
@@ -101,7 +123,10 @@ class stream_buffer {
   std::condition_variable cv_;
   std::deque<batch> chunks_;
   std::size_t capacity_;
+  std::function<void()> on_room_;
+  bool waiting_ = false;  ///< a push found it full and waits for on_room
   bool closed_ = false;
+  bool cancelled_ = false;
 };
 
 }  // namespace troupe::detail

@@ -17,6 +17,7 @@
 
 #include "troupe/batch.hpp"
 #include "troupe/config.hpp"
+#include "troupe/detail/job_gate.hpp"
 #include "troupe/detail/work_outcome.hpp"
 #include "troupe/device.hpp"
 #include "troupe/error.hpp"
@@ -44,8 +45,10 @@ class producer_ops {
 class consumer_ops {
  public:
   virtual ~consumer_ops() = default;
-  /// consumer::work on every output; returns false when the batch holds another type.
-  virtual bool work(batch& outputs) = 0;
+  /// consumer::work on every output, before each one checking that the job has not ended
+  /// (`gate.stopped()`: the rest of the chunk is given up) and counting it in
+  /// `gate.add_delivered()`; returns false when the batch holds another type.
+  virtual bool work(batch& outputs, job_gate& gate) = 0;
   /// consumer::end(): its value is kept for job_handle::get().
   virtual void end() = 0;
   /// Destroys the job's consumer object; its destructor may throw.
@@ -182,10 +185,21 @@ class typed_consumer final : public consumer_ops {
   typed_consumer(const config& cfg, result_slot<typename traits::result_type> slot)
       : c_(make_with<typename traits::consumer_type>(cfg)), slot_(std::move(slot)) {}
 
-  bool work(batch& outputs) override {
+  bool work(batch& outputs, job_gate& gate) override {
     auto* items = outputs.as<out>();
     if (items == nullptr) return false;
-    for (auto&& x : items->items) c_->work(std::move(x));
+    std::uint64_t n = 0;
+    struct count {  // also when work() throws: what it took before counts as delivered
+      job_gate& g;
+      std::uint64_t& n;
+      ~count() { g.add_delivered(n); }
+    } counted{gate, n};
+    auto& c = *c_;
+    for (auto&& x : items->items) {
+      if (gate.stopped()) break;
+      c.work(std::move(x));
+      ++n;
+    }
     return true;
   }
   void end() override { slot_->emplace(c_->end()); }

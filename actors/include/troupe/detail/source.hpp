@@ -129,12 +129,14 @@ class range_source final : public input_source {
   }
   batch pull(std::size_t max_items, std::size_t max_bytes,
              std::chrono::nanoseconds budget) override {
-    return fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
+    auto b = fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
       if (it_ == end_) return false;
       out.emplace_back(*it_);
       ++it_;
       return true;
     });
+    if (it_ == end_) exhausted_ = true;  // known now: the last chunk can say so
+    return b;
   }
 
  private:

@@ -4,7 +4,8 @@
 //   runner ──init_atom──▶ producer ──init_done──▶ runner
 //   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler
 //   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler
-//   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (result kept locally)
+//   scheduler ──consume_chunk (last)──▶ consumer (work, then end()) ──consume_ack──▶ scheduler
+//   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (a job without outputs)
 //   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
 #pragma once
 
@@ -54,10 +55,12 @@ struct chunk_result {
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };
 
-/// Outputs for the consumer (in input order for ordered runs).
+/// Outputs for the consumer (in input order for ordered runs). `last`: the job's final outputs;
+/// the consumer runs consumer::end() right after them (no end_of_input follows).
 struct consume_chunk {
   std::uint64_t run = 0;
   batch items;
+  bool last = false;
 };
 
 /// Tells the consumer that the run's input is complete: it calls consumer::end().
@@ -93,7 +96,7 @@ typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, consume_chunk& x) {
-  return f(caf::meta::type_name("troupe.consume_chunk"), x.run, x.items);
+  return f(caf::meta::type_name("troupe.consume_chunk"), x.run, x.items, x.last);
 }
 
 template <class Inspector>

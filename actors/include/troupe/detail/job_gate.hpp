@@ -1,0 +1,52 @@
+// What a job's consumer and the code that ends the job share without waiting for each other.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+
+namespace troupe::detail {
+
+/// A wait of `d`, where durations too long to add to a clock reading (such as
+/// milliseconds::max()) mean "forever": nothing when it is that long.
+std::optional<std::chrono::milliseconds> finite_wait(std::chrono::milliseconds d) noexcept;
+
+/// What a job's consumer and whoever ends the job agree on, without waiting for each other.
+/// A consumer checks `stopped()` before every item and gives up the rest of its chunk once the
+/// job has ended; consumer::end() runs only after `begin_end()` won against `stop()`, so that a
+/// cancel or deadline either comes first (end() never starts) or loses (end()'s value is the
+/// job's result).
+class job_gate {
+ public:
+  /// The consumer is about to call consumer::end(): false when the job has ended already.
+  bool begin_end() noexcept {
+    int open = state_open;
+    return state_.compare_exchange_strong(open, state_ending, std::memory_order_acq_rel);
+  }
+  /// The job ends without consumer::end(): false when end() has begun (its value will come).
+  bool stop() noexcept {
+    int open = state_open;
+    return state_.compare_exchange_strong(open, state_stopped, std::memory_order_acq_rel) ||
+           state_.load(std::memory_order_acquire) == state_stopped;
+  }
+  [[nodiscard]] bool stopped() const noexcept {
+    return state_.load(std::memory_order_relaxed) == state_stopped;
+  }
+  /// Outputs the consumer (or the stream's buffer) has taken, counted by the consumer itself.
+  void add_delivered(std::uint64_t n) noexcept {
+    delivered_.fetch_add(n, std::memory_order_relaxed);
+  }
+  [[nodiscard]] std::uint64_t delivered() const noexcept {
+    return delivered_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr int state_open = 0;
+  static constexpr int state_ending = 1;
+  static constexpr int state_stopped = 2;
+  std::atomic<int> state_{state_open};
+  std::atomic<std::uint64_t> delivered_{0};
+};
+
+}  // namespace troupe::detail
