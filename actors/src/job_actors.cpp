@@ -218,8 +218,10 @@ struct consumer_state {
     } catch (...) {
       return fail("work");
     }
-    if (c.last) return end(c.run);
-    return consume_ack{c.run};
+    if (!c.last) return consume_ack{c.run};
+    auto r = end(c.run);
+    if (failure.empty() && gate->succeeded) gate->succeeded();  // the caller need not wait for
+    return r;                                                   // the scheduler to hear of it
   }
 
   caf::result<consume_ack> end(std::uint64_t run) {
@@ -332,7 +334,7 @@ caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, con
   st->make = std::move(make);
   st->cfg = std::move(cfg);
   st->gate = gate ? std::move(gate) : std::make_shared<job_gate>();
-  return sys.spawn(consumer_actor, std::move(st));
+  return sys.spawn<caf::lazy_init>(consumer_actor, std::move(st));
 }
 
 caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_buffer> buf,
@@ -340,7 +342,7 @@ caf::actor spawn_stream_consumer(caf::actor_system& sys, std::shared_ptr<stream_
   auto st = std::make_shared<stream_state>();
   st->buf = std::move(buf);
   st->gate = std::move(gate);
-  return sys.spawn(stream_consumer_actor, std::move(st));
+  return sys.spawn<caf::lazy_init>(stream_consumer_actor, std::move(st));
 }
 
 }  // namespace troupe::detail

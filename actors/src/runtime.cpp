@@ -258,6 +258,9 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
     if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");
   }
   auto core = std::make_shared<job_core>(0, scheduler_);
+  core->gate()->succeeded = [weak = std::weak_ptr<job_core>(core)] {
+    if (auto c = weak.lock()) c->finish(nullptr);
+  };
   caf::actor consumer;
   try {
     consumer = spawn(*sys_, core->gate());

@@ -85,7 +85,11 @@ struct job_state {
   bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
   std::size_t backlog = 0;    ///< chunks sent to the consumer, not yet acknowledged
   std::deque<batch> pending;  ///< outputs held back while backlog is at consumer_backlog
-  std::shared_ptr<job_gate> gate;  ///< shared with the consumer and the handle
+  std::shared_ptr<job_gate> gate;      ///< shared with the consumer and the handle
+  std::uint64_t sent_to_consumer = 0;  ///< outputs sent to the consumer
+  /// Its last outputs are on their way with consumer::end(): its report, progress and stats are
+  /// final already, and the consumer finishes the job itself once end() has returned.
+  bool concluded = false;
   inflight_table pieces;
   reorder_window reorder;
   double pass = 0;     ///< producer time given to it, divided by its weight (fair share)
@@ -145,13 +149,7 @@ class scheduler {
     auto id = j->id;
     if (j->opts.deadline.count() > 0 && finite_wait(j->opts.deadline))
       self_->delayed_send(self_, j->opts.deadline, deadline_atom::value, id);
-    // The consumer's constructor runs before any chunk reaches it (its mailbox is FIFO).
-    self_->request(j->consumer, caf::infinite, init_atom::value)
-        .then([](const consume_ack&) {},
-              [this, id](const caf::error& err) {
-                end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
-                pump();
-              });
+    // The consumer's constructor runs with its first message (a throw: that message's error).
     by_pass_.emplace(j->pass, id);
     auto& job = *jobs_.emplace(id, std::move(j)).first->second;
     touch(job);
@@ -911,8 +909,12 @@ class scheduler {
       j.pending.pop_front();
       // The job's final outputs carry consumer::end() with them (no end_of_input round trip).
       bool last = j.pending.empty() && all_through(j) && !j.ending;
-      if (last) j.ending = true;
       auto n = outputs.size();
+      j.sent_to_consumer += n;
+      if (last) {
+        j.ending = true;
+        conclude(j);
+      }
       auto job = j.id;
       j.backlog += 1;
       self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs), last})
@@ -924,7 +926,7 @@ class scheduler {
                 j.backlog -= 1;
                 j.consumed += n;
                 j.report.delivered = j.consumed;
-                {
+                if (!j.concluded) {
                   std::lock_guard<std::mutex> guard{stats_->mtx};
                   stats_->value.items += n;
                 }
@@ -942,6 +944,31 @@ class scheduler {
                 pump();
               });
     }
+  }
+
+  /// The job's last outputs go to its consumer with consumer::end(): what get() shows once it
+  /// returns (report, progress, stats) is made final now, so that the consumer can finish the
+  /// job itself, without a round trip through this actor. Undone (counted as failed) when end()
+  /// throws.
+  void conclude(job_state& j) {
+    j.concluded = true;
+    j.report.delivered = j.sent_to_consumer;
+    {
+      std::lock_guard<std::mutex> guard{stats_->mtx};
+      stats_->value.items += j.sent_to_consumer - j.consumed;
+      stats_->value.runs += 1;
+    }
+    auto consumed = j.consumed;
+    j.consumed = j.sent_to_consumer;
+    report_progress(j, true);
+    j.consumed = consumed;
+    publish_report(j);
+  }
+
+  void publish_report(job_state& j) {
+    std::sort(j.report.failures.begin(), j.report.failures.end(),
+              [](const item_failure& a, const item_failure& b) { return a.index < b.index; });
+    j.core->update_report([&](job_report& r) { r = j.report; });
   }
 
   void report_progress(job_state& j, bool final) {
@@ -1001,17 +1028,17 @@ class scheduler {
     jobs_.erase(ji);
     by_pass_.erase({j->pass, id});
     if (j->ready) ready_.erase({j->pass, id});
+    // A consumer that concluded the job has finished it already: that outcome stands.
+    if (j->core->done()) e = j->core->error();
     if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
-    if (!e) report_progress(*j, true);
+    if (!e && !j->concluded) report_progress(*j, true);
     j->source.reset();  // the caller's range must not be touched once the job has ended
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
-      stats_->value.runs += 1;
+      if (!j->concluded) stats_->value.runs += 1;
       if (e) stats_->value.failed_runs += 1;
     }
-    std::sort(j->report.failures.begin(), j->report.failures.end(),
-              [](const item_failure& a, const item_failure& b) { return a.index < b.index; });
-    j->core->update_report([&](job_report& r) { r = std::move(j->report); });
+    if (!j->concluded || e) publish_report(*j);
     j->core->finish(std::move(e));
   }
 

@@ -85,6 +85,8 @@ class job_core {
   mutable std::mutex mtx_;
   std::condition_variable cv_;
   bool finished_ = false;
+  std::atomic<bool> ended_{false};  ///< finished_, for get()'s look before it sleeps
+  static constexpr std::chrono::microseconds spin_before_sleep{200};
   bool taken_ = false;
   bool disposed_ = false;
   std::exception_ptr error_;

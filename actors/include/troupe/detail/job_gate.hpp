@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace troupe::detail {
@@ -40,6 +41,9 @@ class job_gate {
   [[nodiscard]] std::uint64_t delivered() const noexcept {
     return delivered_.load(std::memory_order_relaxed);
   }
+  /// Set before the job starts: called by the consumer once consumer::end() has returned after
+  /// the job's last outputs (the job has succeeded; the scheduler learns it after the caller).
+  std::function<void()> succeeded;
 
  private:
   static constexpr int state_open = 0;
