@@ -254,13 +254,19 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
         mark_internal_thread();
         return st->init();
       },
-      [st](consume_chunk& c) {
+      // After consumer::end() (or a failure) nothing is left to do: the actor ends itself
+      // once it has answered, and nobody needs to end it.
+      [self, st](consume_chunk& c) {
         mark_internal_thread();
-        return st->work(c);
+        auto r = st->work(c);
+        if (c.last || !st->consumer) self->quit();
+        return r;
       },
-      [st](const end_of_input& e) {
+      [self, st](const end_of_input& e) {
         mark_internal_thread();
-        return st->end(e.run);
+        auto r = st->end(e.run);
+        self->quit();
+        return r;
       },
       // The job is returning: nothing of this consumer may run after it (a high-priority
       // message, ahead of chunks still queued).

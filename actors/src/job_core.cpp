@@ -137,6 +137,7 @@ void job_core::dispose() noexcept {
     consumer = std::move(actors_->consumer);
     actors_->consumer = nullptr;
   }
+  if (gate_->ending()) return;  // consumer::end() has begun: the consumer ends itself after it
   try {
     // Nothing waits for the consumer: it may be inside a long work() call. The high-priority
     // message overtakes the chunks still queued for it; the exit ends the actor after it.

@@ -31,6 +31,10 @@ class job_gate {
     return state_.compare_exchange_strong(open, state_stopped, std::memory_order_acq_rel) ||
            state_.load(std::memory_order_acquire) == state_stopped;
   }
+  /// consumer::end() has begun: the consumer ends itself after it.
+  [[nodiscard]] bool ending() const noexcept {
+    return state_.load(std::memory_order_acquire) == state_ending;
+  }
   [[nodiscard]] bool stopped() const noexcept {
     return state_.load(std::memory_order_relaxed) == state_stopped;
   }
