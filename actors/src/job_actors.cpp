@@ -254,12 +254,12 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
         mark_internal_thread();
         return st->init();
       },
-      // After consumer::end() (or a failure) nothing is left to do: the actor ends itself
+      // After consumer::end() nothing is left to do: the actor ends itself
       // once it has answered, and nobody needs to end it.
       [self, st](consume_chunk& c) {
         mark_internal_thread();
         auto r = st->work(c);
-        if (c.last || !st->consumer) self->quit();
+        if (c.last) self->quit();
         return r;
       },
       [self, st](const end_of_input& e) {
