@@ -1,0 +1,495 @@
+// Many callers on one pool (docs/api.md, "One pool, many jobs"): failing streams never hang
+// their reader, finished jobs hold no thread, the scheduler's cost does not grow with the live
+// jobs, deadlines and cancel() do not wait for a busy consumer, a cancel that meets
+// consumer::end() loses to it, "forever" durations, wait_for() refused where it would wait for
+// itself, stream cancel() from another thread, and speculative copies only of late chunks.
+// Each case that could hang runs under a watchdog (test_util::watchdog) and in its own process
+// (CTest runs every test on its own).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <numeric>
+#include <optional>
+#include <thread>
+
+#include "test_jobs.hpp"
+#include "test_util.hpp"
+
+using test_util::iota;
+using test_util::watchdog;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// A promise any number of threads can wait for, once.
+class latch {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock{mtx_};
+    cv_.wait(lock, [this] { return open_; });
+  }
+  bool is_open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return open_;
+  }
+
+ private:
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+/// Two threads that keep both cores busy while a test runs (the consumer's and the reader's
+/// threads then lose the CPU at any moment).
+class busy_threads {
+ public:
+  busy_threads() {
+    for (int t = 0; t < 2; ++t)
+      threads_.emplace_back([this] {
+        std::uint64_t x = 1;
+        while (!stop_.load(std::memory_order_relaxed)) x = x * 6364136223846793005ULL + 1;
+        sink_ = x;
+      });
+  }
+  ~busy_threads() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> sink_{0};
+  std::vector<std::thread> threads_;
+};
+
+struct throws_at {
+  static inline std::atomic<std::int64_t> bad{-1};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (x == bad) throw std::runtime_error("bad item");
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+// 1. The stream of a failing job: its consumer used to wait on the full buffer while the reader
+// waited for the consumer (backlog 8: 5 of 5 processes hung within 21 streams).
+class FailingStream : public ::testing::TestWithParam<std::size_t> {};
+volatile std::uint64_t reader_sink = 0;
+
+TEST_P(FailingStream, NeverHangsItsReader) {
+  troupe::options opts;
+  opts.consumer_backlog = GetParam();
+  troupe::unordered_runner<throws_at> runner{2, {}, opts};
+  busy_threads busy;
+  auto xs = iota(100'000);
+  for (int i = 0; i < 200; ++i) {
+    watchdog dog{60s, "failing stream " + std::to_string(i) + ", consumer_backlog " +
+                          std::to_string(GetParam())};
+    throws_at::bad = 50'000 + (i * 7919) % 40'000;
+    std::int64_t seen = 0;
+    try {
+      for (auto y : runner.stream(xs)) {
+        // A reader a little slower than the producers: chunks queue at the stream's consumer.
+        std::uint64_t x = static_cast<std::uint64_t>(y);
+        for (int k = 0; k < 40; ++k) x = x * 6364136223846793005ULL + 1;
+        reader_sink = x;
+        ++seen;
+      }
+      ADD_FAILURE() << "stream " << i << " ended without its work_error";
+    } catch (const troupe::work_error& e) {
+      EXPECT_EQ(e.index(), static_cast<std::uint64_t>(throws_at::bad.load()));
+    }
+    EXPECT_LT(seen, 100'000);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Callers, FailingStream, ::testing::Values(4, 8));
+
+// 2. Jobs cost no thread: 2,000 finished jobs whose handles are kept.
+TEST(Callers, FinishedJobsWithLiveHandlesHoldNoThreads) {
+  troupe::unordered_runner<test_jobs::squares> runner{2};
+  runner.run(iota(10));
+  auto before = test_util::thread_count();
+  std::vector<troupe::job_handle<std::int64_t>> kept;
+  for (int i = 0; i < 2000; ++i) kept.push_back(runner.submit(iota(3)));
+  for (auto& h : kept) EXPECT_EQ(h.get(), 5);
+  auto after = test_util::thread_count();
+  EXPECT_LE(after, before + 16) << before << " threads before, " << after << " after";
+  // And while they run: 2,000 live jobs at once.
+  std::vector<troupe::job_handle<std::int64_t>> live;
+  for (int i = 0; i < 2000; ++i) live.push_back(runner.submit(iota(3)));
+  EXPECT_LE(test_util::thread_count(), before + 16);
+  for (auto& h : live) EXPECT_EQ(h.get(), 5);
+}
+
+// 3. The scheduler's cost per event does not grow with the live jobs: 16,000 3-item jobs at
+// once drain about as fast as the same jobs 64 at a time (they took 20-40 times as long).
+TEST(Callers, SixteenThousandLiveJobsDrainLikeSixtyFourAtATime) {
+  troupe::unordered_runner<test_jobs::squares> runner{2};
+  std::vector<std::int64_t> three{1, 2, 3};
+  auto drain = [&](std::size_t window) {
+    std::vector<troupe::job_handle<std::int64_t>> hs;
+    hs.reserve(16'000);
+    std::size_t next = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 16'000; ++i) {
+      hs.push_back(runner.submit(three));
+      if (window && hs.size() - next >= window) {
+        EXPECT_EQ(hs[next++].get(), 14);
+      }
+    }
+    for (; next < hs.size(); ++next) EXPECT_EQ(hs[next].get(), 14);
+    return std::chrono::steady_clock::now() - t0;
+  };
+  drain(64);  // warm
+  auto windowed = drain(64);
+  auto at_once = drain(0);
+  EXPECT_LE(at_once, 3 * windowed)
+      << "all at once: " << std::chrono::duration<double, std::milli>(at_once).count()
+      << " ms; 64 at a time: " << std::chrono::duration<double, std::milli>(windowed).count()
+      << " ms";
+}
+
+// 4. A deadline or cancel() ends get() whatever the consumer is doing.
+struct blocking_consumer {
+  static inline latch* entered = nullptr;
+  static inline latch* release = nullptr;
+  static inline std::atomic<int> calls{0};
+  static inline std::atomic<int> alive{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+  struct consumer {
+    consumer() { ++alive; }
+    ~consumer() { --alive; }
+    void work(std::int64_t) {
+      ++calls;
+      entered->open();
+      release->wait();
+    }
+    int end() { return 1; }
+  };
+};
+
+/// Waits until no blocking_consumer object is left (bounded).
+void wait_consumers_gone() {
+  for (int i = 0; i < 2000 && blocking_consumer::alive != 0; ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(blocking_consumer::alive, 0) << "a consumer was never destroyed";
+}
+
+class ConsumerBlocked : public ::testing::Test {
+ protected:
+  ConsumerBlocked() {
+    blocking_consumer::entered = &entered;
+    blocking_consumer::release = &release;
+    blocking_consumer::calls = 0;
+  }
+  ~ConsumerBlocked() override {
+    release.open();
+    wait_consumers_gone();
+  }
+  latch entered, release;
+  watchdog dog{60s, "a job whose consumer is blocked"};
+};
+
+TEST_F(ConsumerBlocked, ADeadlineThrowsWhileTheConsumerIsStillInWork) {
+  troupe::unordered_runner<blocking_consumer> runner{2};
+  troupe::job_options o;
+  o.deadline = 100ms;
+  EXPECT_THROW(runner.run(iota(100'000), o), troupe::deadline_exceeded);
+  EXPECT_FALSE(release.is_open());  // get() returned while consumer::work was blocked
+  EXPECT_EQ(blocking_consumer::calls, 1);
+  release.open();
+  wait_consumers_gone();
+  EXPECT_EQ(blocking_consumer::calls, 1) << "consumer::work ran after the job had ended";
+}
+
+TEST_F(ConsumerBlocked, GetAfterCancelReturnsWhileTheConsumerIsStillInWork) {
+  troupe::unordered_runner<blocking_consumer> runner{2};
+  auto h = runner.submit(iota(100'000));
+  entered.wait();
+  h.cancel();
+  EXPECT_THROW(h.get(), troupe::cancelled);
+  EXPECT_FALSE(release.is_open());
+  release.open();
+  wait_consumers_gone();
+  EXPECT_EQ(blocking_consumer::calls, 1);
+}
+
+TEST_F(ConsumerBlocked, DestroyingARunningJobsHandleDoesNotWaitForTheConsumer) {
+  troupe::unordered_runner<blocking_consumer> runner{2};
+  {
+    auto h = runner.submit(iota(100'000));
+    entered.wait();
+  }  // cancels
+  EXPECT_FALSE(release.is_open());
+  release.open();
+  wait_consumers_gone();
+  EXPECT_EQ(blocking_consumer::calls, 1);
+}
+
+// 5. After cancel() the consumer stops at its next item, and report().delivered is exact.
+struct counted_consumer {
+  static inline std::atomic<std::uint64_t> calls{0};
+  static inline std::atomic<int> alive{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+  struct consumer {
+    consumer() { ++alive; }
+    ~consumer() { --alive; }
+    void work(std::int64_t) {
+      ++calls;
+      std::this_thread::sleep_for(20us);
+    }
+    int end() { return 0; }
+  };
+};
+
+TEST(Callers, AfterCancelTheConsumerStopsAndDeliveredCountsWhatItTook) {
+  watchdog dog{60s, "cancel with a slow consumer"};
+  counted_consumer::calls = 0;
+  troupe::unordered_runner<counted_consumer> runner{2};
+  auto h = runner.submit(iota(1'000'000));
+  while (counted_consumer::calls < 1000) std::this_thread::sleep_for(1ms);
+  h.cancel();
+  EXPECT_THROW(h.get(), troupe::cancelled);
+  for (int i = 0; i < 2000 && counted_consumer::alive != 0; ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(counted_consumer::alive, 0);
+  auto calls = counted_consumer::calls.load();
+  EXPECT_EQ(h.report().delivered, calls);
+  EXPECT_LT(calls, 1'000'000u);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(counted_consumer::calls, calls) << "consumer::work ran after its consumer was gone";
+}
+
+// 6. A cancel or deadline that lands while consumer::end() runs loses: end()'s value is the
+// result (it used to finish and be thrown away).
+struct blocking_end {
+  static inline latch* entered = nullptr;
+  static inline latch* release = nullptr;
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() {
+      entered->open();
+      release->wait();
+      return sum;
+    }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Callers, ACancelThatMeetsEndLosesToIt) {
+  watchdog dog{60s, "cancel during consumer::end()"};
+  latch entered, release;
+  blocking_end::entered = &entered;
+  blocking_end::release = &release;
+  troupe::unordered_runner<blocking_end> runner{2};
+  auto h = runner.submit(iota(100));
+  entered.wait();
+  h.cancel();  // returns: the scheduler has seen it (and let end() win)
+  release.open();
+  EXPECT_EQ(h.get(), 4950);
+}
+
+TEST(Callers, ADeadlineThatPassesDuringEndLosesToIt) {
+  watchdog dog{60s, "deadline during consumer::end()"};
+  latch entered, release;
+  blocking_end::entered = &entered;
+  blocking_end::release = &release;
+  troupe::unordered_runner<blocking_end> runner{2};
+  troupe::job_options o;
+  o.deadline = 200ms;
+  auto h = runner.submit(iota(100), o);
+  entered.wait();
+  EXPECT_FALSE(h.wait_for(500ms));  // the deadline passes meanwhile
+  release.open();
+  EXPECT_EQ(h.get(), 4950);
+  EXPECT_EQ(h.report().delivered, 100u);
+}
+
+// 7. milliseconds::max() means "forever" everywhere (it used to overflow: a deadline fired at
+// once, close() did not wait, wait_for() returned false at once).
+struct slow_end {
+  static inline std::atomic<int> ended{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x * x; }
+    void end() {
+      std::this_thread::sleep_for(300ms);
+      ++ended;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Callers, MillisecondsMaxIsForever) {
+  watchdog dog{60s, "milliseconds::max()"};
+  slow_end::ended = 0;
+  troupe::options opts;
+  opts.close_timeout = std::chrono::milliseconds::max();
+  opts.work_timeout = std::chrono::milliseconds::max();
+  troupe::unordered_runner<slow_end> runner{2, {}, opts};
+  troupe::job_options o;
+  o.deadline = std::chrono::milliseconds::max();
+  EXPECT_EQ(runner.run(iota(1000), o), test_util::sum_of_squares(1000));
+  auto h = runner.submit(iota(1000), o);
+  EXPECT_TRUE(h.wait_for(std::chrono::milliseconds::max()));
+  EXPECT_EQ(h.get(), test_util::sum_of_squares(1000));
+  runner.close();  // waits for both producers' end(), 300 ms each
+  EXPECT_EQ(slow_end::ended, 2);
+}
+
+// 8. wait_for() on troupe's own threads is refused (it could never see its job end there, and
+// it held up every job).
+struct waits_in_consumer {
+  static inline troupe::job_handle<std::int64_t>* other = nullptr;
+  static inline std::atomic<int> refused{0};
+  static inline std::atomic<int> polled{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+  struct consumer {
+    void work(std::int64_t) {
+      try {
+        (void)other->wait_for(10ms);
+      } catch (const troupe::invalid_argument&) {
+        ++refused;
+      }
+      try {
+        (void)other->wait_for(0ms);  // a zero wait only looks: allowed
+        ++polled;
+      } catch (const troupe::invalid_argument&) {
+      }
+    }
+    std::int64_t end() { return 0; }
+  };
+};
+
+TEST(Callers, WaitForOnTroupesOwnThreadsIsRefused) {
+  watchdog dog{60s, "wait_for() in a consumer"};
+  troupe::unordered_runner<test_jobs::squares> other_runner{1};
+  auto unfinished = other_runner.submit(troupe::generate([]() -> std::optional<std::int64_t> {
+    std::this_thread::sleep_for(1ms);
+    return 1;  // endless
+  }));
+  waits_in_consumer::other = &unfinished;
+  waits_in_consumer::refused = 0;
+  waits_in_consumer::polled = 0;
+  troupe::unordered_runner<waits_in_consumer> runner{2};
+  EXPECT_EQ(runner.run(iota(5)), 0);
+  EXPECT_EQ(waits_in_consumer::refused, 5);
+  EXPECT_EQ(waits_in_consumer::polled, 5);
+  unfinished.cancel();
+}
+
+// 9. output_stream::cancel() from another thread ends the reader's loop without an error (it
+// used to throw cancelled into it).
+struct slow_items {
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      std::this_thread::sleep_for(2ms);
+      return x;
+    }
+  };
+};
+
+TEST(Callers, StreamCancelFromAnotherThreadEndsTheLoopQuietly) {
+  watchdog dog{60s, "stream cancel from another thread"};
+  troupe::ordered_runner<slow_items> runner{2};
+  auto s = runner.stream(iota(100'000));
+  std::atomic<int> read{0};
+  std::thread canceller([&] {
+    while (read < 5) std::this_thread::sleep_for(1ms);
+    s.cancel();
+  });
+  EXPECT_NO_THROW({
+    for (auto y : s) {
+      EXPECT_EQ(y, read.load());
+      ++read;
+    }
+  });
+  canceller.join();
+  EXPECT_GE(read, 5);
+  EXPECT_LT(read, 100'000);
+}
+
+// 10. Speculative copies only of late chunks: healthy runs compute every item once.
+std::atomic<std::uint64_t> square_calls{0};
+struct counted_squares {
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      ++square_calls;
+      return x * x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Callers, HealthyJobsAreComputedOnce) {
+  square_calls = 0;
+  troupe::unordered_runner<counted_squares> runner{4};
+  std::uint64_t delivered = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<troupe::job_handle<std::int64_t>> hs;
+    for (int j = 0; j < 100; ++j) hs.push_back(runner.submit(iota(8)));
+    for (auto& h : hs) {
+      EXPECT_EQ(h.get(), 140);
+      delivered += h.report().delivered;
+    }
+  }
+  EXPECT_EQ(delivered, 2400u);
+  EXPECT_LE(static_cast<double>(square_calls), 1.02 * static_cast<double>(delivered));
+  EXPECT_EQ(runner.stats().duplicated_items, square_calls - delivered);
+}
+
+struct holds_item_5 {
+  static inline latch* release = nullptr;
+  static inline std::atomic<bool> held{false};
+  struct producer {
+    int work(int x) {
+      if (x == 5 && !held.exchange(true)) release->wait();
+      return x;
+    }
+  };
+};
+
+TEST(Callers, ALateChunkIsCopiedAndTheCopyCounted) {
+  watchdog dog{60s, "a late chunk"};
+  latch release;
+  holds_item_5::release = &release;
+  holds_item_5::held = false;
+  troupe::options opts;
+  opts.chunk_size = 1;
+  troupe::ordered_runner<holds_item_5> runner{2, {}, opts};
+  std::vector<int> xs(50);
+  std::iota(xs.begin(), xs.end(), 0);
+  EXPECT_EQ(runner.run(xs), xs);  // only a copy of item 5 lets it end
+  EXPECT_GE(runner.stats().duplicated_items, 1u);
+  release.open();
+}
+
+}  // namespace
