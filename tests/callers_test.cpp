@@ -493,3 +493,48 @@ TEST(Callers, ALateChunkIsCopiedAndTheCopyCounted) {
 }
 
 }  // namespace
+
+namespace {
+
+// 11. A contiguous range of numbers is lent to the producers without a copy; once run() returns
+// or throws (or the handle is gone) nobody reads it any more. Poisoned right after, a producer
+// that still read it would see the poison (and ASan a use after free).
+struct reads_lent_range {
+  static inline std::atomic<bool> saw_poison{false};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (x == -1) saw_poison = true;
+      if (x == 300'000) throw std::runtime_error("bad item");
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Callers, ALentRangeIsNotReadAfterRunReturns) {
+  watchdog dog{60s, "a lent range"};
+  reads_lent_range::saw_poison = false;
+  troupe::unordered_runner<reads_lent_range> runner{2};
+  for (int i = 0; i < 30; ++i) {
+    auto xs = std::make_unique<std::vector<std::int64_t>>(iota(1'000'000));
+    EXPECT_THROW(runner.run(*xs), troupe::work_error);
+    std::fill(xs->begin(), xs->end(), -1);
+    xs.reset();
+    auto h = runner.submit(iota(100));  // an rvalue: moved into the job, not lent
+    auto ys = iota(1'000'000);
+    {
+      auto lent = runner.submit(ys);
+      std::this_thread::sleep_for(1ms);
+    }  // destroyed mid-run: cancelled, and the range taken back
+    std::fill(ys.begin(), ys.end(), -1);
+    EXPECT_EQ(h.get(), 4950);
+  }
+  std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE(reads_lent_range::saw_poison) << "a producer read the range after it was back";
+}
+
+}  // namespace

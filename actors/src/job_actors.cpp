@@ -44,7 +44,8 @@ struct producer_state {
   bool serialize = false;  ///< options::serialize
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<producer_ops> producer;
-  clock::time_point last_end{};  ///< when the previous chunk was done
+  clock::time_point last_end{};    ///< when the previous chunk was done
+  std::vector<std::byte> scratch;  ///< lent chunks are copied here (reused)
 
   caf::result<init_done> init() {
     try {
@@ -64,9 +65,22 @@ struct producer_state {
     chunk_result r;
     r.run = w.run;
     r.first = w.first;
+    // A part of a caller's range, lent (batch_view): copied here, into this producer's own
+    // buffer, while the job holds it; user code never sees the caller's memory, so that a
+    // producer stuck in work() cannot hold up the job's handle.
+    batch items = w.items;
+    if (auto* lease = w.items.lease()) {
+      if (!lease->acquire()) {
+        r.code = errc::cancelled;
+        r.what = "the job has ended";
+        return r;
+      }
+      items = w.items.copied_into(scratch);
+      lease->release();
+    }
     batch joined;
     try {
-      joined = bulk::resolve(w.items);  // a large chunk arrives as fragments and a reference
+      joined = bulk::resolve(items);  // a large chunk arrives as fragments and a reference
       if (serialize) joined = round_trip_batch(joined, "the chunk's inputs");
     } catch (const std::exception& e) {
       r.code = errc::protocol_error;

@@ -100,8 +100,17 @@ void job_core::get() {
     }
     cv_.wait(lock, [this] { return finished_; });
   }
+  take_back_range();
   dispose();
   if (error_) std::rethrow_exception(error_);
+}
+
+void job_core::take_back_range() noexcept {
+  if (!lease_) return;
+  try {
+    lease_->revoke_and_wait();
+  } catch (...) {
+  }
 }
 
 void job_core::cancel() {
@@ -124,6 +133,7 @@ void job_core::abandon() noexcept {
     cancel();
   } catch (...) {
   }
+  if (done()) take_back_range();
   if (done()) dispose();
 }
 

@@ -269,6 +269,7 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
                         e.what() + "); the job was not started");
   }
   core->set_consumer(consumer);
+  core->set_lease(source->lease());
   std::lock_guard<std::mutex> guard{mtx_};
   if (!open_) {
     caf::anon_send_exit(consumer, caf::exit_reason::user_shutdown);

@@ -491,6 +491,9 @@ class scheduler {
   void send(std::size_t p, job_state& j, std::uint64_t id) {
     auto& s = producers_[p];
     auto& x = *j.pieces.find(id);
+    // A caller's range is lent to local producers only: a node gets a copy (its message is
+    // written later, on the network's thread).
+    if (!s.local && x.items.lease()) x.items = x.items.owned();
     x.holders.push_back(p);
     sent_chunk rec;
     rec.job = j.id;

@@ -3,16 +3,21 @@
 // a registered type name followed by the items, through CAF's inspectors.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <caf/deserializer.hpp>
 #include <caf/detail/type_traits.hpp>
 #include <caf/error.hpp>
 #include <caf/meta/type_name.hpp>
 #include <caf/sec.hpp>
 #include <caf/serializer.hpp>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -64,9 +69,48 @@ struct flat_item<T, std::enable_if_t<is_contiguous_container<T>::value>>
     : std::is_arithmetic<typename T::value_type> {};
 }  // namespace detail
 
+/// A caller's contiguous range of numbers lent to a job's local producers instead of copied on
+/// the scheduler's thread (runner.run(vector)): a producer copies its chunk out of it, between
+/// acquire() and release(), before any user code runs; the job's handle revokes the lease and
+/// waits for such copies before the caller may touch the range again.
+class range_lease {
+ public:
+  /// A producer is about to read the range: false once it has been revoked (do not read).
+  bool acquire() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (revoked_.load(std::memory_order_relaxed)) return false;
+    ++readers_;
+    return true;
+  }
+  void release() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (--readers_ == 0) cv_.notify_all();
+  }
+  /// Nobody reads the range once this returns (a copy under way finishes first).
+  void revoke_and_wait() {
+    std::unique_lock<std::mutex> lock{mtx_};
+    revoked_.store(true, std::memory_order_relaxed);
+    cv_.wait(lock, [this] { return readers_ == 0; });
+  }
+
+ private:
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  std::atomic<bool> revoked_{false};
+  std::size_t readers_ = 0;
+};
+
 class batch_base {
  public:
   virtual ~batch_base() = default;
+  /// A batch of items that belong to the caller (a lent range), else nullptr.
+  [[nodiscard]] virtual range_lease* lease() const noexcept { return nullptr; }
+  /// A batch that views items it does not own (batch_view): their first byte, else nullptr.
+  [[nodiscard]] virtual const void* view_data() const noexcept { return nullptr; }
+  /// For a view: its items copied into `buffer`, viewed there; else nullptr.
+  [[nodiscard]] virtual std::shared_ptr<batch_base> copy_into(std::vector<std::byte>&) const {
+    return nullptr;
+  }
   [[nodiscard]] virtual std::size_t size() const noexcept = 0;
   [[nodiscard]] virtual const std::type_info& item_type() const noexcept = 0;
   /// The items' size in memory when their type makes it cheap and exact (detail::flat_item),
@@ -135,6 +179,47 @@ class batch_of final : public batch_base {
   }
 };
 
+/// Numbers the batch does not own: a part of a caller's contiguous range (with its range_lease),
+/// or of a producer's own buffer (no lease). Written to the wire like batch_of<T> (it arrives
+/// as one); a slice of it is a copy.
+template <class T>
+class batch_view final : public batch_base {
+ public:
+  batch_view(const T* data, std::size_t n, std::shared_ptr<range_lease> lease)
+      : data_(data), n_(n), lease_(std::move(lease)) {}
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept override { return n_; }
+  [[nodiscard]] const std::type_info& item_type() const noexcept override { return typeid(T); }
+  [[nodiscard]] range_lease* lease() const noexcept override { return lease_.get(); }
+  [[nodiscard]] const void* view_data() const noexcept override { return data_; }
+  [[nodiscard]] std::optional<std::size_t> flat_bytes() const noexcept override {
+    return n_ * sizeof(T);
+  }
+  caf::error save(caf::serializer& sink) const override {
+    std::uint64_t n = n_;
+    if (auto err = sink(n)) return err;
+    return sink.apply_raw(n * sizeof(T), const_cast<T*>(data_));
+  }
+  caf::error load(caf::deserializer&) override {
+    return caf::make_error(caf::sec::state_not_serializable);
+  }
+  /// The same items copied into `buffer` (grown as needed, reused by its owner), viewed.
+  [[nodiscard]] std::shared_ptr<batch_base> copy_into(
+      std::vector<std::byte>& buffer) const override {
+    buffer.resize(std::max(buffer.size(), n_ * sizeof(T)));
+    if (n_) std::memcpy(buffer.data(), data_, n_ * sizeof(T));
+    return std::make_shared<batch_view<T>>(reinterpret_cast<const T*>(buffer.data()), n_, nullptr);
+  }
+  [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t from, std::size_t to) const override {
+    return std::make_shared<batch_of<T>>(std::vector<T>(data_ + from, data_ + to));
+  }
+
+ private:
+  const T* data_;
+  std::size_t n_;
+  std::shared_ptr<range_lease> lease_;
+};
+
 /// Creates empty batches of a registered item type when messages arrive from the network.
 using batch_factory = std::function<std::unique_ptr<batch_base>()>;
 void register_batch_type(const std::string& name, const std::type_info& type,
@@ -174,6 +259,22 @@ class batch {
   static batch of(std::vector<T> items) {
     return batch{std::make_shared<batch_of<T>>(std::move(items))};
   }
+  /// Items [data, data + n) that the batch does not own: a caller's range (see range_lease),
+  /// or a buffer that outlives the batch (no lease).
+  template <class T>
+  static batch view(const T* data, std::size_t n, std::shared_ptr<range_lease> lease = nullptr) {
+    return batch{std::make_shared<batch_view<T>>(data, n, std::move(lease))};
+  }
+  /// A lent range's lease, or nullptr for a batch that owns its items.
+  [[nodiscard]] range_lease* lease() const noexcept { return ptr_ ? ptr_->lease() : nullptr; }
+  /// A batch that owns its items: a view copied, any other batch itself.
+  [[nodiscard]] batch owned() const { return ptr_ && ptr_->view_data() ? slice(0, size()) : *this; }
+  /// A view's items copied into `buffer` (which must outlive the result); any other batch
+  /// itself.
+  [[nodiscard]] batch copied_into(std::vector<std::byte>& buffer) const {
+    if (!ptr_ || !ptr_->view_data()) return *this;
+    return batch{ptr_->copy_into(buffer)};
+  }
 
   [[nodiscard]] std::size_t size() const noexcept { return ptr_ ? ptr_->size() : 0; }
   [[nodiscard]] bool empty() const noexcept { return size() == 0; }
@@ -187,11 +288,24 @@ class batch {
   /// The type-erased items (nullptr for no batch).
   [[nodiscard]] const batch_base* get() const noexcept { return ptr_.get(); }
 
-  /// The items as T, or nullptr when the batch is empty-handed or holds another type.
+  /// The items as T, or nullptr when the batch is empty-handed, holds another type, or views
+  /// items it does not own (see span()).
   template <class T>
   [[nodiscard]] batch_of<T>* as() const noexcept {
-    if (!ptr_ || ptr_->item_type() != typeid(T)) return nullptr;
+    if (!ptr_ || ptr_->item_type() != typeid(T) || ptr_->view_data()) return nullptr;
     return static_cast<batch_of<T>*>(ptr_.get());
+  }
+  /// The items as a pointer and a count, whether owned or lent (numbers only); nullptr for
+  /// another type.
+  template <class T>
+  [[nodiscard]] std::pair<const T*, std::size_t> span() const noexcept {
+    if (!ptr_ || ptr_->item_type() != typeid(T)) return {nullptr, 0};
+    if (ptr_->view_data()) {
+      auto* v = static_cast<const batch_view<T>*>(ptr_.get());
+      return {v->data(), v->size()};
+    }
+    auto* b = static_cast<const batch_of<T>*>(ptr_.get());
+    return {b->items.data(), b->items.size()};
   }
 
   /// Network form: the registered type name, then the items ("-" for no batch).

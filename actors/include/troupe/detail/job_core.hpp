@@ -38,6 +38,9 @@ class job_core {
   /// Set once, before the job reaches the scheduler.
   void set_consumer(caf::actor consumer);
   [[nodiscard]] const std::shared_ptr<job_gate>& gate() const noexcept { return gate_; }
+  /// The lease of the caller's range lent to the producers, if any: get() and abandon() take
+  /// it back before they return.
+  void set_lease(std::shared_ptr<range_lease> lease) { lease_ = std::move(lease); }
 
   // -- the scheduler's side ---------------------------------------------------------------
 
@@ -82,6 +85,9 @@ class job_core {
   std::uint64_t id_;
   std::unique_ptr<actors> actors_;
   std::shared_ptr<job_gate> gate_ = std::make_shared<job_gate>();
+  std::shared_ptr<range_lease> lease_;
+  /// Nobody reads the caller's range any more (a producer finishes its block of items).
+  void take_back_range() noexcept;
   mutable std::mutex mtx_;
   std::condition_variable cv_;
   bool finished_ = false;

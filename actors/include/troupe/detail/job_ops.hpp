@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -94,15 +95,33 @@ class typed_producer final : public producer_ops {
       : p_(make_producer<typename traits::producer_type>(d, cfg, index)) {}
 
   void work(const batch& chunk, std::uint64_t first, bool keep_going, work_outcome& r) override {
-    auto* items = chunk.as<in>();
-    if (items == nullptr) {
-      r.wrong_type = true;
-      return;
+    if constexpr (raw_items<in>) {
+      auto [data, n] = chunk.template span<in>();
+      if (data == nullptr && chunk.size() != 0) {
+        r.wrong_type = true;
+        return;
+      }
+      work_on(data, n, first, keep_going, r);
+    } else {
+      auto* items = chunk.as<in>();
+      if (items == nullptr) {
+        r.wrong_type = true;
+        return;
+      }
+      work_on(items->items.data(), items->items.size(), first, keep_going, r);
     }
-    auto n = items->items.size();
+  }
+
+  void end() override {
+    if constexpr (has_end<typename traits::producer_type>::value) p_->end();
+  }
+  void destroy() override { p_.reset(); }
+
+ private:
+  void work_on(const in* x, std::size_t n, std::uint64_t first, bool keep_going, work_outcome& r) {
     std::vector<out> outputs;
-    // Numbers are written in place through local pointers (no per-item capacity check);
-    // other outputs are appended.
+    // Numbers are written in place through local pointers (no per-item capacity check); other
+    // outputs are appended.
     constexpr bool in_place = raw_items<out> && raw_items<in>;
     if constexpr (in_place)
       outputs.resize(n);
@@ -113,15 +132,14 @@ class typed_producer final : public producer_ops {
     while (i < n) {
       try {
         if constexpr (in_place) {
-          const in* x = items->items.data();
           out* o = outputs.data();
           for (; i < n; ++i, ++k) o[k] = p.work(in(x[i]));  // numbers: a copy is free
         } else {
           for (; i < n; ++i, ++k) {
             if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value)
-              outputs.push_back(p.work(in(items->items[i])));
+              outputs.push_back(p.work(in(x[i])));
             else
-              outputs.push_back(p.work(items->items[i]));
+              outputs.push_back(p.work(x[i]));
           }
         }
       } catch (...) {
@@ -140,12 +158,6 @@ class typed_producer final : public producer_ops {
     r.outputs = batch::of(std::move(outputs));  // without the failed items
   }
 
-  void end() override {
-    if constexpr (has_end<typename traits::producer_type>::value) p_->end();
-  }
-  void destroy() override { p_.reset(); }
-
- private:
   throwing_owner<typename traits::producer_type> p_;
 };
 
@@ -195,10 +207,13 @@ class typed_consumer final : public consumer_ops {
       ~count() { g.add_delivered(n); }
     } counted{gate, n};
     auto& c = *c_;
-    for (auto&& x : items->items) {
+    auto& xs = items->items;
+    auto size = xs.size();
+    // A look at the gate before every item: a job that ends waits for the consumer's current
+    // item at most.
+    for (; n < size; ++n) {
       if (gate.stopped()) break;
-      c.work(std::move(x));
-      ++n;
+      c.work(std::move(xs[n]));
     }
     return true;
   }

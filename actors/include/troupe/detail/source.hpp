@@ -80,10 +80,13 @@ class input_source {
                      std::chrono::nanoseconds budget) = 0;
   [[nodiscard]] bool exhausted() const noexcept { return exhausted_; }
   [[nodiscard]] std::optional<std::uint64_t> total() const noexcept { return total_; }
+  /// The lease of a caller's range lent to the producers without a copy, else nullptr.
+  [[nodiscard]] const std::shared_ptr<range_lease>& lease() const noexcept { return lease_; }
 
  protected:
   bool exhausted_ = false;
   std::optional<std::uint64_t> total_;
+  std::shared_ptr<range_lease> lease_;
 };
 
 template <class In, class Next>
@@ -118,17 +121,49 @@ batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanosecond
   return batch::of(std::move(items));
 }
 
+/// A contiguous range of numbers of the job's input type (a std::vector, std::array, C array):
+/// lent to the producers without a copy when the caller keeps it alive.
+template <class In, class Range, class = void>
+struct lendable : std::false_type {};
+template <class In, class Range>
+struct lendable<In, Range, std::void_t<decltype(std::data(std::declval<Range&>()))>>
+    : std::bool_constant<
+          raw_items<In> &&
+          std::is_same<
+              std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<Range&>()))>>,
+              In>::value> {};
+
 template <class In, class Range>
 class range_source final : public input_source {
  public:
-  explicit range_source(Range& r) : it_(std::begin(r)), end_(std::end(r)) {
+  /// `lend`: hand out parts of a contiguous range of numbers instead of copies (the caller
+  /// keeps it alive until the job's handle has revoked the lease).
+  explicit range_source(Range& r, bool lend = false) : it_(std::begin(r)), end_(std::end(r)) {
     using iter = decltype(std::begin(r));
     if constexpr (std::is_base_of<std::forward_iterator_tag,
                                   typename std::iterator_traits<iter>::iterator_category>::value)
       total_ = static_cast<std::uint64_t>(std::distance(it_, end_));
+    if constexpr (lendable<In, Range>::value) {
+      if (lend) {
+        data_ = std::data(r);
+        size_ = static_cast<std::size_t>(std::distance(it_, end_));
+        lease_ = std::make_shared<range_lease>();
+        exhausted_ = size_ == 0;
+      }
+    }
   }
   batch pull(std::size_t max_items, std::size_t max_bytes,
              std::chrono::nanoseconds budget) override {
+    if constexpr (lendable<In, Range>::value) {
+      if (lease_) {
+        auto n =
+            std::min({max_items, std::max<std::size_t>(1, max_bytes / sizeof(In)), size_ - next_});
+        auto b = batch::view(data_ + next_, n, lease_);
+        next_ += n;
+        exhausted_ = next_ == size_;
+        return b;
+      }
+    }
     auto b = fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
       if (it_ == end_) return false;
       out.emplace_back(*it_);
@@ -142,6 +177,9 @@ class range_source final : public input_source {
  private:
   decltype(std::begin(std::declval<Range&>())) it_;
   decltype(std::end(std::declval<Range&>())) end_;
+  const In* data_ = nullptr;  ///< lent: the caller's items
+  std::size_t size_ = 0;
+  std::size_t next_ = 0;
 };
 
 template <class In, class F>
@@ -163,11 +201,11 @@ class generator_source final : public input_source {
 };
 
 template <class In, class Range>
-std::shared_ptr<input_source> make_source(Range& r) {
+std::shared_ptr<input_source> make_source(Range& r, bool lend = false) {
   if constexpr (is_generator<std::remove_const_t<Range>>::value)
     return std::make_shared<generator_source<In, typename Range::function_type>>(r);
   else
-    return std::make_shared<range_source<In, Range>>(r);
+    return std::make_shared<range_source<In, Range>>(r, lend);
 }
 
 /// A source that owns its range (a range or generator handed to submit() as an rvalue).
@@ -189,12 +227,13 @@ class owning_source final : public input_source {
   std::shared_ptr<input_source> inner_;
 };
 
-/// For submit(): an lvalue range is read in place (it must outlive the job), an rvalue one is
-/// moved into the job.
+/// For submit(): an lvalue range is read in place (it must outlive the job; a contiguous range
+/// of numbers is lent to the producers until the job's handle has returned it), an rvalue one
+/// is moved into the job (and copied, a chunk at a time).
 template <class In, class Range>
 std::shared_ptr<input_source> make_job_source(Range&& r) {
   if constexpr (std::is_lvalue_reference<Range>::value)
-    return make_source<In>(r);
+    return make_source<In>(r, true);
   else
     return std::make_shared<owning_source<In, std::decay_t<Range>>>(std::move(r));
 }
