@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -84,6 +85,49 @@ using producer_maker = std::unique_ptr<producer_ops> (*)(const device& d, const 
 /// Constructs a job's consumer object.
 using consumer_maker = std::function<std::unique_ptr<consumer_ops>(const config& cfg)>;
 
+/// Output buffers of numbers, given back when the batch holding them is destroyed (by the
+/// consumer, or once sent to a node) and taken again for the next chunk: no fresh pages to
+/// fault in and no zero-fill for every chunk. Keeps a few buffers at most.
+template <class T>
+class buffer_pool : public std::enable_shared_from_this<buffer_pool<T>> {
+ public:
+  /// A buffer of at least `n` items (their values are whatever was there).
+  std::vector<T> take(std::size_t n) {
+    std::vector<T> v;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (!free_.empty()) {
+        v = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    v.resize(n);  // a smaller size: no fill; a larger one: only the growth is filled
+    return v;
+  }
+  /// `items` as a batch that gives its buffer back here when it is destroyed.
+  batch wrap(std::vector<T> items) {
+    auto self = this->shared_from_this();
+    return batch{
+        std::shared_ptr<batch_base>(new batch_of<T>(std::move(items)), [self](batch_base* b) {
+          auto* typed = static_cast<batch_of<T>*>(b);
+          self->give(std::move(typed->items));
+          delete typed;
+        })};
+  }
+
+ private:
+  void give(std::vector<T> v) noexcept {
+    try {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (free_.size() < max_free) free_.push_back(std::move(v));
+    } catch (...) {
+    }
+  }
+  static constexpr std::size_t max_free = 4;
+  std::mutex mtx_;
+  std::vector<std::vector<T>> free_;
+};
+
 template <class Job>
 class typed_producer final : public producer_ops {
  public:
@@ -120,11 +164,11 @@ class typed_producer final : public producer_ops {
  private:
   void work_on(const in* x, std::size_t n, std::uint64_t first, bool keep_going, work_outcome& r) {
     std::vector<out> outputs;
-    // Numbers are written in place through local pointers (no per-item capacity check); other
-    // outputs are appended.
+    // Numbers are written in place through local pointers (no per-item capacity check), into a
+    // recycled buffer; other outputs are appended.
     constexpr bool in_place = raw_items<out> && raw_items<in>;
     if constexpr (in_place)
-      outputs.resize(n);
+      outputs = pool_->take(n);
     else
       outputs.reserve(n);
     std::size_t i = 0, k = 0;  // item, output
@@ -154,11 +198,16 @@ class typed_producer final : public producer_ops {
         ++i;
       }
     }
-    if constexpr (in_place) outputs.resize(k);
-    r.outputs = batch::of(std::move(outputs));  // without the failed items
+    if constexpr (in_place) {
+      outputs.resize(k);
+      r.outputs = pool_->wrap(std::move(outputs));  // without the failed items
+    } else {
+      r.outputs = batch::of(std::move(outputs));
+    }
   }
 
   throwing_owner<typename traits::producer_type> p_;
+  std::shared_ptr<buffer_pool<out>> pool_ = std::make_shared<buffer_pool<out>>();
 };
 
 template <class Job>
@@ -209,12 +258,18 @@ class typed_consumer final : public consumer_ops {
     auto& c = *c_;
     auto& xs = items->items;
     auto size = xs.size();
-    // A look at the gate before every item: a job that ends waits for the consumer's current
-    // item at most.
-    for (; n < size; ++n) {
-      if (gate.stopped()) break;
-      c.work(std::move(xs[n]));
+    // A look at the gate before every item, so that nothing of an ended job runs after the
+    // consumer's current item; for a consumer whose previous chunk took under 100 ns per item,
+    // before every block of 64 items instead (under ~6 us of them), so that its loop stays tight.
+    using steady = std::chrono::steady_clock;
+    auto t0 = steady::now();
+    std::size_t step = fast_ ? 64 : 1;
+    while (n < size && !gate.stopped()) {
+      auto stop = std::min(size, n + step);
+      for (; n < stop; ++n) c.work(std::move(xs[n]));
     }
+    if (size >= 64)
+      fast_ = steady::now() - t0 < std::chrono::nanoseconds{100} * static_cast<std::int64_t>(size);
     return true;
   }
   void end() override { slot_->emplace(c_->end()); }
@@ -223,6 +278,7 @@ class typed_consumer final : public consumer_ops {
  private:
   throwing_owner<typename traits::consumer_type> c_;
   result_slot<typename traits::result_type> slot_;
+  bool fast_ = false;  ///< the last chunk of 64 items or more took under 100 ns per item
 };
 
 template <class Job>
