@@ -37,14 +37,17 @@ class job_handle {
   ~job_handle() { release(); }
 
   /// Waits for the job; returns consumer::end() (or the outputs, for a job without consumer).
-  /// Throws what run() throws, or cancelled / deadline_exceeded. Call it once. When it returns
-  /// or throws, no member of the job's consumer runs any more.
+  /// Throws what run() throws, or cancelled / deadline_exceeded. Call it once. It does not wait
+  /// for a busy consumer: when it returns or throws, no member of the job's consumer starts
+  /// any more (a work() call under way may finish its item in the background). A range lent
+  /// to the job (an lvalue) is no longer read.
   R get() {
     if (!core_) throw invalid_argument("get() on an empty or moved-from job_handle");
     core_->get();
     return std::move(**slot_);
   }
-  /// True once the job has ended (any way).
+  /// True once the job has ended (any way). milliseconds::max() waits forever; on troupe's own
+  /// threads a wait longer than 0 for an unfinished job throws invalid_argument.
   bool wait_for(std::chrono::milliseconds d) { return core().wait_for(d); }
   [[nodiscard]] bool done() const { return core().done(); }
   /// Ends the job unless it has ended: no further item of it reaches a producer, results in

@@ -54,7 +54,8 @@ struct error_policy {
 
 struct job_options {
   /// 0: none. Past it the job ends, its remaining items withdrawn, and get() throws
-  /// deadline_exceeded (counted from submit()).
+  /// deadline_exceeded (counted from submit()), without waiting for a busy consumer.
+  /// milliseconds::max() means none.
   std::chrono::milliseconds deadline{0};
   /// The job's share of producer time among the jobs running at the same time (a job with
   /// weight 3 gets about three times the producer time of one with weight 1).
