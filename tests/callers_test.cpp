@@ -184,11 +184,12 @@ struct blocking_consumer {
   };
 };
 
-/// Waits until no blocking_consumer object is left (bounded).
-void wait_consumers_gone() {
-  for (int i = 0; i < 2000 && blocking_consumer::alive != 0; ++i) std::this_thread::sleep_for(5ms);
-  ASSERT_EQ(blocking_consumer::alive, 0) << "a consumer was never destroyed";
+/// Waits until no object counted by `alive` is left (bounded: 10 s).
+void wait_gone(const std::atomic<int>& alive) {
+  for (int i = 0; i < 2000 && alive != 0; ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(alive, 0) << "a consumer was never destroyed";
 }
+void wait_consumers_gone() { wait_gone(blocking_consumer::alive); }
 
 class ConsumerBlocked : public ::testing::Test {
  protected:
@@ -267,8 +268,7 @@ TEST(Callers, AfterCancelTheConsumerStopsAndDeliveredCountsWhatItTook) {
   while (counted_consumer::calls < 1000) std::this_thread::sleep_for(1ms);
   h.cancel();
   EXPECT_THROW(h.get(), troupe::cancelled);
-  for (int i = 0; i < 2000 && counted_consumer::alive != 0; ++i) std::this_thread::sleep_for(5ms);
-  ASSERT_EQ(counted_consumer::alive, 0);
+  wait_gone(counted_consumer::alive);
   auto calls = counted_consumer::calls.load();
   EXPECT_EQ(h.report().delivered, calls);
   EXPECT_LT(calls, 1'000'000u);
