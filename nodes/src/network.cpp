@@ -150,10 +150,10 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   // Work sharing: a round trip to a detached actor costs ~13 us instead of ~60 us here.
   cfg->set("scheduler.policy", caf::atom("sharing"));
   // These threads run the jobs' consumers (and nothing that must stay responsive: the
-  // scheduler and the producers have threads of their own): a few, so that one slow consumer
-  // does not hold up the others.
+  // scheduler and the producers have threads of their own): one per core. More threads than
+  // cores cost the throughput of cheap items (x*x: ~250 instead of ~500 M items/s on 2 cores).
   cfg->set("scheduler.max-threads",
-           static_cast<std::size_t>(std::max(4u, std::thread::hardware_concurrency())));
+           static_cast<std::size_t>(std::max(2u, std::thread::hardware_concurrency())));
   cfg->set("logger.file-verbosity", caf::atom("quiet"));
   cfg->set("logger.console-verbosity", caf::atom("quiet"));
   if (!network) return cfg;
