@@ -211,18 +211,24 @@ TEST(Callers, SixteenThousandLiveJobsDrainLikeSixtyFourAtATime) {
       << " ms";
 }
 
+/// Counts the live objects of a class that derives from it.
+template <class Tag>
+struct counted_life {
+  static inline std::atomic<int> alive{0};
+  counted_life() { ++alive; }
+  counted_life(const counted_life&) = delete;
+  ~counted_life() { --alive; }
+};
+
 // 4. A deadline or cancel() ends get() whatever the consumer is doing.
 struct blocking_consumer {
   static inline latch* entered = nullptr;
   static inline latch* release = nullptr;
   static inline std::atomic<int> calls{0};
-  static inline std::atomic<int> alive{0};
   struct producer {
     std::int64_t work(std::int64_t x) { return x; }
   };
-  struct consumer {
-    consumer() { ++alive; }
-    ~consumer() { --alive; }
+  struct consumer : counted_life<blocking_consumer> {
     void work(std::int64_t) {
       ++calls;
       entered->open();
@@ -238,7 +244,7 @@ void wait_gone(const std::atomic<int>& alive) {
   ASSERT_EQ(alive, 0) << "a consumer was never destroyed";
 }
 void wait_consumers_gone() {
-  wait_gone(blocking_consumer::alive);
+  wait_gone(counted_life<blocking_consumer>::alive);
 }
 
 class ConsumerBlocked : public ::testing::Test {
@@ -295,13 +301,10 @@ TEST_F(ConsumerBlocked, DestroyingARunningJobsHandleDoesNotWaitForTheConsumer) {
 // 5. After cancel() the consumer stops at its next item, and report().delivered is exact.
 struct counted_consumer {
   static inline std::atomic<std::uint64_t> calls{0};
-  static inline std::atomic<int> alive{0};
   struct producer {
     std::int64_t work(std::int64_t x) { return x; }
   };
-  struct consumer {
-    consumer() { ++alive; }
-    ~consumer() { --alive; }
+  struct consumer : counted_life<counted_consumer> {
     void work(std::int64_t) {
       ++calls;
       std::this_thread::sleep_for(20us);
@@ -318,7 +321,7 @@ TEST(Callers, AfterCancelTheConsumerStopsAndDeliveredCountsWhatItTook) {
   while (counted_consumer::calls < 1000) std::this_thread::sleep_for(1ms);
   h.cancel();
   EXPECT_THROW(h.get(), troupe::cancelled);
-  wait_gone(counted_consumer::alive);
+  wait_gone(counted_life<counted_consumer>::alive);
   auto calls = counted_consumer::calls.load();
   EXPECT_EQ(h.report().delivered, calls);
   EXPECT_LT(calls, 1'000'000u);

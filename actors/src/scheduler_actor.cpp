@@ -928,7 +928,6 @@ class scheduler {
                 auto& j = *ji->second;
                 j.backlog -= 1;
                 j.consumed += n;
-                j.report.delivered = j.consumed;
                 if (!j.concluded) {
                   std::lock_guard<std::mutex> guard{stats_->mtx};
                   stats_->value.items += n;
@@ -955,7 +954,6 @@ class scheduler {
   /// throws.
   void conclude(job_state& j) {
     j.concluded = true;
-    j.report.delivered = j.sent_to_consumer;
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.items += j.sent_to_consumer - j.consumed;
@@ -987,7 +985,6 @@ class scheduler {
     j.core->set_progress(p);
     j.core->update_report([&](job_report& r) {
       r.items = j.report.items;
-      r.delivered = j.report.delivered;
       r.retries = j.report.retries;
       r.redispatched = j.report.redispatched;
     });

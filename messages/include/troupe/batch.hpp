@@ -78,7 +78,7 @@ class range_lease {
   /// A producer is about to read the range: false once it has been revoked (do not read).
   bool acquire() {
     std::lock_guard<std::mutex> guard{mtx_};
-    if (revoked_.load(std::memory_order_relaxed)) return false;
+    if (revoked_) return false;
     ++readers_;
     return true;
   }
@@ -89,14 +89,14 @@ class range_lease {
   /// Nobody reads the range once this returns (a copy under way finishes first).
   void revoke_and_wait() {
     std::unique_lock<std::mutex> lock{mtx_};
-    revoked_.store(true, std::memory_order_relaxed);
+    revoked_ = true;
     cv_.wait(lock, [this] { return readers_ == 0; });
   }
 
  private:
   std::mutex mtx_;
   std::condition_variable cv_;
-  std::atomic<bool> revoked_{false};
+  bool revoked_ = false;
   std::size_t readers_ = 0;
 };
 
