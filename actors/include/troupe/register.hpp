@@ -6,6 +6,7 @@
 
 #include <caf/detail/type_traits.hpp>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 
 #include "troupe/batch.hpp"
@@ -20,8 +21,19 @@ bool register_job_ops(const std::string& name, const std::type_info& job, produc
                       std::string signature);
 }  // namespace detail
 
+/// How a training job (one with a nested `replica`) registers: defined in <troupe/train.hpp>,
+/// which must be included before TROUPE_REGISTER_JOB names such a job.
+template <class Job, class = void>
+struct train_registrar;
+
+namespace detail {
+template <class T, class = void>
+struct has_replica : std::false_type {};
+template <class T>
+struct has_replica<T, std::void_t<typename T::replica>> : std::true_type {};
+
 template <class Job>
-bool register_job_type(const char* name) {
+bool register_producer_job(const char* name) {
   using traits = detail::job_traits<Job>;
   static_assert(caf::detail::is_serializable<typename traits::input_type>::value &&
                     caf::detail::is_serializable<typename traits::output_type>::value,
@@ -35,6 +47,15 @@ bool register_job_type(const char* name) {
   return detail::register_job_ops(
       name, typeid(Job), &detail::make_producer_ops<Job>,
       batch_type_name(typeid(in)) + " -> " + batch_type_name(typeid(out)));
+}
+}  // namespace detail
+
+template <class Job>
+bool register_job_type(const char* name) {
+  if constexpr (detail::has_replica<Job>::value && !detail::has_producer<Job>::value)
+    return train_registrar<Job>::reg(name);
+  else
+    return detail::register_producer_job<Job>(name);
 }
 
 }  // namespace troupe

@@ -1,0 +1,943 @@
+// Data-parallel training: replica actors (one thread each, on its device) and the coordinator
+// that assigns shards, reduces gradients once, applies the same update everywhere, and
+// recomputes a lost replica's shards on the survivors. Design notes: docs/training.md.
+//
+// Replicas speak the runner's producer protocol (work_chunk in, chunk_result out), with one
+// train_msg as the chunk's only item: nodes spawn them through spawn_producer like any job's
+// producer, and large tensors cross the network through the bulk path.
+#include "troupe/train.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/event_based_actor.hpp>
+#include <caf/scoped_actor.hpp>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "troupe/detail/messages.hpp"
+#include "troupe/detail/network.hpp"
+#include "troupe/device_binding.hpp"
+#include "troupe/internal/bulk.hpp"
+#include "troupe/internal/registry.hpp"
+
+namespace troupe::detail {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+enum class op : std::uint8_t {
+  init,
+  backward,
+  apply,
+  get_params,
+  set_params,
+  get_state,
+  set_state
+};
+enum class reduction : std::uint8_t { fast, deterministic, local };
+
+/// One command to a replica, or its answer.
+struct train_msg {
+  std::uint8_t code = 0;  ///< op
+  std::uint8_t mode = 0;  ///< reduction (backward, apply)
+  std::uint64_t total_shards = 0;
+  std::uint64_t first_shard = 0;
+  std::uint64_t end_shard = 0;
+  std::uint64_t shard_size = 0;
+  std::uint64_t first_sample = 0;  ///< global index of samples[0]
+  batch samples;
+  std::vector<at::Tensor> tensors;   ///< gradients, parameters, a state archive (bytes)
+  std::vector<std::uint64_t> nodes;  ///< deterministic: (level, index) of each gradient tensor
+  std::vector<double> losses;        ///< per shard
+  std::string text;                  ///< the replica's device (init)
+  std::int64_t busy_ns = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
+  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.total_shards, x.first_shard,
+           x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes, x.losses,
+           x.text, x.busy_ns);
+}
+
+[[maybe_unused]] const bool train_msg_registered =
+    (register_batch_type<train_msg>("troupe.train_msg"), true);
+
+// -- the fixed summation tree over shard indices ------------------------------------------------
+// Node (l, i) covers shards [i << l, (i + 1) << l) clipped to [0, S). Its value is its left
+// child's plus its right child's, or its left child's alone when the right one covers nothing.
+// Every node's value is thus one fixed expression of the leaves, whoever computes it.
+
+int tree_top(std::uint64_t shards) {
+  int top = 0;
+  while ((std::uint64_t{1} << top) < shards) ++top;
+  return top;
+}
+
+std::uint64_t node_begin(int l, std::uint64_t i) {
+  return i << l;
+}
+std::uint64_t node_end(int l, std::uint64_t i, std::uint64_t shards) {
+  return std::min(shards, (i + 1) << l);
+}
+
+template <class Leaf>
+at::Tensor tree_value(int l, std::uint64_t i, std::uint64_t shards, Leaf& leaf) {
+  if (l == 0) return leaf(i);
+  auto left = tree_value(l - 1, 2 * i, shards, leaf);
+  if (node_begin(l - 1, 2 * i + 1) >= shards) return left;
+  auto right = tree_value(l - 1, 2 * i + 1, shards, leaf);
+  return left.add_(right);
+}
+
+/// The largest tree nodes inside [a, b), computed in shard order, for the coordinator.
+template <class Leaf>
+void tree_blocks(int l, std::uint64_t i, std::uint64_t a, std::uint64_t b, std::uint64_t shards,
+                 Leaf& leaf, train_msg& out) {
+  auto lo = node_begin(l, i), hi = node_end(l, i, shards);
+  if (hi <= a || lo >= b || lo >= hi) return;
+  if (a <= lo && hi <= b) {
+    out.tensors.push_back(tree_value(l, i, shards, leaf).cpu());
+    out.nodes.push_back(static_cast<std::uint64_t>(l));
+    out.nodes.push_back(i);
+    return;
+  }
+  tree_blocks(l - 1, 2 * i, a, b, shards, leaf, out);
+  tree_blocks(l - 1, 2 * i + 1, a, b, shards, leaf, out);
+}
+
+using node_key = std::pair<int, std::uint64_t>;
+
+at::Tensor tree_combine(int l, std::uint64_t i, std::uint64_t shards,
+                        std::map<node_key, at::Tensor>& have) {
+  if (auto it = have.find({l, i}); it != have.end()) return it->second;
+  if (l == 0) throw protocol_error("shard " + std::to_string(i) + "'s gradient is missing");
+  auto left = tree_combine(l - 1, 2 * i, shards, have);
+  if (node_begin(l - 1, 2 * i + 1) >= shards) return left;
+  auto right = tree_combine(l - 1, 2 * i + 1, shards, have);
+  return left.add_(right);
+}
+
+// -- the replica actor --------------------------------------------------------------------------
+
+at::Tensor flat(const std::vector<at::Tensor>& xs) {
+  std::vector<at::Tensor> parts;
+  parts.reserve(xs.size());
+  for (auto& x : xs) parts.push_back(x.reshape(-1));
+  return at::cat(parts);
+}
+
+at::Tensor bytes_tensor(const std::string& s) {
+  auto t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
+  std::copy(s.begin(), s.end(), reinterpret_cast<char*>(t.data_ptr()));
+  return t;
+}
+
+struct replica_state {
+  device where;
+  config cfg;
+  replica_maker make = nullptr;
+  std::unique_ptr<device_binding> binding;
+  std::unique_ptr<replica_ops> r;
+  std::vector<at::Tensor> params;
+  at::Tensor local_grad;  ///< local mode: this replica's own mean gradient, until applied
+  std::uint64_t failing_sample = 0;
+
+  void init(train_msg& out) {
+    binding = bind_device(where);
+    r = make(where, cfg);
+    params = r->parameters();
+    if (params.empty()) throw invalid_argument("replica::parameters() returned no tensor");
+    for (auto& p : params) {
+      if (!p.defined())
+        throw invalid_argument("replica::parameters() returned an undefined tensor");
+      if (p.scalar_type() != params[0].scalar_type())
+        throw invalid_argument(
+            "replica::parameters() mixes dtypes: troupe reduces them as one flat tensor");
+    }
+    out.text = where.str();
+  }
+
+  /// The gradients after replica::backward, as one flat tensor on the replica's device.
+  at::Tensor grads() {
+    std::vector<at::Tensor> parts;
+    parts.reserve(params.size());
+    for (auto& p : params) {
+      const auto& g = p.grad();
+      parts.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
+    }
+    return at::cat(parts);
+  }
+
+  /// Zeroes the gradients, runs backward on shard `s`, returns the flat gradient.
+  at::Tensor shard_grad(const train_msg& m, std::uint64_t s, double& loss) {
+    for (auto& p : params)
+      if (p.grad().defined()) p.grad().zero_();
+    auto begin = s * m.shard_size;
+    auto end = std::min(begin + m.shard_size, m.first_sample + m.samples.size());
+    failing_sample = begin;
+    loss = r->backward(m.samples, begin - m.first_sample, end - m.first_sample);
+    return grads();
+  }
+
+  void backward(const train_msg& m, train_msg& out) {
+    auto start = clock::now();
+    out.losses.assign(m.end_shard - m.first_shard, 0.0);
+    auto mode = static_cast<reduction>(m.mode);
+    if (mode == reduction::deterministic) {
+      auto leaf = [&](std::uint64_t s) { return shard_grad(m, s, out.losses[s - m.first_shard]); };
+      tree_blocks(tree_top(m.total_shards), 0, m.first_shard, m.end_shard, m.total_shards, leaf,
+                  out);
+    } else {
+      at::Tensor acc;
+      for (auto s = m.first_shard; s < m.end_shard; ++s) {
+        auto g = shard_grad(m, s, out.losses[s - m.first_shard]);
+        if (acc.defined())
+          acc.add_(g);
+        else
+          acc = g;
+      }
+      if (mode == reduction::local) {
+        auto n = std::min(m.end_shard * m.shard_size, m.first_sample + m.samples.size()) -
+                 m.first_shard * m.shard_size;
+        local_grad = acc.div_(static_cast<double>(n));
+      } else {
+        out.tensors.push_back(acc.cpu());
+      }
+    }
+    if (binding) binding->synchronize();
+    out.busy_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count();
+  }
+
+  void set_grads(const at::Tensor& g) {
+    std::int64_t off = 0;
+    for (auto& p : params) {
+      auto part = g.slice(0, off, off + p.numel()).view(p.sizes()).to(p.device(), p.scalar_type());
+      off += p.numel();
+      auto& mine = p.mutable_grad();
+      if (mine.defined())
+        mine.copy_(part);
+      else
+        mine = part.clone();
+    }
+    if (off != g.numel()) throw protocol_error("a gradient of the wrong size");
+  }
+
+  void apply(const train_msg& m) {
+    if (static_cast<reduction>(m.mode) == reduction::local) {
+      if (!local_grad.defined()) return;  // no shard this step
+      set_grads(local_grad);
+      local_grad = at::Tensor{};
+    } else {
+      if (m.tensors.size() != 1) throw protocol_error("apply without a gradient");
+      set_grads(m.tensors[0]);
+    }
+    r->step();
+    if (binding) binding->synchronize();
+  }
+
+  void set_params(const std::vector<at::Tensor>& values) {
+    if (values.size() != params.size())
+      throw protocol_error("parameters of another model (" + std::to_string(values.size()) +
+                           " tensors, this replica has " + std::to_string(params.size()) + ")");
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      params[i].copy_(values[i].view(params[i].sizes()));
+  }
+
+  std::string state() {
+    torch::serialize::OutputArchive archive;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      archive.write("param." + std::to_string(i), params[i].detach().cpu());
+    torch::serialize::OutputArchive own;
+    if (r->save(own)) archive.write("replica", own);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    return bytes.str();
+  }
+
+  void set_state(const at::Tensor& bytes) {
+    torch::serialize::InputArchive archive;
+    archive.load_from(static_cast<const char*>(bytes.data_ptr()),
+                      static_cast<std::size_t>(bytes.numel()), torch_device_of(where));
+    std::vector<at::Tensor> values(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i)
+      archive.read("param." + std::to_string(i), values[i]);
+    set_params(values);
+    torch::serialize::InputArchive own;
+    if (archive.try_read("replica", own)) r->load(own);
+  }
+
+  static c10::Device torch_device_of(const device& d) {
+    return d.is_cuda()
+               ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::max(0, d.index())))
+               : c10::Device(c10::kCPU);
+  }
+
+  chunk_result handle(const work_chunk& w) {
+    chunk_result res;
+    res.run = w.run;
+    res.first = w.first;
+    train_msg* m = nullptr;
+    batch joined;
+    try {
+      joined = bulk::resolve(w.items);
+      auto* b = joined.as<train_msg>();
+      if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training command");
+      m = &b->items[0];
+      if (m->samples) m->samples = bulk::resolve(m->samples);
+    } catch (const std::exception& e) {
+      res.code = errc::protocol_error;
+      res.what = e.what();
+      return res;
+    }
+    train_msg out;
+    out.code = m->code;
+    auto code = static_cast<op>(m->code);
+    try {
+      if (code != op::init && !r)
+        throw protocol_error("replica on " + where.str() + " not started");
+      switch (code) {
+        case op::init:
+          init(out);
+          break;
+        case op::backward:
+          backward(*m, out);
+          break;
+        case op::apply:
+          apply(*m);
+          break;
+        case op::get_params:
+          for (auto& p : params) out.tensors.push_back(p.detach().cpu().clone());
+          break;
+        case op::set_params:
+          set_params(m->tensors);
+          break;
+        case op::get_state:
+          out.tensors.push_back(bytes_tensor(state()));
+          break;
+        case op::set_state:
+          if (m->tensors.size() != 1) throw protocol_error("set_state without a state");
+          set_state(m->tensors[0]);
+          break;
+        default:
+          throw protocol_error("unknown training command");
+      }
+    } catch (...) {
+      res.code = code == op::init ? errc::init_error : errc::work_error;
+      res.failed_index = code == op::backward ? failing_sample : 0;
+      res.what = describe_current_exception();
+      return res;
+    }
+    res.outputs = batch::of(std::vector<train_msg>{std::move(out)});
+    return res;
+  }
+};
+
+caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replica_state> st) {
+  self->attach_functor([st] {
+    try {
+      st->params.clear();
+      st->local_grad = at::Tensor{};
+      st->r.reset();
+    } catch (...) {
+    }
+    st->binding.reset();
+  });
+  return {
+      [self, st](const work_chunk& w) {
+        mark_internal_thread();
+        auto r = st->handle(w);
+        if (r.ok())
+          r.outputs =
+              bulk::split_for(self, caf::actor_cast<caf::actor>(self->current_sender()), r.outputs);
+        return r;
+      },
+      [](const bulk::fragment&) {},  // joined while it was deserialized
+  };
+}
+
+caf::actor spawn_replica(caf::actor_system& sys, const device& d, const config& cfg,
+                         replica_maker make) {
+  auto st = std::make_shared<replica_state>();
+  st->where = d;
+  st->cfg = cfg;
+  st->make = make;
+  return sys.spawn<caf::detached>(replica_actor, st);
+}
+
+double seconds(clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+}  // namespace
+
+std::string replica_signature(const std::type_info& sample) {
+  return "replica of " + batch_type_name(sample);
+}
+
+bool register_replica_job(const std::string& name, const std::type_info& job, replica_maker make,
+                          std::string signature) {
+  return register_job(
+      name, job,
+      [make](caf::actor_system& sys, const device& d, const config& cfg, std::size_t) {
+        return spawn_replica(sys, d, cfg, make);
+      },
+      std::move(signature));
+}
+
+// -- the coordinator ----------------------------------------------------------------------------
+
+struct trainer::impl {
+  struct member {
+    device d;
+    caf::actor a;
+    double rate = 0;  ///< shards per second, 0 before the first measurement
+    bool alive = true;
+    replica_stats st;
+  };
+  /// A request on its way: to whom, and (backward) which shards.
+  struct pending {
+    std::size_t member = 0;
+    clock::time_point sent;
+    std::uint64_t a = 0, b = 0;
+  };
+
+  config cfg;
+  train_options o;
+  std::string job;
+  replica_maker make = nullptr;
+  std::string signature;
+  std::unique_ptr<caf::actor_system_config> own_cfg;
+  std::unique_ptr<caf::actor_system> own;
+  caf::actor_system* sys = nullptr;
+  std::unique_ptr<caf::scoped_actor> self;
+  caf::actor owner;  ///< nodes end our replicas when this actor ends
+  std::map<std::string, caf::actor> nodes;
+  std::vector<member> members;
+  std::uint64_t next_id = 1;
+  train_stats stats;
+
+  ~impl() {
+    if (self) {
+      for (auto& m : members)
+        if (m.a) (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+      if (owner) (*self)->send_exit(owner, caf::exit_reason::user_shutdown);
+    }
+    self.reset();
+  }
+
+  std::vector<std::size_t> alive() const {
+    std::vector<std::size_t> out;
+    for (std::size_t i = 0; i < members.size(); ++i)
+      if (members[i].alive) out.push_back(i);
+    return out;
+  }
+
+  std::uint64_t send(std::size_t who, train_msg msg) {
+    auto id = next_id++;
+    auto b = batch::of(std::vector<train_msg>{std::move(msg)});
+    auto& dest = members[who].a;
+    b = bulk::split_for(self->ptr(), dest, b);
+    (*self)->send(dest, work_chunk{id, 0, std::move(b), false});
+    return id;
+  }
+
+  void drop(std::size_t who) {
+    auto& m = members[who];
+    if (!m.alive) return;
+    m.alive = false;
+    m.st.lost = true;
+    stats.lost_replicas += 1;
+    (*self)->demonitor(m.a);
+    (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+  }
+
+  /// Waits for every request in `waiting`: `on_reply(id, pending, result, msg)` for answers,
+  /// `on_lost(pending)` for requests whose replica was lost (dropped first).
+  template <class OnReply, class OnLost>
+  void wait(std::map<std::uint64_t, pending>& waiting, OnReply on_reply, OnLost on_lost) {
+    auto lose = [&](std::size_t who) {
+      drop(who);
+      std::vector<pending> gone;
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (it->second.member == who) {
+          gone.push_back(it->second);
+          it = waiting.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& p : gone) on_lost(p);
+    };
+    while (!waiting.empty()) {
+      auto on_result = [&](chunk_result& r) {
+        auto it = waiting.find(r.run);
+        if (it == waiting.end()) return;  // a request given up on
+        auto p = it->second;
+        waiting.erase(it);
+        train_msg msg;
+        if (r.ok()) {
+          try {
+            auto joined = bulk::resolve(r.outputs);
+            auto* b = joined.as<train_msg>();
+            if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
+            msg = std::move(b->items[0]);
+          } catch (const std::exception& e) {
+            r.code = errc::protocol_error;
+            r.what = e.what();
+          }
+        }
+        on_reply(p, r, msg);
+      };
+      auto on_down = [&](caf::down_msg& dm) {
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (members[i].alive && members[i].a.address() == dm.source) lose(i);
+      };
+      if (o.replica_timeout.count() > 0) {
+        auto first = clock::time_point::max();
+        for (auto& [id, p] : waiting) first = std::min(first, p.sent);
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            first + o.replica_timeout - clock::now());
+        bool late = false;
+        (*self)->receive(
+            on_result, on_down, [](const bulk::fragment&) {},
+            caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
+        if (late) {
+          auto now = clock::now();
+          std::vector<std::size_t> slow;
+          for (auto& [id, p] : waiting)
+            if (now - p.sent >= o.replica_timeout) slow.push_back(p.member);
+          for (auto who : slow) lose(who);
+        }
+      } else {
+        (*self)->receive(on_result, on_down, [](const bulk::fragment&) {});
+      }
+    }
+  }
+
+  /// Sends `msg` to each of `who` and waits for all; returns the answers by member. Throws the
+  /// first error (after every answer is in); lost members are dropped.
+  std::map<std::size_t, train_msg> everyone(const std::vector<std::size_t>& who,
+                                            const train_msg& msg) {
+    std::map<std::uint64_t, pending> waiting;
+    for (auto w : who) waiting[send(w, msg)] = pending{w, clock::now(), 0, 0};
+    std::map<std::size_t, train_msg> out;
+    std::optional<chunk_result> failure;
+    std::size_t failed = 0;
+    wait(
+        waiting,
+        [&](const pending& p, chunk_result& r, train_msg& m) {
+          if (!r.ok()) {
+            if (!failure) {
+              failure = r;
+              failed = p.member;
+            }
+            return;
+          }
+          out[p.member] = std::move(m);
+        },
+        [](const pending&) {});
+    if (failure) raise(*failure, failed);
+    return out;
+  }
+
+  [[noreturn]] void raise(const chunk_result& r, std::size_t who) {
+    auto where = members[who].d.str();
+    if (r.code == errc::work_error) throw work_error(r.what, r.failed_index, where);
+    throw_error(r.code, "replica on " + where + ": " + r.what);
+  }
+
+  caf::actor node_actor(const std::string& address) {
+    if (auto it = nodes.find(address); it != nodes.end()) return it->second;
+    auto a = connect_node(*sys, address, tls_for(address), std::chrono::seconds{5}, nullptr);
+    nodes[address] = a;
+    return a;
+  }
+
+  /// Spawns and starts replicas on `devices`; returns their member indexes.
+  std::vector<std::size_t> start(const std::vector<device>& devices) {
+    std::vector<std::size_t> fresh;
+    for (auto& d : devices) {
+      caf::actor a;
+      if (d.is_local()) {
+        if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
+        a = spawn_replica(*sys, d, cfg, make);
+      } else {
+        if (own)
+          throw invalid_argument(
+              "device " + d.str() +
+              " is on a node, but this data_parallel was built over local devices only: name a "
+              "node's device in the constructor's list to train over the network");
+        if (job.empty())
+          throw invalid_argument(
+              "replicas on nodes need the job registered: TROUPE_REGISTER_JOB(...) in this program "
+              "and the node's");
+        auto n = node_actor(d.node());
+        std::optional<caf::error> err;
+        (*self)
+            ->request(n, std::chrono::seconds{10},
+                      spawn_producer{job, signature, d.local().str(), cfg, members.size()}, owner)
+            .receive([&](caf::actor& r) { a = std::move(r); }, [&](caf::error& e) { err = e; });
+        if (err)
+          throw_error(error_code(*err) == errc::none ? errc::node_error : error_code(*err),
+                      "cannot start a replica on " + d.str() + ": " + error_text(*err));
+      }
+      (*self)->monitor(a);
+      member m;
+      m.d = d;
+      m.a = a;
+      m.st.device = d.str();
+      members.push_back(std::move(m));
+      fresh.push_back(members.size() - 1);
+    }
+    train_msg init;
+    init.code = static_cast<std::uint8_t>(op::init);
+    try {
+      everyone(fresh, init);
+    } catch (...) {
+      for (auto i : fresh) drop(i);
+      throw;
+    }
+    for (auto i : fresh)
+      if (!members[i].alive)
+        throw node_error("replica on " + members[i].d.str() + " was lost while starting");
+    return fresh;
+  }
+
+  /// Copies the state (parameters, optimizer) of the first live replica not in `to` into `to`.
+  void copy_state(const std::vector<std::size_t>& to) {
+    for (auto from : alive()) {
+      if (std::find(to.begin(), to.end(), from) != to.end()) continue;
+      train_msg get;
+      get.code = static_cast<std::uint8_t>(op::get_state);
+      auto got = everyone({from}, get);
+      if (got.empty()) continue;  // lost meanwhile: the next one
+      train_msg set;
+      set.code = static_cast<std::uint8_t>(op::set_state);
+      set.tensors = std::move(got.begin()->second.tensors);
+      everyone(to, set);
+      return;
+    }
+  }
+
+  /// Splits shards [a, b) among `who` in proportion to their speed (even before it is known).
+  std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> split(
+      std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even) {
+    std::vector<double> w;
+    double known = 0;
+    std::size_t n_known = 0;
+    for (auto i : who)
+      if (members[i].rate > 0) known += members[i].rate, ++n_known;
+    double fallback = n_known ? known / static_cast<double>(n_known) : 1.0;
+    double total = 0;
+    for (auto i : who) {
+      w.push_back(even || members[i].rate <= 0 ? (even ? 1.0 : fallback) : members[i].rate);
+      total += w.back();
+    }
+    std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> out;
+    double cum = 0;
+    auto lo = a;
+    for (std::size_t k = 0; k < who.size(); ++k) {
+      cum += w[k];
+      auto hi =
+          k + 1 == who.size()
+              ? b
+              : a + static_cast<std::uint64_t>(static_cast<double>(b - a) * cum / total + 0.5);
+      hi = std::clamp(hi, lo, b);
+      if (hi > lo) out.push_back({who[k], {lo, hi}});
+      lo = hi;
+    }
+    return out;
+  }
+
+  double step(const batch& samples, mode m) {
+    auto started = clock::now();
+    const std::uint64_t n = samples.size();
+    if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
+    const std::uint64_t ss = o.shard_size;
+    const std::uint64_t shards = (n + ss - 1) / ss;
+    auto red = m == mode::local ? reduction::local
+                                : (o.deterministic ? reduction::deterministic : reduction::fast);
+    std::vector<double> losses(shards, 0.0);
+    std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
+    std::map<node_key, at::Tensor> blocks;         // deterministic
+    std::map<std::uint64_t, pending> waiting;
+    std::vector<std::size_t> stepped;  // local: who holds a gradient
+    std::uint64_t lost_shards = 0;
+
+    auto dispatch = [&](std::size_t who, std::uint64_t a, std::uint64_t b) {
+      train_msg msg;
+      msg.code = static_cast<std::uint8_t>(op::backward);
+      msg.mode = static_cast<std::uint8_t>(red);
+      msg.total_shards = shards;
+      msg.first_shard = a;
+      msg.end_shard = b;
+      msg.shard_size = ss;
+      auto from = a * ss, to = std::min(n, b * ss);
+      if (members[who].d.is_local()) {  // shared, not copied
+        msg.samples = samples;
+        msg.first_sample = 0;
+      } else {
+        msg.samples = samples.slice(from, to);
+        msg.first_sample = from;
+      }
+      waiting[send(who, std::move(msg))] = pending{who, clock::now(), a, b};
+    };
+    auto live = alive();
+    if (live.empty()) throw node_error("no replica left: every one was lost or removed");
+    for (auto& [who, range] : split(0, shards, live, red == reduction::local))
+      dispatch(who, range.first, range.second);
+
+    std::optional<chunk_result> failure;
+    std::size_t failed = 0;
+    wait(
+        waiting,
+        [&](const pending& p, chunk_result& r, train_msg& msg) {
+          if (!r.ok()) {
+            if (!failure) {
+              failure = r;
+              failed = p.member;
+            }
+            return;
+          }
+          auto& mem = members[p.member];
+          mem.st.shards += p.b - p.a;
+          mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
+          if (msg.busy_ns > 0) {
+            double rate =
+                static_cast<double>(p.b - p.a) / (static_cast<double>(msg.busy_ns) * 1e-9);
+            mem.rate = mem.rate > 0 ? 0.5 * mem.rate + 0.5 * rate : rate;
+          }
+          for (std::uint64_t s = p.a; s < p.b && s - p.a < msg.losses.size(); ++s)
+            losses[s] = msg.losses[s - p.a];
+          if (red == reduction::fast) {
+            if (msg.tensors.size() == 1) partials[p.a] = msg.tensors[0];
+          } else if (red == reduction::deterministic) {
+            for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
+              blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
+          } else {
+            stepped.push_back(p.member);
+          }
+        },
+        [&](const pending& p) {
+          if (failure) return;
+          if (red == reduction::local) {
+            lost_shards += p.b - p.a;  // that replica's own update is gone with it
+            return;
+          }
+          auto rest = alive();
+          if (rest.empty()) return;
+          stats.recomputed_shards += p.b - p.a;
+          for (auto& [who, range] : split(p.a, p.b, rest, false))
+            dispatch(who, range.first, range.second);
+        });
+    if (failure) raise(*failure, failed);
+    if (alive().empty()) throw node_error("every replica was lost during the step");
+
+    auto reduce_start = clock::now();
+    train_msg apply;
+    apply.code = static_cast<std::uint8_t>(op::apply);
+    apply.mode = static_cast<std::uint8_t>(red);
+    std::vector<std::size_t> targets;
+    if (red == reduction::local) {
+      targets = stepped;
+    } else {
+      at::Tensor total;
+      if (red == reduction::fast) {
+        for (auto& [first, t] : partials) {
+          if (total.defined())
+            total.add_(t);
+          else
+            total = t.clone();
+        }
+      } else {
+        total = tree_combine(tree_top(shards), 0, shards, blocks);
+      }
+      apply.tensors.push_back(total.div_(static_cast<double>(n)));
+      targets = alive();
+    }
+    std::optional<std::pair<chunk_result, std::size_t>> apply_failure;
+    std::map<std::uint64_t, pending> applying;
+    for (auto w : targets)
+      if (members[w].alive) applying[send(w, apply)] = pending{w, clock::now(), 0, 0};
+    wait(
+        applying,
+        [&](const pending& p, chunk_result& r, train_msg&) {
+          if (r.ok()) return;
+          // This replica's step() threw after others applied theirs: it no longer matches them.
+          if (!apply_failure) apply_failure.emplace(r, p.member);
+          drop(p.member);
+        },
+        [](const pending&) {});
+    auto done = clock::now();
+    stats.reduce_seconds += seconds(done - reduce_start);
+    if (apply_failure) {
+      auto& [r, who] = *apply_failure;
+      throw work_error("replica::step() threw on " + members[who].d.str() +
+                           " (that replica is dropped; the others have stepped): " + r.what,
+                       0, members[who].d.str());
+    }
+    stats.steps += 1;
+    stats.shards += shards;
+    stats.step_seconds += seconds(done - started);
+    double sum = 0;
+    for (auto l : losses) sum += l;
+    auto counted = n;
+    if (lost_shards > 0) counted = n > lost_shards * ss ? n - lost_shards * ss : 1;
+    return sum / static_cast<double>(counted);
+  }
+
+  std::map<std::size_t, train_msg> get_params(const std::vector<std::size_t>& who) {
+    train_msg get;
+    get.code = static_cast<std::uint8_t>(op::get_params);
+    return everyone(who, get);
+  }
+};
+
+trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::string job,
+                 replica_maker make, std::string signature)
+    : impl_(std::make_unique<impl>()) {
+  if (devices.empty()) throw invalid_argument("data_parallel needs at least one device");
+  if (o.shard_size == 0) throw invalid_argument("train_options::shard_size must be at least 1");
+  if (o.replica_timeout.count() < 0)
+    throw invalid_argument("train_options::replica_timeout must not be negative");
+  auto& p = *impl_;
+  p.cfg = std::move(cfg);
+  p.o = o;
+  p.job = std::move(job);
+  p.make = make;
+  p.signature = std::move(signature);
+  std::string remote;
+  for (auto& d : devices)
+    if (!d.is_local()) remote = d.node();
+  if (remote.empty()) {
+    p.own_cfg = make_system_config(false);
+    p.own = std::make_unique<caf::actor_system>(*p.own_cfg);
+    p.sys = p.own.get();
+  } else {
+    p.sys = &network_system(tls_for(remote));
+  }
+  p.self = std::make_unique<caf::scoped_actor>(*p.sys);
+  p.owner =
+      p.sys->spawn([](caf::event_based_actor*) -> caf::behavior { return {[](std::uint8_t) {}}; });
+  auto fresh = p.start(devices);
+  p.copy_state(std::vector<std::size_t>(fresh.begin() + 1, fresh.end()));
+}
+
+trainer::trainer(trainer&&) noexcept = default;
+trainer& trainer::operator=(trainer&&) noexcept = default;
+trainer::~trainer() = default;
+
+double trainer::step(batch samples, mode m) {
+  return impl_->step(samples, m);
+}
+
+void trainer::average_parameters() {
+  auto& p = *impl_;
+  auto live = p.alive();
+  if (live.empty()) throw node_error("no replica left: every one was lost or removed");
+  auto got = p.get_params(live);
+  std::vector<at::Tensor> mean;
+  for (auto& [who, msg] : got) {  // device order
+    if (mean.empty()) {
+      for (auto& t : msg.tensors) mean.push_back(t.clone());
+    } else {
+      for (std::size_t i = 0; i < mean.size() && i < msg.tensors.size(); ++i)
+        mean[i].add_(msg.tensors[i]);
+    }
+  }
+  for (auto& t : mean) t.div_(static_cast<double>(got.size()));
+  train_msg set;
+  set.code = static_cast<std::uint8_t>(op::set_params);
+  set.tensors = std::move(mean);
+  p.everyone(p.alive(), set);
+}
+
+std::vector<at::Tensor> trainer::parameters() {
+  auto& p = *impl_;
+  for (auto who : p.alive()) {
+    auto got = p.get_params({who});
+    if (!got.empty()) return std::move(got.begin()->second.tensors);
+  }
+  throw node_error("no replica left: every one was lost or removed");
+}
+
+std::vector<at::Tensor> trainer::replica_parameters() {
+  auto& p = *impl_;
+  std::vector<at::Tensor> out;
+  for (auto& [who, msg] : p.get_params(p.alive())) out.push_back(flat(msg.tensors));
+  return out;
+}
+
+void trainer::save(const std::string& path) {
+  auto& p = *impl_;
+  for (auto who : p.alive()) {
+    train_msg get;
+    get.code = static_cast<std::uint8_t>(op::get_state);
+    auto got = p.everyone({who}, get);
+    if (got.empty()) continue;
+    auto& bytes = got.begin()->second.tensors.at(0);
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(bytes.data_ptr()), bytes.numel());
+    if (!out) throw invalid_argument("cannot write " + path);
+    return;
+  }
+  throw node_error("no replica left: every one was lost or removed");
+}
+
+void trainer::load(const std::string& path) {
+  auto& p = *impl_;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw invalid_argument("cannot read " + path);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  train_msg set;
+  set.code = static_cast<std::uint8_t>(op::set_state);
+  set.tensors.push_back(bytes_tensor(bytes));
+  p.everyone(p.alive(), set);
+}
+
+void trainer::add_devices(const std::vector<device>& devices) {
+  auto& p = *impl_;
+  auto fresh = p.start(devices);
+  p.copy_state(fresh);
+}
+
+void trainer::remove_devices(const std::vector<device>& devices) {
+  auto& p = *impl_;
+  for (auto& d : devices) {
+    bool found = false;
+    for (std::size_t i = 0; i < p.members.size() && !found; ++i) {
+      if (p.members[i].alive && p.members[i].d == d) {
+        p.members[i].alive = false;
+        (*p.self)->demonitor(p.members[i].a);
+        (*p.self)->send_exit(p.members[i].a, caf::exit_reason::user_shutdown);
+        found = true;
+      }
+    }
+    if (!found) throw invalid_argument("no replica on " + d.str() + " to remove");
+  }
+}
+
+std::vector<device> trainer::devices() const {
+  std::vector<device> out;
+  for (auto& m : impl_->members)
+    if (m.alive) out.push_back(m.d);
+  return out;
+}
+
+train_stats trainer::stats() const {
+  auto s = impl_->stats;
+  for (auto& m : impl_->members) s.replicas.push_back(m.st);
+  return s;
+}
+
+}  // namespace troupe::detail
