@@ -1,0 +1,325 @@
+// troupe::data_parallel (docs/api.md, "Training"): identical replicas, equality with a plain
+// LibTorch loop, deterministic results whatever the replicas, failures (a throwing backward, a
+// node SIGKILLed mid-step, a frozen node), local steps + averaging, save/load, added devices.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/classifier.hpp"
+
+TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
+
+namespace {
+
+using example::sample;
+using dp_t = troupe::data_parallel<example::classifier>;
+
+troupe::config small_cfg() {
+  troupe::config cfg;
+  cfg.set("model.features", 8).set("model.hidden", 16).set("model.classes", 3);
+  cfg.set("model.seed", 3).set("sgd.lr", 0.1).set("sgd.momentum", 0.9);
+  return cfg;
+}
+
+std::vector<std::vector<sample>> make_batches(std::size_t n, std::size_t size,
+                                              std::uint64_t seed = 11) {
+  auto data = example::make_data(n * size, 0, 3, 8, seed);
+  std::vector<std::vector<sample>> out(n);
+  for (std::size_t i = 0; i < n * size; ++i) out[i / size].push_back(data.train[i]);
+  return out;
+}
+
+troupe::train_options opts(std::size_t shard, bool deterministic) {
+  troupe::train_options o;
+  o.shard_size = shard;
+  o.deterministic = deterministic;
+  return o;
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  auto x = a.contiguous(), y = b.contiguous();
+  return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() &&
+         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+at::Tensor flat(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> parts;
+  for (auto& p : ps) parts.push_back(p.reshape(-1));
+  return torch::cat(parts);
+}
+
+void expect_replicas_identical(dp_t& dp) {
+  auto ps = dp.replica_parameters();
+  ASSERT_FALSE(ps.empty());
+  for (std::size_t i = 1; i < ps.size(); ++i)
+    EXPECT_TRUE(same_bits(ps[0], ps[i])) << "replica " << i << " differs from replica 0";
+}
+
+double relative_difference(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+}
+
+/// The model of small_cfg() with its optimizer, trained the plain LibTorch way.
+struct plain_model {
+  example::mlp_net net{8, 16, 3};
+  torch::optim::SGD opt{net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)};
+  plain_model() { example::init_parameters(net, 3); }
+  /// One step on the mean loss of `samples`.
+  void step(const std::vector<sample>& samples) {
+    opt.zero_grad();
+    auto [x, y] = example::stack(samples, 8);
+    torch::nn::functional::cross_entropy(net.forward(x), y).backward();
+    opt.step();
+  }
+};
+
+/// Trains `steps` batches with `devices`; returns the parameters, flattened.
+at::Tensor trained(const std::vector<troupe::device>& devices,
+                   const std::vector<std::vector<sample>>& batches, troupe::train_options o,
+                   troupe::config cfg = small_cfg()) {
+  dp_t dp{devices, cfg, o};
+  for (auto& b : batches) dp.step(b);
+  return flat(dp.parameters());
+}
+
+/// One `train --serve` process (the train example as a node), ended by the destructor.
+class node_process {
+ public:
+  node_process() {
+    int out[2];
+    if (pipe(out) != 0) throw std::runtime_error("pipe");
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      execl(TROUPE_TRAIN_EXAMPLE, TROUPE_TRAIN_EXAMPLE, "--serve", "127.0.0.1:0", "--devices",
+            "cpu", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out[1]);
+    in_ = fdopen(out[0], "r");
+    char line[256] = {0};
+    if (fgets(line, sizeof line, in_) == nullptr) throw std::runtime_error("node did not start");
+    std::string text = line;
+    address_ = text.substr(text.find("127.0.0.1"));
+    address_.erase(address_.find_last_not_of("\r\n") + 1);
+  }
+  ~node_process() {
+    if (pid_ > 0) {  // never kill(-1, ...): that signals every process we may signal
+      ::kill(pid_, SIGCONT);
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (in_) fclose(in_);
+  }
+  void kill(int sig) const {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
+  /// True once the process has ended; `signal` gets the signal that ended it (0: none).
+  bool ended(int* signal = nullptr) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    if (signal) *signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    pid_ = -1;
+    return true;
+  }
+  std::string device() const { return address_ + "/cpu"; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* in_ = nullptr;
+  std::string address_;
+};
+
+}  // namespace
+
+TEST(Train, ReplicasAreBitIdenticalAfterEveryStep) {
+  dp_t dp{{"cpu", "cpu", "cpu"}, small_cfg(), opts(8, false)};
+  for (auto& b : make_batches(20, 50)) {  // 50 samples: 7 shards, the last one of 2
+    dp.step(b);
+    expect_replicas_identical(dp);
+  }
+  auto s = dp.stats();
+  EXPECT_EQ(s.steps, 20u);
+  EXPECT_EQ(s.shards, 20u * 7);
+  ASSERT_EQ(s.replicas.size(), 3u);
+  std::uint64_t shards = 0;
+  for (auto& r : s.replicas) shards += r.shards;
+  EXPECT_EQ(shards, 20u * 7);  // each shard computed once
+}
+
+TEST(Train, OneTwoAndThreeReplicasMatchAPlainLibTorchLoop) {
+  auto batches = make_batches(50, 48);
+  plain_model ref;
+  for (auto& b : batches) ref.step(b);
+  auto expected = flat(ref.net.parameters()).detach();
+  for (std::size_t n = 1; n <= 3; ++n) {
+    auto got = trained(troupe::cpus(n), batches, opts(16, false));
+    EXPECT_LT(relative_difference(got, expected), 1e-5) << n << " replicas";
+  }
+}
+
+TEST(Train, DeterministicResultsDoNotDependOnTheReplicasOrTheRun) {
+  auto batches = make_batches(30, 52);  // 52 samples, shards of 8: 7 shards, uneven tree
+  auto one = trained({"cpu"}, batches, opts(8, true));
+  EXPECT_TRUE(same_bits(trained({"cpu", "cpu"}, batches, opts(8, true)), one));
+  EXPECT_TRUE(same_bits(trained({"cpu", "cpu", "cpu"}, batches, opts(8, true)), one));
+  EXPECT_TRUE(same_bits(trained({"cpu", "cpu", "cpu"}, batches, opts(8, true)), one));
+  EXPECT_TRUE(same_bits(trained({"cpu"}, batches, opts(8, true)), one));
+  // A slow device takes fewer shards: another split, the same bits.
+  auto cfg = small_cfg();
+  cfg.set("fault.sleep_ms", 1);
+  EXPECT_TRUE(same_bits(trained({"cpu", "cpu"}, batches, opts(8, true), cfg), one));
+}
+
+TEST(Train, AThrowingBackwardFailsTheStepAndLeavesEveryReplicaAsItWas) {
+  auto batches = make_batches(4, 64);
+  dp_t dp{{"cpu", "cpu"}, small_cfg(), opts(8, true)};
+  for (int i = 0; i < 3; ++i) dp.step(batches[i]);
+  auto before = dp.replica_parameters();
+  auto bad = batches[3];
+  bad[37].label = -1;  // shard 4 (samples 32..39) throws
+  try {
+    dp.step(bad);
+    FAIL() << "step() returned";
+  } catch (const troupe::work_error& e) {
+    EXPECT_EQ(e.index(), 32u);
+    EXPECT_EQ(e.where(), "cpu");
+    EXPECT_NE(std::string{e.what()}.find("negative label"), std::string::npos) << e.what();
+  }
+  auto after = dp.replica_parameters();
+  ASSERT_EQ(after.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_TRUE(same_bits(before[i], after[i]));
+  // Training goes on as if the bad batch had never come.
+  dp.step(batches[3]);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
+}
+
+TEST(Train, LocalStepsAndAveragingEqualTheSeedsSchemeComputedByHand) {
+  // Two replicas, batches of 64 in shards of 16: replica 0 takes samples 0..31, replica 1
+  // 32..63; each steps on its own mean gradient; every 2 steps the parameters are averaged.
+  auto batches = make_batches(6, 64);
+  dp_t dp{{"cpu", "cpu"}, small_cfg(), opts(16, false)};
+  plain_model hand[2];
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    dp.local_step(batches[i]);
+    for (int k = 0; k < 2; ++k)
+      hand[k].step({batches[i].begin() + 32 * k, batches[i].begin() + 32 * (k + 1)});
+    if (i % 2 == 1) {
+      dp.average_parameters();
+      torch::NoGradGuard no_grad;
+      auto a = hand[0].net.parameters(), b = hand[1].net.parameters();
+      for (std::size_t j = 0; j < a.size(); ++j) {
+        auto mean = (a[j] + b[j]) / 2;
+        a[j].copy_(mean);
+        b[j].copy_(mean);
+      }
+      expect_replicas_identical(dp);
+    }
+  }
+  auto expected = flat(hand[0].net.parameters()).detach();
+  EXPECT_LT(relative_difference(flat(dp.parameters()), expected), 1e-5);
+}
+
+TEST(Train, SaveAndLoadRoundTripParametersAndOptimizerState) {
+  auto batches = make_batches(10, 32);
+  auto path = testing::TempDir() + "troupe_train_ckpt.pt";
+  dp_t a{{"cpu", "cpu"}, small_cfg(), opts(8, true)};
+  for (int i = 0; i < 5; ++i) a.step(batches[i]);
+  a.save(path);
+  auto saved = flat(a.parameters());
+  for (int i = 5; i < 10; ++i) a.step(batches[i]);
+
+  auto other = small_cfg();
+  other.set("model.seed", 99);  // other initial parameters, overwritten by load()
+  dp_t b{{"cpu", "cpu", "cpu"}, other, opts(8, true)};
+  b.load(path);
+  EXPECT_TRUE(same_bits(flat(b.parameters()), saved));
+  expect_replicas_identical(b);
+  for (int i = 5; i < 10; ++i) b.step(batches[i]);
+  // Equal bits only if the momentum buffers came back too.
+  EXPECT_TRUE(same_bits(flat(b.parameters()), flat(a.parameters())));
+  std::remove(path.c_str());
+  EXPECT_THROW(b.load(path), troupe::invalid_argument);
+}
+
+TEST(Train, AddedReplicasTakeTheCurrentStateAndRemovedOnesAreNotMissed) {
+  auto batches = make_batches(15, 40);
+  dp_t dp{{"cpu"}, small_cfg(), opts(8, true)};
+  for (int i = 0; i < 5; ++i) dp.step(batches[i]);
+  dp.add_devices({"cpu", "cpu"});
+  EXPECT_EQ(dp.devices().size(), 3u);
+  expect_replicas_identical(dp);
+  for (int i = 5; i < 10; ++i) {
+    dp.step(batches[i]);
+    expect_replicas_identical(dp);
+  }
+  dp.remove_devices({"cpu"});
+  EXPECT_EQ(dp.devices().size(), 2u);
+  for (int i = 10; i < 15; ++i) dp.step(batches[i]);
+  expect_replicas_identical(dp);
+  // Parameters and momentum moved with the replicas: the one-device run, bit for bit.
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
+  EXPECT_THROW(dp.remove_devices({"cuda:7"}), troupe::invalid_argument);
+}
+
+TEST(Train, ANodeSigkilledInTheMiddleOfAStepCostsNothing) {
+  auto batches = make_batches(12, 64);
+  auto expected = trained({"cpu"}, batches, opts(8, true));
+  node_process node;
+  auto cfg = small_cfg();
+  cfg.set("fault.exit_at_shard", 6);  // the node's replica raises SIGKILL at its 6th shard
+  dp_t dp{{"cpu", node.device()}, cfg, opts(8, true)};
+  for (auto& b : batches) dp.step(b);
+  int signal = 0;
+  ASSERT_TRUE(node.ended(&signal));
+  EXPECT_EQ(signal, SIGKILL);
+  auto s = dp.stats();
+  EXPECT_EQ(s.lost_replicas, 1u);
+  EXPECT_GT(s.recomputed_shards, 0u);  // it died holding shards: the survivor took them
+  EXPECT_EQ(s.steps, batches.size());
+  EXPECT_EQ(dp.devices().size(), 1u);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+}
+
+TEST(Train, AFrozenNodeIsGivenUpOnAndTrainingGoesOnWithTheSameResult) {
+  auto batches = make_batches(6, 64);
+  auto cfg = small_cfg();
+  cfg.set("fault.sleep_ms", 20);  // 8 shards of 20 ms per step: the freeze lands in a step
+  auto expected = trained({"cpu"}, batches, opts(8, true));
+  node_process node;
+  dp_t dp{{"cpu", node.device()}, cfg, opts(8, true)};
+  dp.step(batches[0]);
+  std::thread freezer{[&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{30});
+    node.kill(SIGSTOP);
+  }};
+  for (std::size_t i = 1; i < batches.size(); ++i) dp.step(batches[i]);
+  freezer.join();
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+}
+
+TEST(Train, BadArgumentsAndFailingReplicasAreClearErrors) {
+  EXPECT_THROW(dp_t({}, small_cfg()), troupe::invalid_argument);
+  EXPECT_THROW(dp_t({"cpu"}, small_cfg(), opts(0, false)), troupe::invalid_argument);
+  dp_t dp{{"cpu"}, small_cfg()};
+  EXPECT_THROW(dp.step({}), troupe::invalid_argument);
+  auto broken = small_cfg();
+  broken.set("model.hidden", -5);  // torch::nn::Linear throws in the replica's constructor
+  try {
+    dp_t bad{{"cpu", "cpu"}, broken};
+    FAIL() << "constructed";
+  } catch (const troupe::init_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("cpu"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(dp_t({"cuda:7"}, small_cfg()), troupe::device_unavailable);
+}
