@@ -58,13 +58,14 @@ struct train_msg {
   std::vector<double> losses;        ///< per shard
   std::string text;                  ///< the replica's device (init)
   std::int64_t busy_ns = 0;
+  double divisor = 1;  ///< apply: the gradient is the sum divided by this (on the replica)
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
   return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.total_shards, x.first_shard,
            x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes, x.losses,
-           x.text, x.busy_ns);
+           x.text, x.busy_ns, x.divisor);
 }
 
 [[maybe_unused]] const bool train_msg_registered =
@@ -147,7 +148,8 @@ struct replica_state {
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<replica_ops> r;
   std::vector<at::Tensor> params;
-  at::Tensor local_grad;  ///< local mode: this replica's own mean gradient, until applied
+  at::Tensor local_grad;     ///< local mode: this replica's own gradient sum, until applied
+  double local_divisor = 1;  ///< ... and its sample count
   std::uint64_t failing_sample = 0;
 
   void init(train_msg& out) {
@@ -207,7 +209,8 @@ struct replica_state {
       if (mode == reduction::local) {
         auto n = std::min(m.end_shard * m.shard_size, m.first_sample + m.samples.size()) -
                  m.first_shard * m.shard_size;
-        local_grad = acc.div_(static_cast<double>(n));
+        local_grad = acc;
+        local_divisor = static_cast<double>(n);
       } else {
         out.tensors.push_back(acc.cpu());
       }
@@ -217,16 +220,18 @@ struct replica_state {
         std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count();
   }
 
-  void set_grads(const at::Tensor& g) {
+  /// The parameters' gradients become `g / divisor` (one pass: copied and divided at once).
+  void set_grads(const at::Tensor& g, double divisor) {
     std::int64_t off = 0;
     for (auto& p : params) {
       auto part = g.slice(0, off, off + p.numel()).view(p.sizes()).to(p.device(), p.scalar_type());
       off += p.numel();
+      auto by = at::scalar_tensor(divisor, part.options());
       auto& mine = p.mutable_grad();
-      if (mine.defined())
-        mine.copy_(part);
+      if (mine.defined() && mine.sizes() == part.sizes() && mine.is_contiguous())
+        at::div_out(mine, part, by);
       else
-        mine = part.clone();
+        mine = at::div(part, by);
     }
     if (off != g.numel()) throw protocol_error("a gradient of the wrong size");
   }
@@ -234,11 +239,11 @@ struct replica_state {
   void apply(const train_msg& m) {
     if (static_cast<reduction>(m.mode) == reduction::local) {
       if (!local_grad.defined()) return;  // no shard this step
-      set_grads(local_grad);
+      set_grads(local_grad, local_divisor);
       local_grad = at::Tensor{};
     } else {
       if (m.tensors.size() != 1) throw protocol_error("apply without a gradient");
-      set_grads(m.tensors[0]);
+      set_grads(m.tensors[0], m.divisor);
     }
     r->step();
     if (binding) binding->synchronize();
@@ -757,12 +762,13 @@ struct trainer::impl {
           if (total.defined())
             total.add_(t);
           else
-            total = t.clone();
+            total = t;  // the replica's answer, ours alone now
         }
       } else {
         total = tree_combine(tree_top(shards), 0, shards, blocks);
       }
-      apply.tensors.push_back(total.div_(static_cast<double>(n)));
+      apply.tensors.push_back(total);
+      apply.divisor = static_cast<double>(n);
       targets = alive();
     }
     std::optional<std::pair<chunk_result, std::size_t>> apply_failure;
