@@ -126,6 +126,10 @@ def ddp_worker(rank, world, port, a):
         if rank == 0:
             print(f"ddp procs={world} batch={a.batch} steps={a.steps} "
                   f"steps_per_s={a.steps / elapsed:.1f}", flush=True)
+        # DDP's reducer must go before its process group: destroying the group under a live
+        # reducer aborted a rank at exit (4 processes).
+        del model, opt
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -150,6 +150,7 @@ struct replica_state {
   std::vector<at::Tensor> params;
   at::Tensor local_grad;     ///< local mode: this replica's own gradient sum, until applied
   double local_divisor = 1;  ///< ... and its sample count
+  at::Tensor sum_buf, shard_buf;  ///< gradient buffers reused from step to step
   std::uint64_t failing_sample = 0;
 
   void init(train_msg& out) {
@@ -168,25 +169,32 @@ struct replica_state {
   }
 
   /// The gradients after replica::backward, as one flat tensor on the replica's device.
-  at::Tensor grads() {
+  /// The gradients written into `into` (kept from step to step: a fresh buffer of a large model
+  /// costs its page faults every step), or into a new tensor when `into` is null.
+  at::Tensor grads(at::Tensor* into = nullptr) {
     std::vector<at::Tensor> parts;
     parts.reserve(params.size());
     for (auto& p : params) {
       const auto& g = p.grad();
       parts.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
     }
-    return at::cat(parts);
+    if (into == nullptr) return at::cat(parts);
+    if (!into->defined()) *into = at::empty({0}, params[0].options());
+    at::cat_out(*into, parts);
+    return *into;
   }
 
-  /// Zeroes the gradients, runs backward on shard `s`, returns the flat gradient.
-  at::Tensor shard_grad(const train_msg& m, std::uint64_t s, double& loss) {
+  /// Zeroes the gradients, runs backward on shard `s`, returns the flat gradient (in `into`,
+  /// when given).
+  at::Tensor shard_grad(const train_msg& m, std::uint64_t s, double& loss,
+                        at::Tensor* into = nullptr) {
     for (auto& p : params)
       if (p.grad().defined()) p.grad().zero_();
     auto begin = s * m.shard_size;
     auto end = std::min(begin + m.shard_size, m.first_sample + m.samples.size());
     failing_sample = begin;
     loss = r->backward(m.samples, begin - m.first_sample, end - m.first_sample);
-    return grads();
+    return grads(into);
   }
 
   void backward(const train_msg& m, train_msg& out) {
@@ -198,13 +206,15 @@ struct replica_state {
       tree_blocks(tree_top(m.total_shards), 0, m.first_shard, m.end_shard, m.total_shards, leaf,
                   out);
     } else {
+      // Into buffers of this replica's own: the coordinator reads the sum (and may add the
+      // others' into it) before it sends this step's update, and this replica writes them again
+      // only in the next step's backward, which comes after that update.
       at::Tensor acc;
       for (auto s = m.first_shard; s < m.end_shard; ++s) {
-        auto g = shard_grad(m, s, out.losses[s - m.first_shard]);
         if (acc.defined())
-          acc.add_(g);
+          acc.add_(shard_grad(m, s, out.losses[s - m.first_shard], &shard_buf));
         else
-          acc = g;
+          acc = shard_grad(m, s, out.losses[s - m.first_shard], &sum_buf);
       }
       if (mode == reduction::local) {
         auto n = std::min(m.end_shard * m.shard_size, m.first_sample + m.samples.size()) -
