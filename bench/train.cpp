@@ -122,9 +122,10 @@ int main(int argc, char** argv) {
         ms.push_back(ms_since(t));
       }
       auto med = median(ms);
-      std::printf("troupe reduce %s replicas=%zu mib=%zu median_ms=%.3f algbw_gbs=%.3f\n",
+      std::printf("troupe reduce %s replicas=%zu mib=%zu median_ms=%.3f algbw_gbs=%.3f (%s)\n",
                   nodes ? "nodes" : "local", replicas, m, med,
-                  static_cast<double>(m << 20) / (med * 1e-3) / 1e9);
+                  static_cast<double>(m << 20) / (med * 1e-3) / 1e9,
+                  dp.stats().ring_reductions > 0 ? "ring" : "through the coordinator");
     }
   }
 

@@ -67,11 +67,14 @@ double relative_difference(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
 }
 
-/// The model of small_cfg() with its optimizer, trained the plain LibTorch way.
+/// The model of small_cfg() (or of a wider one) with its optimizer, trained the plain LibTorch
+/// way.
 struct plain_model {
-  example::mlp_net net{8, 16, 3};
+  explicit plain_model(std::int64_t hidden = 16) : net{8, hidden, 3} {
+    example::init_parameters(net, 3);
+  }
+  example::mlp_net net;
   torch::optim::SGD opt{net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)};
-  plain_model() { example::init_parameters(net, 3); }
   /// One step on the mean loss of `samples`.
   void step(const std::vector<sample>& samples) {
     opt.zero_grad();
@@ -322,4 +325,76 @@ TEST(Train, BadArgumentsAndFailingReplicasAreClearErrors) {
     EXPECT_NE(std::string{e.what()}.find("cpu"), std::string::npos) << e.what();
   }
   EXPECT_THROW(dp_t({"cuda:7"}, small_cfg()), troupe::device_unavailable);
+}
+
+namespace {
+
+/// small_cfg() with 256 hidden units: a 273 KiB gradient, all-reduced in a ring among replicas
+/// on nodes (at least 256 KiB).
+troupe::config wide_cfg() {
+  auto cfg = small_cfg();
+  cfg.set("model.hidden", 256);
+  return cfg;
+}
+
+at::Tensor plain_result(const std::vector<std::vector<sample>>& batches, std::int64_t hidden) {
+  plain_model ref{hidden};
+  for (auto& b : batches) ref.step(b);
+  return flat(ref.net.parameters()).detach();
+}
+
+}  // namespace
+
+TEST(Train, ReplicasOnNodesAllReduceInARingAndMatchAPlainLoop) {
+  auto batches = make_batches(20, 48);
+  node_process a, b;
+  dp_t dp{{"cpu", a.device(), b.device()}, wide_cfg(), opts(8, false)};
+  for (auto& batch : batches) {
+    dp.step(batch);
+    expect_replicas_identical(dp);
+  }
+  EXPECT_EQ(dp.stats().ring_reductions, batches.size());
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 256)), 1e-5);
+}
+
+TEST(Train, AReplicaLostInFastModeIsRecomputedIntoTheSameSums) {
+  // The node dies inside its 5th backward: the survivor gets a second run of shards in the same
+  // step, summed beside its first (through the coordinator, and in a ring).
+  for (auto cfg : {small_cfg(), wide_cfg()}) {
+    auto hidden = cfg.get<std::int64_t>("model.hidden");
+    auto batches = make_batches(8, 64);
+    node_process a, b;
+    cfg.set("fault.exit_at_shard", 5);
+    dp_t dp{{"cpu", a.device(), b.device()}, cfg, opts(8, false)};
+    for (auto& batch : batches) {
+      dp.step(batch);
+      expect_replicas_identical(dp);
+    }
+    EXPECT_EQ(dp.stats().lost_replicas, 2u) << hidden;  // both nodes run the fault
+    EXPECT_GT(dp.stats().recomputed_shards, 0u);
+    EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, hidden)), 1e-5)
+        << hidden;
+  }
+}
+
+TEST(Train, ANodeKilledDuringTheRingLeavesTheStepToTheSurvivors) {
+  // Whenever the kill lands (backward, ring, apply, between steps), every step completes, the
+  // replicas agree, and the result is the plain loop's.
+  auto batches = make_batches(30, 48);
+  node_process a, b;
+  auto cfg = wide_cfg();
+  dp_t dp{{"cpu", a.device(), b.device()}, cfg, opts(8, false)};
+  dp.step(batches[0]);
+  std::thread killer{[&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{15});
+    b.kill(SIGKILL);
+  }};
+  for (std::size_t i = 1; i < batches.size(); ++i) {
+    dp.step(batches[i]);
+    expect_replicas_identical(dp);
+  }
+  killer.join();
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_EQ(dp.devices().size(), 2u);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 256)), 1e-5);
 }

@@ -19,6 +19,8 @@
 #include <chrono>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "troupe/detail/messages.hpp"
@@ -26,6 +28,7 @@
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
+#include "troupe/log.hpp"
 
 namespace troupe::detail {
 namespace {
@@ -39,14 +42,23 @@ enum class op : std::uint8_t {
   get_params,
   set_params,
   get_state,
-  set_state
+  set_state,
+  ring_chunk,
 };
-enum class reduction : std::uint8_t { fast, deterministic, local };
+/// fast: a partial sum per replica, summed by the coordinator; ring: partial sums kept by the
+/// replicas and all-reduced among them in a ring (replicas on nodes, large gradients);
+/// deterministic: a fixed tree over shard indices; local: every replica steps on its own.
+enum class reduction : std::uint8_t { fast, deterministic, local, ring };
+
+/// Coordinator -> replica: all-reduce this step's partial sum in a ring
+/// (reply id, ring id, step, position, ring size, right neighbour, its node's address or "").
+using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
 
 /// One command to a replica, or its answer.
 struct train_msg {
-  std::uint8_t code = 0;  ///< op
-  std::uint8_t mode = 0;  ///< reduction (backward, apply)
+  std::uint8_t code = 0;   ///< op
+  std::uint8_t mode = 0;   ///< reduction (backward, apply)
+  std::uint64_t step = 0;  ///< the coordinator's id of this attempt at a step (backward)
   std::uint64_t total_shards = 0;
   std::uint64_t first_shard = 0;
   std::uint64_t end_shard = 0;
@@ -63,9 +75,9 @@ struct train_msg {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
-  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.total_shards, x.first_shard,
-           x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes, x.losses,
-           x.text, x.busy_ns, x.divisor);
+  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.step, x.total_shards,
+           x.first_shard, x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes,
+           x.losses, x.text, x.busy_ns, x.divisor);
 }
 
 [[maybe_unused]] const bool train_msg_registered =
@@ -148,9 +160,23 @@ struct replica_state {
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<replica_ops> r;
   std::vector<at::Tensor> params;
-  at::Tensor local_grad;     ///< local mode: this replica's own gradient sum, until applied
-  double local_divisor = 1;  ///< ... and its sample count
+  at::Tensor local_grad;          ///< local mode: this replica's own gradient sum, until applied
+  double local_divisor = 1;       ///< ... and its sample count
   at::Tensor sum_buf, shard_buf;  ///< gradient buffers reused from step to step
+  std::uint64_t buf_step = 0;     ///< the step whose sum sum_buf holds
+  at::Tensor partial;             ///< ring: this replica's sum for step partial_step
+  std::uint64_t partial_step = 0;
+
+  /// A ring all-reduce in progress (see ring_start).
+  struct ring_run {
+    std::uint64_t reply_id = 0, id = 0;
+    std::uint32_t pos = 0, n = 0, hops = 0;
+    caf::actor right, coordinator;
+    at::Tensor buf;
+  } ring;
+  /// Chunks that arrived before their ring started, by (ring id, hop).
+  std::map<std::pair<std::uint64_t, std::uint32_t>, at::Tensor> early;
+  std::set<std::string> connected;  ///< nodes this one has a direct connection to
   std::uint64_t failing_sample = 0;
 
   void init(train_msg& out) {
@@ -166,6 +192,9 @@ struct replica_state {
             "replica::parameters() mixes dtypes: troupe reduces them as one flat tensor");
     }
     out.text = where.str();
+    std::uint64_t numel = 0;
+    for (auto& p : params) numel += static_cast<std::uint64_t>(p.numel());
+    out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size())};
   }
 
   /// The gradients after replica::backward, as one flat tensor on the replica's device.
@@ -209,18 +238,31 @@ struct replica_state {
       // Into buffers of this replica's own: the coordinator reads the sum (and may add the
       // others' into it) before it sends this step's update, and this replica writes them again
       // only in the next step's backward, which comes after that update.
+      // A second request of the same step (shards of a lost replica) gets fresh tensors: the
+      // coordinator may still hold the first answer's sum.
+      bool reuse = m.step != buf_step;
+      buf_step = m.step;
       at::Tensor acc;
       for (auto s = m.first_shard; s < m.end_shard; ++s) {
         if (acc.defined())
-          acc.add_(shard_grad(m, s, out.losses[s - m.first_shard], &shard_buf));
+          acc.add_(shard_grad(m, s, out.losses[s - m.first_shard], reuse ? &shard_buf : nullptr));
         else
-          acc = shard_grad(m, s, out.losses[s - m.first_shard], &sum_buf);
+          acc = shard_grad(m, s, out.losses[s - m.first_shard], reuse ? &sum_buf : nullptr);
       }
       if (mode == reduction::local) {
         auto n = std::min(m.end_shard * m.shard_size, m.first_sample + m.samples.size()) -
                  m.first_shard * m.shard_size;
         local_grad = acc;
         local_divisor = static_cast<double>(n);
+      } else if (mode == reduction::ring) {
+        if (partial_step == m.step && partial.defined()) {
+          partial.add_(acc);
+        } else {
+          partial = acc;
+          partial_step = m.step;
+          ring = ring_run{};  // a new step: whatever ring was under way is given up
+          early.clear();
+        }
       } else {
         out.tensors.push_back(acc.cpu());
       }
@@ -251,6 +293,11 @@ struct replica_state {
       if (!local_grad.defined()) return;  // no shard this step
       set_grads(local_grad, local_divisor);
       local_grad = at::Tensor{};
+    } else if (static_cast<reduction>(m.mode) == reduction::ring) {
+      if (!ring.buf.defined() || ring.hops != 2 * (ring.n - 1))
+        throw protocol_error("apply before the ring all-reduce finished");
+      set_grads(ring.buf, m.divisor);
+      ring = ring_run{};
     } else {
       if (m.tensors.size() != 1) throw protocol_error("apply without a gradient");
       set_grads(m.tensors[0], m.divisor);
@@ -297,7 +344,120 @@ struct replica_state {
                : c10::Device(c10::kCPU);
   }
 
-  chunk_result handle(const work_chunk& w) {
+  // -- ring all-reduce: reduce-scatter then all-gather over n chunks of the partial sum; chunk
+  // k is reduced once (by one replica) and then copied to all, so every replica ends with the
+  // same bits. Hop h (0 .. 2n-3) arrives from the left neighbour, in order (one sender).
+
+  at::Tensor chunk(std::uint32_t k) {
+    auto numel = ring.buf.numel();
+    auto b = numel * k / ring.n, e = numel * (k + 1) / ring.n;
+    return ring.buf.slice(0, b, e);
+  }
+
+  void ring_send(caf::event_based_actor* self, std::uint32_t hop, std::uint32_t k) {
+    train_msg m;
+    m.code = static_cast<std::uint8_t>(op::ring_chunk);
+    m.tensors.push_back(chunk(k));
+    auto b = bulk::split_for(self, ring.right, batch::of(std::vector<train_msg>{std::move(m)}));
+    self->send(ring.right, work_chunk{ring.id, hop, std::move(b), false});
+  }
+
+  /// Takes hop `ring.hops`; returns true when the all-reduce is complete.
+  bool ring_take(caf::event_based_actor* self, const at::Tensor& t) {
+    const auto n = ring.n, h = ring.hops;
+    if (h < n - 1) {  // reduce-scatter: add, pass on (the last one starts the all-gather)
+      auto k = (ring.pos + 2 * n - h - 1) % n;
+      auto c = chunk(k);
+      if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
+      c.add_(t.to(c.device(), c.scalar_type()));
+      ++ring.hops;
+      ring_send(self, h + 1, k);
+    } else {  // all-gather: copy, pass on
+      auto g = h - (n - 1);
+      auto k = (ring.pos + 2 * n - g) % n;
+      auto c = chunk(k);
+      if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
+      c.copy_(t);
+      ++ring.hops;
+      if (g + 1 < n - 1) ring_send(self, h + 1, k);
+    }
+    return ring.hops == 2 * (n - 1);
+  }
+
+  chunk_result ring_done(chunk_result r) {
+    if (r.ok()) r.outputs = batch::of(std::vector<train_msg>{train_msg{}});
+    return r;
+  }
+
+  /// Starts a ring over this step's partial sum; an answer when it is over already (or failed).
+  std::optional<chunk_result> ring_start(caf::event_based_actor* self, std::uint64_t reply_id,
+                                         std::uint64_t id, std::uint64_t step, std::uint32_t pos,
+                                         std::uint32_t n, const caf::actor& right,
+                                         const std::string& address) {
+    chunk_result res;
+    res.run = reply_id;
+    try {
+      if (n < 2 || pos >= n || !right) throw protocol_error("a malformed ring");
+      if (partial_step != step || !partial.defined()) {  // no shard of this step came here
+        std::int64_t numel = 0;
+        for (auto& p : params) numel += p.numel();
+        if (!sum_buf.defined() || sum_buf.numel() != numel)
+          sum_buf = at::empty({numel}, params[0].options());
+        partial = sum_buf.zero_();
+        partial_step = step;
+        buf_step = step;
+      }
+      early.erase(early.begin(), early.lower_bound({id, 0}));  // chunks of rings given up
+      if (!address.empty() && connected.count(address) == 0) {
+        // A direct connection to the neighbour's node: otherwise CAF routes through the
+        // coordinator, and the ring would load it as much as a star.
+        connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
+        connected.insert(address);
+      }
+      ring = ring_run{
+          reply_id, id, pos, n, 0, right, caf::actor_cast<caf::actor>(self->current_sender()),
+          partial};
+      ring_send(self, 0, pos);
+      for (auto it = early.find({id, ring.hops}); it != early.end();
+           it = early.find({id, ring.hops})) {
+        auto t = std::move(it->second);
+        early.erase(it);
+        if (ring_take(self, t)) return ring_done(res);
+      }
+    } catch (const std::exception& e) {
+      ring = ring_run{};
+      res.code = errc::node_error;
+      res.what = std::string{"ring all-reduce: "} + e.what();
+      return res;
+    }
+    return std::nullopt;
+  }
+
+  /// A ring chunk from the left neighbour (no answer to it; the coordinator hears when the
+  /// ring is over).
+  void ring_chunk(caf::event_based_actor* self, const work_chunk& w, train_msg& m) {
+    if (m.tensors.size() != 1) return;
+    if (w.run != ring.id || !ring.buf.defined()) {
+      if (w.run > ring.id) early[{w.run, static_cast<std::uint32_t>(w.first)}] = m.tensors[0];
+      return;  // a ring that has not started here yet, or one given up
+    }
+    chunk_result res;
+    res.run = ring.reply_id;
+    try {
+      if (w.first != ring.hops) throw protocol_error("ring chunks out of order");
+      if (!ring_take(self, m.tensors[0])) return;
+      res = ring_done(res);
+    } catch (const std::exception& e) {
+      res.code = errc::node_error;
+      res.what = std::string{"ring all-reduce: "} + e.what();
+    }
+    auto to = ring.coordinator;
+    if (!res.ok()) ring = ring_run{};
+    self->send(to, res);
+  }
+
+  /// A command (or a ring chunk); the answer, if it has one.
+  std::optional<chunk_result> handle(caf::event_based_actor* self, const work_chunk& w) {
     chunk_result res;
     res.run = w.run;
     res.first = w.first;
@@ -313,6 +473,10 @@ struct replica_state {
       res.code = errc::protocol_error;
       res.what = e.what();
       return res;
+    }
+    if (static_cast<op>(m->code) == op::ring_chunk) {
+      if (r) ring_chunk(self, w, *m);
+      return std::nullopt;
     }
     train_msg out;
     out.code = m->code;
@@ -370,11 +534,18 @@ caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replic
   return {
       [self, st](const work_chunk& w) {
         mark_internal_thread();
-        auto r = st->handle(w);
-        if (r.ok())
-          r.outputs =
-              bulk::split_for(self, caf::actor_cast<caf::actor>(self->current_sender()), r.outputs);
-        return r;
+        auto r = st->handle(self, w);
+        if (!r) return;
+        auto to = caf::actor_cast<caf::actor>(self->current_sender());
+        if (r->ok()) r->outputs = bulk::split_for(self, to, r->outputs);
+        self->send(to, std::move(*r));
+      },
+      [self, st](ring_atom, std::uint64_t reply_id, std::uint64_t id, std::uint64_t step,
+                 std::uint32_t pos, std::uint32_t n, const caf::actor& right,
+                 const std::string& address) {
+        mark_internal_thread();
+        if (auto r = st->ring_start(self, reply_id, id, step, pos, n, right, address))
+          self->send(caf::actor_cast<caf::actor>(self->current_sender()), std::move(*r));
       },
       [](const bulk::fragment&) {},  // joined while it was deserialized
   };
@@ -440,6 +611,54 @@ struct trainer::impl {
   std::vector<member> members;
   std::uint64_t next_id = 1;
   train_stats stats;
+  std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
+  bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
+  /// Gradients at least this large, with a replica on a node, are all-reduced in a ring.
+  static constexpr std::uint64_t ring_min_bytes = std::uint64_t{256} << 10;
+
+  bool use_ring(const std::vector<std::size_t>& live) const {
+    if (!ring_ok || live.size() < 2 || grad_bytes < ring_min_bytes) return false;
+    for (auto i : live)
+      if (!members[i].d.is_local()) return true;
+    return false;
+  }
+
+  /// All-reduces the live replicas' partial sums of step `attempt` in a ring. False when a
+  /// replica was lost or failed meanwhile (the sums are then unusable).
+  bool ring_all_reduce(std::uint64_t attempt) {
+    auto ring = alive();
+    if (ring.size() < 2) return false;
+    auto id = next_id++;
+    std::map<std::uint64_t, pending> waiting;
+    for (std::size_t k = 0; k < ring.size(); ++k) {
+      auto& me = members[ring[k]];
+      auto& right = members[ring[(k + 1) % ring.size()]];
+      std::string address;  // a node-to-node hop needs a direct connection
+      if (!me.d.is_local() && !right.d.is_local() && me.d.node() != right.d.node())
+        address = right.d.node();
+      auto reply = next_id++;
+      (*self)->send(me.a, ring_atom::value, reply, id, attempt, static_cast<std::uint32_t>(k),
+                    static_cast<std::uint32_t>(ring.size()), right.a, address);
+      waiting[reply] = pending{ring[k], clock::now(), 0, 0};
+    }
+    bool ok = true, lost = false;
+    wait(
+        waiting,
+        [&](const pending&, chunk_result& r, train_msg&) {
+          if (r.ok()) return;
+          ok = false;
+          waiting.clear();  // the others wait for chunks that will not come: give up on them
+          log(log_level::warn, r.what + "; reducing through the coordinator from now on");
+        },
+        [&](const pending&) {
+          ok = false;
+          lost = true;
+          waiting.clear();
+        });
+    if (!ok && !lost) ring_ok = false;
+    if (ok) stats.ring_reductions += 1;
+    return ok;
+  }
 
   ~impl() {
     if (self) {
@@ -617,7 +836,8 @@ struct trainer::impl {
     train_msg init;
     init.code = static_cast<std::uint8_t>(op::init);
     try {
-      everyone(fresh, init);
+      for (auto& [who, msg] : everyone(fresh, init))
+        if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
     } catch (...) {
       for (auto i : fresh) drop(i);
       throw;
@@ -682,17 +902,22 @@ struct trainer::impl {
     const std::uint64_t shards = (n + ss - 1) / ss;
     auto red = m == mode::local ? reduction::local
                                 : (o.deterministic ? reduction::deterministic : reduction::fast);
+    auto live = alive();
+    if (live.empty()) throw node_error("no replica left: every one was lost or removed");
+    if (red == reduction::fast && use_ring(live)) red = reduction::ring;
     std::vector<double> losses(shards, 0.0);
     std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
     std::map<node_key, at::Tensor> blocks;         // deterministic
     std::map<std::uint64_t, pending> waiting;
     std::vector<std::size_t> stepped;  // local: who holds a gradient
     std::uint64_t lost_shards = 0;
+    std::uint64_t attempt = next_id++;
 
     auto dispatch = [&](std::size_t who, std::uint64_t a, std::uint64_t b) {
       train_msg msg;
       msg.code = static_cast<std::uint8_t>(op::backward);
       msg.mode = static_cast<std::uint8_t>(red);
+      msg.step = attempt;
       msg.total_shards = shards;
       msg.first_shard = a;
       msg.end_shard = b;
@@ -707,56 +932,65 @@ struct trainer::impl {
       }
       waiting[send(who, std::move(msg))] = pending{who, clock::now(), a, b};
     };
-    auto live = alive();
-    if (live.empty()) throw node_error("no replica left: every one was lost or removed");
-    for (auto& [who, range] : split(0, shards, live, red == reduction::local))
-      dispatch(who, range.first, range.second);
-
     std::optional<chunk_result> failure;
     std::size_t failed = 0;
-    wait(
-        waiting,
-        [&](const pending& p, chunk_result& r, train_msg& msg) {
-          if (!r.ok()) {
-            if (!failure) {
-              failure = r;
-              failed = p.member;
+    auto compute = [&] {
+      for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
+        dispatch(who, range.first, range.second);
+      wait(
+          waiting,
+          [&](const pending& p, chunk_result& r, train_msg& msg) {
+            if (!r.ok()) {
+              if (!failure) {
+                failure = r;
+                failed = p.member;
+              }
+              return;
             }
-            return;
-          }
-          auto& mem = members[p.member];
-          mem.st.shards += p.b - p.a;
-          mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
-          if (msg.busy_ns > 0) {
-            double rate =
-                static_cast<double>(p.b - p.a) / (static_cast<double>(msg.busy_ns) * 1e-9);
-            mem.rate = mem.rate > 0 ? 0.5 * mem.rate + 0.5 * rate : rate;
-          }
-          for (std::uint64_t s = p.a; s < p.b && s - p.a < msg.losses.size(); ++s)
-            losses[s] = msg.losses[s - p.a];
-          if (red == reduction::fast) {
-            if (msg.tensors.size() == 1) partials[p.a] = msg.tensors[0];
-          } else if (red == reduction::deterministic) {
-            for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
-              blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
-          } else {
-            stepped.push_back(p.member);
-          }
-        },
-        [&](const pending& p) {
-          if (failure) return;
-          if (red == reduction::local) {
-            lost_shards += p.b - p.a;  // that replica's own update is gone with it
-            return;
-          }
-          auto rest = alive();
-          if (rest.empty()) return;
-          stats.recomputed_shards += p.b - p.a;
-          for (auto& [who, range] : split(p.a, p.b, rest, false))
-            dispatch(who, range.first, range.second);
-        });
-    if (failure) raise(*failure, failed);
-    if (alive().empty()) throw node_error("every replica was lost during the step");
+            auto& mem = members[p.member];
+            mem.st.shards += p.b - p.a;
+            mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
+            if (msg.busy_ns > 0) {
+              double rate =
+                  static_cast<double>(p.b - p.a) / (static_cast<double>(msg.busy_ns) * 1e-9);
+              mem.rate = mem.rate > 0 ? 0.5 * mem.rate + 0.5 * rate : rate;
+            }
+            for (std::uint64_t s = p.a; s < p.b && s - p.a < msg.losses.size(); ++s)
+              losses[s] = msg.losses[s - p.a];
+            if (red == reduction::fast) {
+              if (msg.tensors.size() == 1) partials[p.a] = msg.tensors[0];
+            } else if (red == reduction::deterministic) {
+              for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
+                blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
+            } else if (red == reduction::local) {
+              stepped.push_back(p.member);
+            }
+          },
+          [&](const pending& p) {
+            if (failure) return;
+            if (red == reduction::local) {
+              lost_shards += p.b - p.a;  // that replica's own update is gone with it
+              return;
+            }
+            auto rest = alive();
+            if (rest.empty()) return;
+            stats.recomputed_shards += p.b - p.a;
+            for (auto& [who, range] : split(p.a, p.b, rest, false))
+              dispatch(who, range.first, range.second);
+          });
+      if (failure) raise(*failure, failed);
+      if (alive().empty()) throw node_error("every replica was lost during the step");
+    };
+    compute();
+    if (red == reduction::ring && !ring_all_reduce(attempt)) {
+      // A replica lost (or failing) inside the ring: the partial sums are half reduced. The
+      // whole step again, on the survivors, summed by the coordinator.
+      red = reduction::fast;
+      attempt = next_id++;
+      std::fill(losses.begin(), losses.end(), 0.0);
+      stats.recomputed_shards += shards;
+      compute();
+    }
 
     auto reduce_start = clock::now();
     train_msg apply;
@@ -765,6 +999,9 @@ struct trainer::impl {
     std::vector<std::size_t> targets;
     if (red == reduction::local) {
       targets = stepped;
+    } else if (red == reduction::ring) {
+      apply.divisor = static_cast<double>(n);  // every replica holds the sum already
+      targets = alive();
     } else {
       at::Tensor total;
       if (red == reduction::fast) {

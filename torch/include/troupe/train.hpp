@@ -65,6 +65,10 @@ struct train_stats {
   std::uint64_t shards = 0;             ///< shards in those steps
   std::uint64_t recomputed_shards = 0;  ///< shards computed again after their replica was lost
   std::uint64_t lost_replicas = 0;
+  /// Steps whose gradients the replicas all-reduced among themselves in a ring (fast mode,
+  /// replicas on nodes, gradients of at least 256 KiB); the others went through the
+  /// coordinator.
+  std::uint64_t ring_reductions = 0;
   double reduce_seconds = 0;            ///< summing gradients and applying the update
   double step_seconds = 0;              ///< wall time of the completed steps
   std::vector<replica_stats> replicas;  ///< in device order (removed devices included)
