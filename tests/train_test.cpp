@@ -56,7 +56,8 @@ at::Tensor flat(const std::vector<at::Tensor>& ps) {
   return torch::cat(parts);
 }
 
-void expect_replicas_identical(dp_t& dp) {
+template <class DataParallel>
+void expect_replicas_identical(DataParallel& dp) {
   auto ps = dp.replica_parameters();
   ASSERT_FALSE(ps.empty());
   for (std::size_t i = 1; i < ps.size(); ++i)
@@ -397,4 +398,37 @@ TEST(Train, ANodeKilledDuringTheRingLeavesTheStepToTheSurvivors) {
   EXPECT_EQ(dp.stats().lost_replicas, 1u);
   EXPECT_EQ(dp.devices().size(), 2u);
   EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 256)), 1e-5);
+}
+
+namespace {
+
+/// A replica whose backward calls the optimizer's zero_grad() itself (LibTorch's default sets
+/// the grads to none, so autograd makes new tensors for them).
+struct zeroing_job {
+  struct replica {
+    replica(const troupe::device&, const troupe::config&) { example::init_parameters(net, 3); }
+    std::vector<torch::Tensor> parameters() { return net.parameters(); }
+    double backward(const std::vector<sample>& shard) {
+      opt.zero_grad();
+      auto [x, y] = example::stack(shard, 8);
+      auto loss = torch::nn::functional::cross_entropy(
+          net.forward(x), y,
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      loss.backward();
+      return loss.item<double>();
+    }
+    void step() { opt.step(); }
+    example::mlp_net net{8, 16, 3};
+    torch::optim::SGD opt{net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)};
+  };
+};
+
+}  // namespace
+
+TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {
+  auto batches = make_batches(20, 48);
+  troupe::data_parallel<zeroing_job> dp{{"cpu", "cpu"}, {}, opts(8, false)};
+  for (auto& b : batches) dp.step(b);
+  expect_replicas_identical(dp);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-5);
 }

@@ -163,6 +163,7 @@ struct replica_state {
   at::Tensor local_grad;          ///< local mode: this replica's own gradient sum, until applied
   double local_divisor = 1;       ///< ... and its sample count
   at::Tensor sum_buf, shard_buf;  ///< gradient buffers reused from step to step
+  at::Tensor applied;             ///< the update's gradient, which step() reads
   std::uint64_t buf_step = 0;     ///< the step whose sum sum_buf holds
   at::Tensor partial;             ///< ring: this replica's sum for step partial_step
   std::uint64_t partial_step = 0;
@@ -190,6 +191,10 @@ struct replica_state {
       if (p.scalar_type() != params[0].scalar_type())
         throw invalid_argument(
             "replica::parameters() mixes dtypes: troupe reduces them as one flat tensor");
+      if (p.device() != params[0].device())
+        throw invalid_argument(
+            "replica::parameters() are on several devices: troupe reduces them as one flat "
+            "tensor");
     }
     out.text = where.str();
     std::uint64_t numel = 0;
@@ -197,33 +202,78 @@ struct replica_state {
     out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size())};
   }
 
-  /// The gradients after replica::backward, as one flat tensor on the replica's device.
-  /// The gradients written into `into` (kept from step to step: a fresh buffer of a large model
-  /// costs its page faults every step), or into a new tensor when `into` is null.
-  at::Tensor grads(at::Tensor* into = nullptr) {
-    std::vector<at::Tensor> parts;
-    parts.reserve(params.size());
-    for (auto& p : params) {
-      const auto& g = p.grad();
-      parts.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
-    }
-    if (into == nullptr) return at::cat(parts);
-    if (!into->defined()) *into = at::empty({0}, params[0].options());
-    at::cat_out(*into, parts);
-    return *into;
+  // -- gradients as views of one flat tensor (as DDP's gradient_as_bucket_view): backward
+  // accumulates straight into the flat tensor that is reduced, no copy into it afterwards.
+
+  std::int64_t numel() const {
+    std::int64_t n = 0;
+    for (auto& p : params) n += p.numel();
+    return n;
   }
 
-  /// Zeroes the gradients, runs backward on shard `s`, returns the flat gradient (in `into`,
+  /// `*slot` (kept from step to step: a fresh buffer of a large model pays its page faults every
+  /// step) or, with no slot, a new tensor, the size of all parameters.
+  at::Tensor flat_buffer(at::Tensor* slot) {
+    auto n = numel();
+    if (slot == nullptr) return at::empty({n}, params[0].options());
+    if (!slot->defined() || slot->numel() != n) *slot = at::empty({n}, params[0].options());
+    return *slot;
+  }
+
+  /// Elements [off, off + p.numel()) of `flat`, shaped like `p`: a tensor of its own over that
+  /// memory (not an autograd view, which replica code's zero_grad() could not detach_()).
+  static at::Tensor part_of(const at::Tensor& flat, std::int64_t off, const at::Tensor& p) {
+    auto* data =
+        static_cast<char*>(flat.data_ptr()) + off * static_cast<std::int64_t>(flat.element_size());
+    return at::from_blob(
+        data, p.sizes(), [keep = flat](void*) mutable { keep = at::Tensor{}; }, flat.options());
+  }
+
+  /// Every parameter's grad becomes its part of `flat`.
+  void bind(const at::Tensor& flat) {
+    std::int64_t off = 0;
+    for (auto& p : params) {
+      auto* want = static_cast<char*>(flat.data_ptr()) +
+                   off * static_cast<std::int64_t>(flat.element_size());
+      if (!p.grad().defined() || p.grad().data_ptr() != want)
+        p.mutable_grad() = part_of(flat, off, p);
+      off += p.numel();
+    }
+  }
+
+  /// After backward: a grad that replica code replaced (zero_grad() setting it to none, say) is
+  /// copied into its part of `flat`.
+  void gather(const at::Tensor& flat) {
+    std::int64_t off = 0;
+    for (auto& p : params) {
+      auto* want = static_cast<char*>(flat.data_ptr()) +
+                   off * static_cast<std::int64_t>(flat.element_size());
+      const auto& g = p.grad();
+      if (!g.defined() || g.data_ptr() != want) {
+        auto v = part_of(flat, off, p);
+        if (g.defined())
+          v.copy_(g);
+        else
+          v.zero_();
+        p.mutable_grad() = v;
+      }
+      off += p.numel();
+    }
+  }
+
+  /// Zeroes the gradients, runs backward on shard `s`, returns the flat gradient (in `*slot`,
   /// when given).
   at::Tensor shard_grad(const train_msg& m, std::uint64_t s, double& loss,
-                        at::Tensor* into = nullptr) {
-    for (auto& p : params)
-      if (p.grad().defined()) p.grad().zero_();
+                        at::Tensor* slot = nullptr) {
+    auto flat = flat_buffer(slot);
+    flat.zero_();
+    bind(flat);
     auto begin = s * m.shard_size;
     auto end = std::min(begin + m.shard_size, m.first_sample + m.samples.size());
     failing_sample = begin;
     loss = r->backward(m.samples, begin - m.first_sample, end - m.first_sample);
-    return grads(into);
+    gather(flat);
+    return flat;
   }
 
   void backward(const train_msg& m, train_msg& out) {
@@ -272,20 +322,14 @@ struct replica_state {
         std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count();
   }
 
-  /// The parameters' gradients become `g / divisor` (one pass: copied and divided at once).
+  /// The parameters' gradients become `g / divisor`, in one pass, in a buffer that is this
+  /// replica's alone (`g` may be another replica's answer, which others are reading).
   void set_grads(const at::Tensor& g, double divisor) {
-    std::int64_t off = 0;
-    for (auto& p : params) {
-      auto part = g.slice(0, off, off + p.numel()).view(p.sizes()).to(p.device(), p.scalar_type());
-      off += p.numel();
-      auto by = at::scalar_tensor(divisor, part.options());
-      auto& mine = p.mutable_grad();
-      if (mine.defined() && mine.sizes() == part.sizes() && mine.is_contiguous())
-        at::div_out(mine, part, by);
-      else
-        mine = at::div(part, by);
-    }
-    if (off != g.numel()) throw protocol_error("a gradient of the wrong size");
+    if (g.numel() != numel()) throw protocol_error("a gradient of the wrong size");
+    auto dst = flat_buffer(&applied);
+    auto src = g.to(dst.device(), dst.scalar_type());
+    at::div_out(dst, src, at::scalar_tensor(divisor, dst.options()));
+    bind(dst);
   }
 
   void apply(const train_msg& m) {
@@ -399,11 +443,7 @@ struct replica_state {
     try {
       if (n < 2 || pos >= n || !right) throw protocol_error("a malformed ring");
       if (partial_step != step || !partial.defined()) {  // no shard of this step came here
-        std::int64_t numel = 0;
-        for (auto& p : params) numel += p.numel();
-        if (!sum_buf.defined() || sum_buf.numel() != numel)
-          sum_buf = at::empty({numel}, params[0].options());
-        partial = sum_buf.zero_();
+        partial = flat_buffer(&sum_buf).zero_();
         partial_step = step;
         buf_step = step;
       }
