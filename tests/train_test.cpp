@@ -347,15 +347,24 @@ at::Tensor plain_result(const std::vector<std::vector<sample>>& batches, std::in
 }  // namespace
 
 TEST(Train, ReplicasOnNodesAllReduceInARingAndMatchAPlainLoop) {
-  auto batches = make_batches(20, 48);
-  node_process a, b;
-  dp_t dp{{"cpu", a.device(), b.device()}, wide_cfg(), opts(8, false)};
-  for (auto& batch : batches) {
-    dp.step(batch);
-    expect_replicas_identical(dp);
+  // 256 hidden units: a 273 KiB gradient, one ring (with a local replica in it); 1024: 4.2 MiB
+  // between two nodes, two rings over its halves.
+  for (std::int64_t hidden : {256, 1024}) {
+    auto batches = make_batches(hidden == 256 ? 20 : 6, 48);
+    node_process a, b;
+    auto cfg = small_cfg();
+    cfg.set("model.hidden", hidden);
+    std::vector<troupe::device> devices{a.device(), b.device()};
+    if (hidden == 256) devices.insert(devices.begin(), "cpu");
+    dp_t dp{devices, cfg, opts(8, false)};
+    for (auto& batch : batches) {
+      dp.step(batch);
+      expect_replicas_identical(dp);
+    }
+    EXPECT_EQ(dp.stats().ring_reductions, batches.size()) << hidden;
+    EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, hidden)), 1e-5)
+        << hidden;
   }
-  EXPECT_EQ(dp.stats().ring_reductions, batches.size());
-  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 256)), 1e-5);
 }
 
 TEST(Train, AReplicaLostInFastModeIsRecomputedIntoTheSameSums) {

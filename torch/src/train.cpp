@@ -22,6 +22,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "troupe/detail/messages.hpp"
 #include "troupe/detail/network.hpp"
@@ -171,12 +172,13 @@ struct replica_state {
   /// A ring all-reduce in progress (see ring_start).
   struct ring_run {
     std::uint64_t reply_id = 0, id = 0;
-    std::uint32_t pos = 0, n = 0, hops = 0;
+    std::uint32_t pos = 0, n = 0, pieces = 0, done = 0;
+    std::vector<std::uint32_t> hops;  ///< per piece
     caf::actor right, coordinator;
     at::Tensor buf;
   } ring;
-  /// Chunks that arrived before their ring started, by (ring id, hop).
-  std::map<std::pair<std::uint64_t, std::uint32_t>, at::Tensor> early;
+  /// Chunks that arrived before their turn, by (ring id, piece, hop).
+  std::map<std::tuple<std::uint64_t, std::uint32_t, std::uint32_t>, at::Tensor> early;
   std::set<std::string> connected;  ///< nodes this one has a direct connection to
   std::uint64_t failing_sample = 0;
 
@@ -338,7 +340,7 @@ struct replica_state {
       set_grads(local_grad, local_divisor);
       local_grad = at::Tensor{};
     } else if (static_cast<reduction>(m.mode) == reduction::ring) {
-      if (!ring.buf.defined() || ring.hops != 2 * (ring.n - 1))
+      if (!ring.buf.defined() || ring.pieces == 0 || ring.done != ring.pieces)
         throw protocol_error("apply before the ring all-reduce finished");
       set_grads(ring.buf, m.divisor);
       ring = ring_run{};
@@ -390,42 +392,70 @@ struct replica_state {
 
   // -- ring all-reduce: reduce-scatter then all-gather over n chunks of the partial sum; chunk
   // k is reduced once (by one replica) and then copied to all, so every replica ends with the
-  // same bits. Hop h (0 .. 2n-3) arrives from the left neighbour, in order (one sender).
+  // same bits. The buffer is cut into `pieces` slices, each all-reduced by a ring of its own, so
+  // that one piece's next hop overlaps another's transfer. Hop h (0 .. 2n-3) of a piece
+  // arrives from the left neighbour, in order (one sender).
 
-  at::Tensor chunk(std::uint32_t k) {
-    auto numel = ring.buf.numel();
-    auto b = numel * k / ring.n, e = numel * (k + 1) / ring.n;
-    return ring.buf.slice(0, b, e);
+  /// Pieces for a gradient of `bytes` among `n`: about 1 MiB per hop message, at most 8.
+  static std::uint32_t ring_pieces(std::int64_t bytes, std::uint32_t n) {
+    auto per_hop = bytes / std::max<std::int64_t>(1, n);
+    return static_cast<std::uint32_t>(std::clamp<std::int64_t>(per_hop >> 20, 1, 8));
   }
 
-  void ring_send(caf::event_based_actor* self, std::uint32_t hop, std::uint32_t k) {
+  at::Tensor chunk(std::uint32_t piece, std::uint32_t k) {
+    auto numel = ring.buf.numel();
+    auto pb = numel * piece / ring.pieces, pe = numel * (piece + 1) / ring.pieces;
+    auto len = pe - pb;
+    return ring.buf.slice(0, pb + len * k / ring.n, pb + len * (k + 1) / ring.n);
+  }
+
+  void ring_send(caf::event_based_actor* self, std::uint32_t piece, std::uint32_t hop,
+                 std::uint32_t k) {
     train_msg m;
     m.code = static_cast<std::uint8_t>(op::ring_chunk);
-    m.tensors.push_back(chunk(k));
+    m.first_shard = piece;
+    m.tensors.push_back(chunk(piece, k));
     auto b = bulk::split_for(self, ring.right, batch::of(std::vector<train_msg>{std::move(m)}));
     self->send(ring.right, work_chunk{ring.id, hop, std::move(b), false});
   }
 
-  /// Takes hop `ring.hops`; returns true when the all-reduce is complete.
-  bool ring_take(caf::event_based_actor* self, const at::Tensor& t) {
-    const auto n = ring.n, h = ring.hops;
+  /// Takes the next hop of `piece`; returns true when the whole all-reduce is complete.
+  bool ring_take(caf::event_based_actor* self, std::uint32_t piece, const at::Tensor& t) {
+    const auto n = ring.n, h = ring.hops[piece];
     if (h < n - 1) {  // reduce-scatter: add, pass on (the last one starts the all-gather)
       auto k = (ring.pos + 2 * n - h - 1) % n;
-      auto c = chunk(k);
+      auto c = chunk(piece, k);
       if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
       c.add_(t.to(c.device(), c.scalar_type()));
-      ++ring.hops;
-      ring_send(self, h + 1, k);
+      ++ring.hops[piece];
+      ring_send(self, piece, h + 1, k);
     } else {  // all-gather: copy, pass on
       auto g = h - (n - 1);
       auto k = (ring.pos + 2 * n - g) % n;
-      auto c = chunk(k);
+      auto c = chunk(piece, k);
       if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
       c.copy_(t);
-      ++ring.hops;
-      if (g + 1 < n - 1) ring_send(self, h + 1, k);
+      ++ring.hops[piece];
+      if (g + 1 < n - 1) ring_send(self, piece, h + 1, k);
     }
-    return ring.hops == 2 * (n - 1);
+    if (ring.hops[piece] == 2 * (n - 1)) ++ring.done;
+    return ring.done == ring.pieces;
+  }
+
+  /// Takes the chunks that came before their turn; true when the all-reduce is complete.
+  bool ring_drain(caf::event_based_actor* self) {
+    for (bool took = true; took;) {
+      took = false;
+      for (std::uint32_t p = 0; p < ring.pieces; ++p) {
+        auto it = early.find({ring.id, p, ring.hops[p]});
+        if (it == early.end()) continue;
+        auto t = std::move(it->second);
+        early.erase(it);
+        took = true;
+        if (ring_take(self, p, t)) return true;
+      }
+    }
+    return false;
   }
 
   chunk_result ring_done(chunk_result r) {
@@ -447,23 +477,26 @@ struct replica_state {
         partial_step = step;
         buf_step = step;
       }
-      early.erase(early.begin(), early.lower_bound({id, 0}));  // chunks of rings given up
+      early.erase(early.begin(), early.lower_bound({id, 0, 0}));  // chunks of rings given up
       if (!address.empty() && connected.count(address) == 0) {
         // A direct connection to the neighbour's node: otherwise CAF routes through the
         // coordinator, and the ring would load it as much as a star.
         connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
         connected.insert(address);
       }
-      ring = ring_run{
-          reply_id, id, pos, n, 0, right, caf::actor_cast<caf::actor>(self->current_sender()),
-          partial};
-      ring_send(self, 0, pos);
-      for (auto it = early.find({id, ring.hops}); it != early.end();
-           it = early.find({id, ring.hops})) {
-        auto t = std::move(it->second);
-        early.erase(it);
-        if (ring_take(self, t)) return ring_done(res);
-      }
+      ring = ring_run{};
+      ring.reply_id = reply_id;
+      ring.id = id;
+      ring.pos = pos;
+      ring.n = n;
+      ring.right = right;
+      ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
+      ring.buf = partial;
+      ring.pieces =
+          ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
+      ring.hops.assign(ring.pieces, 0);
+      for (std::uint32_t p = 0; p < ring.pieces; ++p) ring_send(self, p, 0, pos);
+      if (ring_drain(self)) return ring_done(res);
     } catch (const std::exception& e) {
       ring = ring_run{};
       res.code = errc::node_error;
@@ -476,16 +509,19 @@ struct replica_state {
   /// A ring chunk from the left neighbour (no answer to it; the coordinator hears when the
   /// ring is over).
   void ring_chunk(caf::event_based_actor* self, const work_chunk& w, train_msg& m) {
-    if (m.tensors.size() != 1) return;
+    if (m.tensors.size() != 1 || m.first_shard > 64) return;
+    auto piece = static_cast<std::uint32_t>(m.first_shard);
+    auto hop = static_cast<std::uint32_t>(w.first);
     if (w.run != ring.id || !ring.buf.defined()) {
-      if (w.run > ring.id) early[{w.run, static_cast<std::uint32_t>(w.first)}] = m.tensors[0];
+      if (w.run > ring.id) early[{w.run, piece, hop}] = m.tensors[0];
       return;  // a ring that has not started here yet, or one given up
     }
     chunk_result res;
     res.run = ring.reply_id;
     try {
-      if (w.first != ring.hops) throw protocol_error("ring chunks out of order");
-      if (!ring_take(self, m.tensors[0])) return;
+      if (piece >= ring.pieces || hop != ring.hops[piece])
+        throw protocol_error("ring chunks out of order");
+      if (!ring_take(self, piece, m.tensors[0]) && !ring_drain(self)) return;
       res = ring_done(res);
     } catch (const std::exception& e) {
       res.code = errc::node_error;
