@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -440,4 +441,71 @@ TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {
   for (auto& b : batches) dp.step(b);
   expect_replicas_identical(dp);
   EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-5);
+}
+
+TEST(Train, ANodeThatComesBackIsAddedAgainAndTheResultIsTheSame) {
+  auto batches = make_batches(12, 64);
+  auto expected = trained({"cpu"}, batches, opts(8, true));
+  node_process first;
+  dp_t dp{{"cpu", first.device()}, small_cfg(), opts(8, true)};
+  for (int i = 0; i < 5; ++i) dp.step(batches[i]);
+  first.kill(SIGKILL);
+  dp.step(batches[5]);  // finds it gone: the local replica computes everything
+  ASSERT_EQ(dp.devices().size(), 1u);
+  node_process second;  // the node comes back (a fresh process)
+  dp.add_devices({second.device()});
+  EXPECT_EQ(dp.devices().size(), 2u);
+  expect_replicas_identical(dp);
+  for (int i = 6; i < 12; ++i) dp.step(batches[i]);
+  expect_replicas_identical(dp);
+  auto s = dp.stats();
+  EXPECT_EQ(s.lost_replicas, 1u);
+  ASSERT_EQ(s.replicas.size(), 3u);
+  EXPECT_GT(s.replicas[2].shards, 0u);  // the new replica took part
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+}
+
+namespace {
+
+/// The first replica constructed (per test) sleeps for two seconds in its second backward.
+std::atomic<int> stuck_replicas{0};
+struct stuck_job {
+  struct replica {
+    replica(const troupe::device& d, const troupe::config& cfg)
+        : inner(d, cfg), stuck(stuck_replicas.fetch_add(1) == 0) {}
+    std::vector<torch::Tensor> parameters() { return inner.parameters(); }
+    double backward(const std::vector<sample>& shard) {
+      if (stuck && ++calls == 2) std::this_thread::sleep_for(std::chrono::seconds{2});
+      return inner.backward(shard);
+    }
+    void step() { inner.step(); }
+    void save(torch::serialize::OutputArchive& a) { inner.save(a); }
+    void load(torch::serialize::InputArchive& a) { inner.load(a); }
+    example::classifier::replica inner;
+    bool stuck;
+    int calls = 0;
+  };
+};
+
+}  // namespace
+
+TEST(Train, AReplicaStuckPastReplicaTimeoutIsDroppedAndItsShardsRecomputed) {
+  auto batches = make_batches(4, 64);
+  auto expected = trained({"cpu"}, batches, opts(8, true));
+  stuck_replicas = 0;
+  auto o = opts(8, true);
+  o.replica_timeout = std::chrono::milliseconds{300};
+  troupe::data_parallel<stuck_job> dp{{"cpu", "cpu"}, small_cfg(), o};
+  for (auto& b : batches) dp.step(b);
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_EQ(dp.devices().size(), 1u);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+  EXPECT_THROW(troupe::data_parallel<stuck_job>({"cpu"}, small_cfg(),
+                                                [] {
+                                                  troupe::train_options bad;
+                                                  bad.replica_timeout =
+                                                      std::chrono::milliseconds{-1};
+                                                  return bad;
+                                                }()),
+               troupe::invalid_argument);
 }
