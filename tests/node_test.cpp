@@ -36,6 +36,7 @@
 #include <troupe/internal/registry.hpp>
 #include <troupe/node.hpp>
 
+#include "node_process.hpp"
 #include "remote_jobs.hpp"
 #include "test_util.hpp"
 
@@ -69,56 +70,10 @@ struct string_mismatched {
     troupe::register_job_type<string_mismatched>("mismatched");
 
 /// One troupe_test_node process, ended (SIGKILL) by the destructor.
-class node_process {
+class node_process : public test_util::node_process {
  public:
-  explicit node_process(const std::string& devices, std::vector<std::string> extra = {}) {
-    int out[2];
-    if (pipe(out) != 0) throw std::runtime_error("pipe");
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      std::vector<std::string> args{TROUPE_TEST_NODE, "--serve", "127.0.0.1:0", "--devices",
-                                    devices};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    FILE* in = fdopen(out[0], "r");
-    char line[256] = {0};
-    // "serving on 127.0.0.1:PORT" (ctest's timeout bounds this read)
-    if (fgets(line, sizeof line, in) == nullptr) throw std::runtime_error("node did not start");
-    std::string text = line;
-    address_ = text.substr(text.find("127.0.0.1"));
-    address_.erase(address_.find_last_not_of("\r\n") + 1);
-    out_ = in;
-  }
-  ~node_process() {
-    kill(SIGCONT);
-    kill(SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    if (out_) fclose(out_);
-  }
-  void kill(int sig) const { ::kill(pid_, sig); }
-  pid_t pid() const { return pid_; }
-  /// False once the process has ended (crashed, say).
-  bool alive() const {
-    int status = 0;
-    return waitpid(pid_, &status, WNOHANG) == 0;
-  }
-  const std::string& address() const { return address_; }
-  std::uint16_t port() const {
-    return static_cast<std::uint16_t>(std::stoi(address_.substr(address_.rfind(':') + 1)));
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  std::string address_;
+  explicit node_process(const std::string& devices, std::vector<std::string> extra = {})
+      : test_util::node_process(TROUPE_TEST_NODE, devices, std::move(extra)) {}
 };
 
 troupe::config slow(std::int64_t us) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/classifier.hpp"
+#include "node_process.hpp"
 
 TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
 
@@ -95,53 +96,12 @@ at::Tensor trained(const std::vector<troupe::device>& devices,
   return flat(dp.parameters());
 }
 
-/// One `train --serve` process (the train example as a node), ended by the destructor.
-class node_process {
+/// One `train --serve --devices cpu` process (the train example as a node), SIGKILLed by the
+/// destructor.
+class node_process : public test_util::node_process {
  public:
-  node_process() {
-    int out[2];
-    if (pipe(out) != 0) throw std::runtime_error("pipe");
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      execl(TROUPE_TRAIN_EXAMPLE, TROUPE_TRAIN_EXAMPLE, "--serve", "127.0.0.1:0", "--devices",
-            "cpu", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(out[1]);
-    in_ = fdopen(out[0], "r");
-    char line[256] = {0};
-    if (fgets(line, sizeof line, in_) == nullptr) throw std::runtime_error("node did not start");
-    std::string text = line;
-    address_ = text.substr(text.find("127.0.0.1"));
-    address_.erase(address_.find_last_not_of("\r\n") + 1);
-  }
-  ~node_process() {
-    if (pid_ > 0) {  // never kill(-1, ...): that signals every process we may signal
-      ::kill(pid_, SIGCONT);
-      ::kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (in_) fclose(in_);
-  }
-  void kill(int sig) const {
-    if (pid_ > 0) ::kill(pid_, sig);
-  }
-  /// True once the process has ended; `signal` gets the signal that ended it (0: none).
-  bool ended(int* signal = nullptr) {
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) != pid_) return false;
-    if (signal) *signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-    pid_ = -1;
-    return true;
-  }
-  std::string device() const { return address_ + "/cpu"; }
-
- private:
-  pid_t pid_ = -1;
-  FILE* in_ = nullptr;
-  std::string address_;
+  node_process() : test_util::node_process(TROUPE_TRAIN_EXAMPLE, "cpu") {}
+  std::string device() const { return address() + "/cpu"; }
 };
 
 }  // namespace

@@ -672,6 +672,20 @@ struct trainer::impl {
     clock::time_point sent;
     std::uint64_t a = 0, b = 0;
   };
+  /// The first failed answer among a batch of requests (thrown once all answers are in).
+  struct first_failure {
+    std::optional<chunk_result> result;
+    std::size_t member = 0;
+    /// Keeps `r` when it failed and is the first to; true when it failed.
+    bool failed(const pending& p, const chunk_result& r) {
+      if (r.ok()) return false;
+      if (!result) {
+        result = r;
+        member = p.member;
+      }
+      return true;
+    }
+  };
 
   config cfg;
   train_options o;
@@ -841,22 +855,14 @@ struct trainer::impl {
     std::map<std::uint64_t, pending> waiting;
     for (auto w : who) waiting[send(w, msg)] = pending{w, clock::now(), 0, 0};
     std::map<std::size_t, train_msg> out;
-    std::optional<chunk_result> failure;
-    std::size_t failed = 0;
+    first_failure failure;
     wait(
         waiting,
         [&](const pending& p, chunk_result& r, train_msg& m) {
-          if (!r.ok()) {
-            if (!failure) {
-              failure = r;
-              failed = p.member;
-            }
-            return;
-          }
-          out[p.member] = std::move(m);
+          if (!failure.failed(p, r)) out[p.member] = std::move(m);
         },
         [](const pending&) {});
-    if (failure) raise(*failure, failed);
+    if (failure.result) raise(*failure.result, failure.member);
     return out;
   }
 
@@ -1008,21 +1014,14 @@ struct trainer::impl {
       }
       waiting[send(who, std::move(msg))] = pending{who, clock::now(), a, b};
     };
-    std::optional<chunk_result> failure;
-    std::size_t failed = 0;
+    first_failure failure;
     auto compute = [&] {
       for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
         dispatch(who, range.first, range.second);
       wait(
           waiting,
           [&](const pending& p, chunk_result& r, train_msg& msg) {
-            if (!r.ok()) {
-              if (!failure) {
-                failure = r;
-                failed = p.member;
-              }
-              return;
-            }
+            if (failure.failed(p, r)) return;
             auto& mem = members[p.member];
             mem.st.shards += p.b - p.a;
             mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
@@ -1043,7 +1042,7 @@ struct trainer::impl {
             }
           },
           [&](const pending& p) {
-            if (failure) return;
+            if (failure.result) return;
             if (red == reduction::local) {
               lost_shards += p.b - p.a;  // that replica's own update is gone with it
               return;
@@ -1054,7 +1053,7 @@ struct trainer::impl {
             for (auto& [who, range] : split(p.a, p.b, rest, false))
               dispatch(who, range.first, range.second);
           });
-      if (failure) raise(*failure, failed);
+      if (failure.result) raise(*failure.result, failure.member);
       if (alive().empty()) throw node_error("every replica was lost during the step");
     };
     compute();
