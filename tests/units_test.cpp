@@ -406,3 +406,114 @@ TEST(SchedulerParts, InflightTableRetriesAvoidTheFailedProducerAndWaitForTheBack
   EXPECT_TRUE(t.has_queued(0, later, true));    // unless 0 is the only one left
   EXPECT_EQ(t.take_queued(1, later, false), id);
 }
+
+#include "producer_model.hpp"
+
+namespace {
+
+using troupe::detail::model_settings;
+using troupe::detail::producer_model;
+using troupe::detail::sent_chunk;
+
+sent_chunk chunk_of(std::size_t items, std::size_t behind = 0, std::size_t bytes = 8) {
+  sent_chunk c;
+  c.items = items;
+  c.behind = behind;
+  c.bytes = bytes;
+  return c;
+}
+
+}  // namespace
+
+TEST(ProducerModel, ChunksGrowTowardTheTargetTimeAtMostFourfoldPerAnswer) {
+  model_settings s;  // 2 ms per chunk
+  producer_model m{true, s};
+  EXPECT_EQ(m.chunk_limit(s), 1u);
+  m.learn(chunk_of(1), 1000, 0, true, s);  // 1 us per item: 2000 items wanted
+  EXPECT_EQ(m.ns_per_item, 1000);
+  EXPECT_EQ(m.chunk_items, 4u);  // x4 at most
+  m.learn(chunk_of(4), 4000, 0, true, s);
+  EXPECT_EQ(m.chunk_items, 16u);
+  for (int i = 0; i < 10; ++i) m.learn(chunk_of(m.chunk_items), 1000 * m.chunk_items, 0, true, s);
+  EXPECT_EQ(m.chunk_items, 2000u);
+  // Slower items: the chunk shrinks at once (the average moves halfway).
+  m.learn(chunk_of(2000), 2000 * 3000, 0, true, s);
+  EXPECT_EQ(m.ns_per_item, 2000);
+  EXPECT_EQ(m.chunk_items, 1000u);
+  // A failed chunk teaches nothing; fixed sizes and max_in_flight bound it.
+  m.learn(chunk_of(1000), 1, 0, false, s);
+  EXPECT_EQ(m.chunk_items, 1000u);
+  s.max_in_flight = 300;
+  EXPECT_EQ(m.chunk_limit(s), 300u);
+  s.chunk_size = 7;
+  EXPECT_EQ(m.chunk_limit(s), 7u);
+}
+
+TEST(ProducerModel, ADistantProducerThatStarvesGetsADeeperQueueAndLosesItSlowly) {
+  model_settings s;
+  s.chunk_size = 100;  // chunks of 100 items of 20 us: 2 ms each
+  producer_model local{true, s}, far{false, s};
+  for (auto* m : {&local, &far}) m->learn(chunk_of(100, 1), 100 * 20'000, 0, true, s);  // 2 ms
+  EXPECT_EQ(far.depth, producer_model::min_depth);
+  // It sat idle 5 ms with chunks on their way to it: 3 chunks more (ceil(5 / 2)).
+  far.learn(chunk_of(100, 1), 100 * 20'000, 5'000'000, true, s);
+  local.learn(chunk_of(100, 1), 100 * 20'000, 5'000'000, true, s);
+  EXPECT_EQ(far.depth, producer_model::min_depth + 3);
+  EXPECT_EQ(local.depth, producer_model::min_depth);  // local ones never deepen
+  // A chunk sent to an empty queue says nothing about starving.
+  far.learn(chunk_of(100, 0), 100 * 20'000, 50'000'000, true, s);
+  EXPECT_EQ(far.depth, producer_model::min_depth + 3);
+  // Calm answers: one chunk less after 8 x depth of them.
+  for (std::size_t i = 0; i + 1 < 8 * 5; ++i) far.learn(chunk_of(100, 1), 100 * 20'000, 0, true, s);
+  EXPECT_EQ(far.depth, 5u);
+  far.learn(chunk_of(100, 1), 100 * 20'000, 0, true, s);
+  EXPECT_EQ(far.depth, 4u);
+  // Never deeper than max_depth, however long it starves.
+  for (int i = 0; i < 10; ++i) far.learn(chunk_of(100, 1), 100 * 20'000, 1'000'000'000, true, s);
+  EXPECT_EQ(far.depth, producer_model::max_depth);
+}
+
+TEST(ProducerModel, BigChunksKeepTheQueueWithinItsByteBound) {
+  model_settings s;
+  s.max_chunk_bytes = 1 << 20;
+  producer_model far{false, s};
+  far.depth = 20;
+  // Chunks of 4 MiB: 8 x 1 MiB allows 2 of them.
+  far.learn(chunk_of(1, 1, 4 << 20), 1'000'000, 0, true, s);
+  EXPECT_EQ(far.depth, producer_model::min_depth);
+}
+
+TEST(ProducerModel, RoomCountsChunksAndItemsInFlight) {
+  model_settings s;
+  producer_model m{true, s};
+  EXPECT_TRUE(m.has_room(s));
+  m.outstanding.push_back(chunk_of(1));
+  m.outstanding.push_back(chunk_of(1));
+  m.items = 2;
+  EXPECT_FALSE(m.has_room(s));  // depth 2
+  m.outstanding.pop_back();
+  m.items = 1;
+  EXPECT_TRUE(m.has_room(s));
+  s.max_in_flight = 1;
+  EXPECT_FALSE(m.has_room(s));  // one more item would pass max_in_flight
+  m.alive = false;
+  s.max_in_flight = 0;
+  EXPECT_FALSE(m.has_room(s));
+  EXPECT_EQ(m.load(), std::make_pair(0.5, std::size_t{1}));
+}
+
+TEST(ProducerModel, TheAutomaticReorderWindowCoversTheFastProducersWhileASlowOneWorks) {
+  model_settings s;
+  std::vector<producer_model> ps(2, producer_model{true, s});
+  EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 8u);  // the floor: 4 per producer
+  ps[0].ns_per_item = 1000;                                     // chunks of 1 item: 1 us
+  ps[1].ns_per_item = 50'000;  // 50 us: 50 of the fast one's chunks
+  // 2 x (2 x 50 + 2 x 1)
+  EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 204u);
+  ps[1].ns_per_item = 10'000'000;  // capped at 64 x, then at 256 chunks
+  EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 256u);
+  ps[1].alive = false;
+  EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 8u);
+  s.reorder_window = 3;
+  EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 3u);
+}

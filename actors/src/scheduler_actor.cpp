@@ -19,6 +19,7 @@
 #include <memory>
 #include <set>
 
+#include "producer_model.hpp"
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
 #include "troupe/detail/messages.hpp"
@@ -29,10 +30,6 @@
 namespace troupe::detail {
 namespace {
 
-constexpr std::size_t min_depth = 2;   ///< chunks queued at a producer, at least
-constexpr std::size_t max_depth = 32;  ///< and at most (distant producers),
-/// holding at most this many times options::max_chunk_bytes
-constexpr std::size_t max_queued_chunk_bytes = 8;
 constexpr int max_restarts_in_row = 3;        ///< per slot and job, without an answer in between
 constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an item before we know
 
@@ -41,35 +38,28 @@ using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
 using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
 using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
 
-/// A chunk sent to a producer and not answered yet.
-struct sent_chunk {
-  std::uint64_t job = 0;
-  std::uint64_t id = 0;  ///< the piece's id in its job's table
-  std::size_t items = 0;
-  clock_type::time_point sent;
-  std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
-  std::size_t bytes = 0;   ///< the chunk's size in memory (max_chunk_bytes when unknown)
-};
-
-struct producer_slot {
+/// A producer: its actor and health, and what the scheduler has learnt of it (producer_model).
+struct producer_slot : producer_model {
   caf::actor handle;
   device where;
-  bool local = true;
   std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
-  bool alive = true;      ///< takes work
   bool restarting = false;
   bool quarantined = false;
   int restarts_in_row = 0;
   std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
-  std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
-  std::size_t items = 0;               ///< items outstanding
   clock_type::time_point last_done{};  ///< when its last answer arrived
-  double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
-  std::size_t chunk_items = 1;
-  std::size_t depth = min_depth;  ///< chunks kept queued at it
-  std::size_t calm = 0;           ///< answers in a row without the producer starving
-  double chunk_bytes = 0;         ///< the size of the chunks it gets, on average
 };
+
+model_settings settings_of(const options& o) {
+  model_settings s;
+  s.chunk_size = o.chunk_size;
+  s.max_in_flight = o.max_in_flight;
+  s.max_chunk_items = o.max_chunk_items;
+  s.target_chunk_time = std::chrono::duration_cast<std::chrono::nanoseconds>(o.target_chunk_time);
+  s.max_chunk_bytes = o.max_chunk_bytes;
+  s.reorder_window = o.reorder_window;
+  return s;
+}
 
 /// One job, from submit() until it ends. Dropped as a whole when it ends.
 struct job_state {
@@ -106,6 +96,7 @@ class scheduler {
             producer_spawner spawn, config cfg)
       : self_(self),
         opts_(std::move(opts)),
+        settings_(settings_of(opts_)),
         stats_(std::move(stats)),
         spawn_(std::move(spawn)),
         cfg_(std::move(cfg)) {
@@ -260,24 +251,8 @@ class scheduler {
     self_->delayed_send(self_, period, stall_check_atom::value);
   }
 
-  /// The reorder window in chunks. Automatic: room for every producer's queue twice over,
-  /// counted in the chunks of the fastest one: while a slow producer works through its queue,
-  /// the fast ones must not run out of window (capped, for the memory bound).
-  std::size_t window() const {
-    if (opts_.reorder_window) return opts_.reorder_window;
-    double slowest = 0;
-    for (auto& s : producers_)
-      if (s.alive) slowest = std::max(slowest, s.ns_per_item * static_cast<double>(chunk_limit(s)));
-    std::size_t chunks = 0;
-    for (auto& s : producers_) {
-      if (!s.alive) continue;
-      auto own = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
-      auto ratio = s.ns_per_item > 0 ? std::min(64.0, std::ceil(slowest / own)) : 1.0;
-      chunks += s.depth * static_cast<std::size_t>(ratio);
-    }
-    auto floor = 4 * producers_.size();
-    return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
-  }
+  /// The reorder window in chunks (reorder_window_chunks).
+  std::size_t window() const { return reorder_window_chunks(producers_, settings_); }
 
   bool consumer_has_room(const job_state& j) const {
     return j.pending.empty() && j.backlog < opts_.consumer_backlog;
@@ -287,28 +262,16 @@ class scheduler {
     return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
   }
 
-  std::size_t chunk_limit(const producer_slot& s) const {
-    auto n = opts_.chunk_size ? opts_.chunk_size : s.chunk_items;
-    if (opts_.max_in_flight) n = std::min(n, opts_.max_in_flight);
-    return std::max<std::size_t>(n, 1);
-  }
+  std::size_t chunk_limit(const producer_slot& s) const { return s.chunk_limit(settings_); }
 
-  bool has_room(const producer_slot& s) const {
-    if (!s.alive || s.outstanding.size() >= s.depth) return false;
-    return !(opts_.max_in_flight && !s.outstanding.empty() &&
-             s.items + chunk_limit(s) > opts_.max_in_flight);
-  }
+  bool has_room(const producer_slot& s) const { return s.has_room(settings_); }
 
   /// Live producers with room, the least loaded first.
   std::vector<std::size_t> producers_with_room() const {
     std::vector<std::size_t> out;
     for (std::size_t i = 0; i < producers_.size(); ++i)
       if (has_room(producers_[i])) out.push_back(i);
-    auto load = [this](std::size_t i) {
-      auto& x = producers_[i];
-      return std::make_pair(
-          static_cast<double>(x.outstanding.size()) / static_cast<double>(x.depth), x.items);
-    };
+    auto load = [this](std::size_t i) { return producers_[i].load(); };
     std::stable_sort(out.begin(), out.end(),
                      [&](std::size_t a, std::size_t b) { return load(a) < load(b); });
     return out;
@@ -552,7 +515,7 @@ class scheduler {
     auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                             [&](const sent_chunk& x) { return x.job == job && x.id == id; });
     if (rec != s.outstanding.end()) {
-      learn(s, *rec, r, now);
+      s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
       s.items -= rec->items;
       s.outstanding.erase(rec);
     }
@@ -709,50 +672,6 @@ class scheduler {
 
   void release(job_state& j) {
     j.reorder.release([&](batch b) { send_to_consumer(j, std::move(b)); });
-  }
-
-  /// Per-item time (chunk size) and round trip (how many chunks to keep queued) of `s`.
-  void learn(producer_slot& s, const sent_chunk& rec, const chunk_result& r,
-             clock_type::time_point now) {
-    auto busy = static_cast<double>(r.busy_ns);
-    if (rec.items > 0 && r.ok()) {
-      auto per_item = std::max(1.0, busy / static_cast<double>(rec.items));
-      s.ns_per_item = s.ns_per_item == 0 ? per_item : 0.5 * s.ns_per_item + 0.5 * per_item;
-      if (!opts_.chunk_size) {
-        auto target = static_cast<double>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(opts_.target_chunk_time).count());
-        auto want = static_cast<std::size_t>(std::max(1.0, target / s.ns_per_item));
-        s.chunk_items =
-            std::max<std::size_t>(1, std::min({want, opts_.max_chunk_items, s.chunk_items * 4}));
-      }
-    }
-    // A local producer answers within microseconds: two chunks keep it busy. (Its answers can
-    // still wait while this actor pulls input; queuing more for that would only cost memory.)
-    if (s.local || !r.ok()) return;
-    // A distant producer that sat idle although chunks were queued for it (this one was sent
-    // behind others) starved while they travelled: keep that much more work queued. Shrink
-    // slowly while it never starves, within [min_depth, max_depth] (the memory bound).
-    s.chunk_bytes = s.chunk_bytes == 0 ? static_cast<double>(rec.bytes)
-                                       : 0.8 * s.chunk_bytes + 0.2 * static_cast<double>(rec.bytes);
-    // Never more than max_queued_bytes queued, beyond two chunks: big items (tensors) need no
-    // deep queue to fill a link, and must not pile up in memory.
-    auto by_bytes = std::max<std::size_t>(
-        min_depth, static_cast<std::size_t>(
-                       static_cast<double>(max_queued_chunk_bytes * opts_.max_chunk_bytes) /
-                       std::max(1.0, s.chunk_bytes)));
-    s.depth = std::min(s.depth, by_bytes);
-    if (rec.behind == 0) return;
-    auto chunk_ns = std::max(1.0, s.ns_per_item * static_cast<double>(chunk_limit(s)));
-    auto idle = static_cast<double>(r.idle_ns);
-    if (idle > 0.1 * chunk_ns) {
-      s.depth = std::min(
-          {max_depth, by_bytes, s.depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns))});
-      s.calm = 0;
-    } else if (++s.calm >= 8 * s.depth && s.depth > min_depth) {
-      s.depth -= 1;
-      s.calm = 0;
-    }
-    (void)now;
   }
 
   /// Tells options::on_event (on this thread; what it throws is ignored).
@@ -1061,6 +980,7 @@ class scheduler {
 
   caf::event_based_actor* self_;
   options opts_;
+  model_settings settings_;  ///< what producer_model reads of opts_
   std::shared_ptr<stats_box> stats_;
   producer_spawner spawn_;
   config cfg_;

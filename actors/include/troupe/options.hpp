@@ -55,7 +55,9 @@ struct options {
   /// A chunk is closed once its items hold this many bytes (memory stays bounded for big items).
   std::size_t max_chunk_bytes = std::size_t{4} << 20;
   /// Ordered runs: at most this many chunks between the oldest undelivered one and the newest
-  /// dispatched one (the reorder window); 0 = automatic (4 per producer).
+  /// dispatched one (the reorder window); 0 = automatic: room for every producer's queue twice
+  /// over, counted in the chunks of the fastest one, at least 4 per producer, at most 256 (or
+  /// that floor).
   std::size_t reorder_window = 0;
   /// Chunks sent to the consumer but not yet consumed before dispatch pauses.
   std::size_t consumer_backlog = 4;

@@ -23,7 +23,7 @@ class device_binding {
 std::unique_ptr<device_binding> bind_device(const device& d);
 
 namespace detail {
-/// How this process binds CUDA devices: installed by troupe::torch (torch/src/cuda.cpp) when
+/// How this process binds CUDA devices: installed by troupe::torch (torch/src/torch.cpp) when
 /// a program links it; without it, only CPU devices are usable and gpus() is empty.
 struct cuda_support {
   int (*device_count)() = nullptr;

@@ -28,7 +28,9 @@ struct tls {
 
 /// What a process on the network (node or coordinator) accepts from its peers. A peer that
 /// breaks a limit is disconnected (the connection, not the process); see docs/deploy.md.
-/// Every limit but the last is enforced inside CAF by troupe's patches (third_party/caf).
+/// max_message_bytes, handshake_timeout and max_connections are enforced inside CAF by troupe's
+/// patches (third_party/caf): a CAF without them ignores those settings silently.
+/// idle_timeout is stock CAF (heartbeats); max_producers_per_coordinator is troupe's own.
 struct limits {
   /// Largest message a peer may announce (BASP payload). troupe sends anything of 1 MiB or
   /// more as 1 MiB bulk fragments, so legitimate messages stay far below this.

@@ -1,0 +1,146 @@
+// What the scheduler knows of one producer: the chunks it holds, how long an item takes it
+// (hence its chunk size) and how many chunks to keep queued at it (its depth). A part of the
+// scheduler's core with no actor in it (no CAF header, no clock read: times come in as
+// arguments), unit-tested on its own in tests/units_test.cpp.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <utility>
+#include <vector>
+
+namespace troupe::detail {
+
+using clock_type = std::chrono::steady_clock;
+
+/// A chunk sent to a producer and not answered yet.
+struct sent_chunk {
+  std::uint64_t job = 0;
+  std::uint64_t id = 0;  ///< the piece's id in its job's table
+  std::size_t items = 0;
+  clock_type::time_point sent;
+  std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
+  std::size_t bytes = 0;   ///< the chunk's size in memory (max_chunk_bytes when unknown)
+};
+
+/// The runner options the model reads (from troupe::options).
+struct model_settings {
+  std::size_t chunk_size = 0;     ///< fixed chunk size (0: adaptive)
+  std::size_t max_in_flight = 0;  ///< items outstanding per producer, at most (0: no limit)
+  std::size_t max_chunk_items = 65536;
+  std::chrono::nanoseconds target_chunk_time{std::chrono::milliseconds{2}};
+  std::size_t max_chunk_bytes = std::size_t{64} << 20;
+  std::size_t reorder_window = 0;  ///< fixed reorder window in chunks (0: automatic)
+};
+
+class producer_model {
+ public:
+  static constexpr std::size_t min_depth = 2;   ///< chunks queued at a producer, at least
+  static constexpr std::size_t max_depth = 32;  ///< and at most (distant producers),
+  /// holding at most this many times max_chunk_bytes
+  static constexpr std::size_t max_queued_chunk_bytes = 8;
+
+  producer_model() = default;
+  producer_model(bool local, const model_settings& s) : local(local) {
+    if (s.chunk_size) chunk_items = s.chunk_size;
+  }
+
+  bool local = true;                   ///< in this process: answers within microseconds
+  bool alive = true;                   ///< takes work
+  std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
+  std::size_t items = 0;               ///< items outstanding
+  double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
+  std::size_t chunk_items = 1;
+  std::size_t depth = min_depth;  ///< chunks kept queued at it
+  std::size_t calm = 0;           ///< answers in a row without the producer starving
+  double chunk_bytes = 0;         ///< the size of the chunks it gets, on average
+
+  /// Items in its next chunk, at most.
+  [[nodiscard]] std::size_t chunk_limit(const model_settings& s) const {
+    auto n = s.chunk_size ? s.chunk_size : chunk_items;
+    if (s.max_in_flight) n = std::min(n, s.max_in_flight);
+    return std::max<std::size_t>(n, 1);
+  }
+
+  /// Whether it may take another chunk now.
+  [[nodiscard]] bool has_room(const model_settings& s) const {
+    if (!alive || outstanding.size() >= depth) return false;
+    return !(s.max_in_flight && !outstanding.empty() && items + chunk_limit(s) > s.max_in_flight);
+  }
+
+  /// How loaded it is (for choosing the least loaded first): queue fill, then items.
+  [[nodiscard]] std::pair<double, std::size_t> load() const {
+    return {static_cast<double>(outstanding.size()) / static_cast<double>(depth), items};
+  }
+
+  /// Learns from the answer to `rec`: the time per item (hence the chunk size) and, for a
+  /// distant producer, how many chunks to keep queued. `busy_ns`: time inside producer::work;
+  /// `idle_ns`: time it sat idle before this chunk; `ok`: the chunk worked.
+  void learn(const sent_chunk& rec, std::int64_t busy_ns, std::int64_t idle_ns, bool ok,
+             const model_settings& s) {
+    auto busy = static_cast<double>(busy_ns);
+    if (rec.items > 0 && ok) {
+      auto per_item = std::max(1.0, busy / static_cast<double>(rec.items));
+      ns_per_item = ns_per_item == 0 ? per_item : 0.5 * ns_per_item + 0.5 * per_item;
+      if (!s.chunk_size) {
+        auto target = static_cast<double>(s.target_chunk_time.count());
+        auto want = static_cast<std::size_t>(std::max(1.0, target / ns_per_item));
+        chunk_items =
+            std::max<std::size_t>(1, std::min({want, s.max_chunk_items, chunk_items * 4}));
+      }
+    }
+    // A local producer answers within microseconds: two chunks keep it busy. (Its answers can
+    // still wait while the scheduler pulls input; queuing more for that would only cost memory.)
+    if (local || !ok) return;
+    // A distant producer that sat idle although chunks were queued for it (this one was sent
+    // behind others) starved while they travelled: keep that much more work queued. Shrink
+    // slowly while it never starves, within [min_depth, max_depth] (the memory bound).
+    chunk_bytes = chunk_bytes == 0 ? static_cast<double>(rec.bytes)
+                                   : 0.8 * chunk_bytes + 0.2 * static_cast<double>(rec.bytes);
+    // Never more than max_queued_chunk_bytes queued, beyond two chunks: big items (tensors) need
+    // no deep queue to fill a link, and must not pile up in memory.
+    auto by_bytes = std::max<std::size_t>(
+        min_depth,
+        static_cast<std::size_t>(static_cast<double>(max_queued_chunk_bytes * s.max_chunk_bytes) /
+                                 std::max(1.0, chunk_bytes)));
+    depth = std::min(depth, by_bytes);
+    if (rec.behind == 0) return;
+    auto chunk_ns = std::max(1.0, ns_per_item * static_cast<double>(chunk_limit(s)));
+    auto idle = static_cast<double>(idle_ns);
+    if (idle > 0.1 * chunk_ns) {
+      depth = std::min(
+          {max_depth, by_bytes, depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns))});
+      calm = 0;
+    } else if (++calm >= 8 * depth && depth > min_depth) {
+      depth -= 1;
+      calm = 0;
+    }
+  }
+};
+
+/// The reorder window of an ordered job, in chunks. Fixed (settings), or automatic: room for
+/// every live producer's queue twice over, counted in the chunks of the fastest one, so that
+/// while a slow producer works through its queue the fast ones do not run out of window; at
+/// least 4 per producer, at most 256 (or that floor), for the memory bound.
+template <class Model>
+std::size_t reorder_window_chunks(const std::vector<Model>& producers, const model_settings& s) {
+  if (s.reorder_window) return s.reorder_window;
+  double slowest = 0;
+  for (const producer_model& p : producers)
+    if (p.alive) slowest = std::max(slowest, p.ns_per_item * static_cast<double>(p.chunk_limit(s)));
+  std::size_t chunks = 0;
+  for (const producer_model& p : producers) {
+    if (!p.alive) continue;
+    auto own = std::max(1.0, p.ns_per_item * static_cast<double>(p.chunk_limit(s)));
+    auto ratio = p.ns_per_item > 0 ? std::min(64.0, std::ceil(slowest / own)) : 1.0;
+    chunks += p.depth * static_cast<std::size_t>(ratio);
+  }
+  auto floor = 4 * producers.size();
+  return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
+}
+
+}  // namespace troupe::detail
