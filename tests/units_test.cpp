@@ -517,3 +517,65 @@ TEST(ProducerModel, TheAutomaticReorderWindowCoversTheFastProducersWhileASlowOne
   s.reorder_window = 3;
   EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 3u);
 }
+
+#include "fair_share.hpp"
+
+TEST(FairShare, ANewJobStartsLevelWithTheLeastServedOne) {
+  troupe::detail::fair_share f;
+  EXPECT_EQ(f.join(1), 0);
+  f.charge(1, 100, 1);
+  EXPECT_EQ(f.join(2), 100);  // not at 0: it would take the first job's turn for long
+  f.charge(2, 50, 1);
+  EXPECT_EQ(f.join(3), 100);  // the least served of 1 (100) and 2 (150)
+  f.leave(1);
+  EXPECT_EQ(f.join(4), 100);  // 3 is at 100
+  EXPECT_THROW(f.join(4), std::logic_error);
+  EXPECT_THROW(f.charge(99, 1, 1), std::logic_error);
+  f.leave(99);  // unknown: ignored
+  EXPECT_EQ(f.size(), 3u);
+}
+
+TEST(FairShare, FreeProducersServeTheReadyJobWithTheLeastPassInProportionToWeight) {
+  troupe::detail::fair_share f;
+  f.join(1);
+  f.join(2);
+  f.join(3);
+  f.set_ready(1, true);
+  f.set_ready(2, true);  // 3 is not ready: never picked
+  const double weight[] = {0, 2, 1, 5};
+  int served[4] = {0, 0, 0, 0};
+  auto any = [](std::uint64_t) { return true; };
+  for (int i = 0; i < 3000; ++i) {
+    auto id = f.pick(any, any);
+    ASSERT_TRUE(id);
+    served[*id] += 1;
+    f.charge(*id, 10, weight[*id]);
+  }
+  EXPECT_EQ(served[1], 2000);  // weight 2 against 1: twice the turns
+  EXPECT_EQ(served[2], 1000);
+  EXPECT_EQ(served[3], 0);
+}
+
+TEST(FairShare, PickPassesOverJobsWithoutWorkForThisProducerAndDropsStaleOnes) {
+  troupe::detail::fair_share f;
+  for (std::uint64_t id = 1; id <= 3; ++id) {
+    f.join(id);
+    f.set_ready(id, true);
+  }
+  f.charge(1, 1, 1);
+  f.charge(2, 2, 1);
+  f.charge(3, 3, 1);
+  // 1 no longer has work (stale): dropped; 2 has none for this producer: passed over; 3 takes.
+  auto id = f.pick([](std::uint64_t j) { return j != 1; }, [](std::uint64_t j) { return j == 3; });
+  ASSERT_TRUE(id);
+  EXPECT_EQ(*id, 3u);
+  EXPECT_FALSE(f.ready(1));
+  EXPECT_TRUE(f.ready(2));
+  f.set_ready(2, false);
+  f.set_ready(3, false);
+  EXPECT_FALSE(f.pick([](std::uint64_t) { return true; }, [](std::uint64_t) { return true; }));
+  f.set_ready(1, true);
+  f.charge(1, 10, 1);  // charging a ready job keeps it ready, at its new pass
+  EXPECT_EQ(f.pass(1), 11);
+  EXPECT_EQ(*f.pick([](std::uint64_t) { return true; }, [](std::uint64_t) { return true; }), 1u);
+}

@@ -19,6 +19,7 @@
 #include <memory>
 #include <set>
 
+#include "fair_share.hpp"
 #include "producer_model.hpp"
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
@@ -82,8 +83,6 @@ struct job_state {
   bool concluded = false;
   inflight_table pieces;
   reorder_window reorder;
-  double pass = 0;     ///< producer time given to it, divided by its weight (fair share)
-  bool ready = false;  ///< in scheduler::ready_ (it may have work for a producer)
   job_report report;
   clock_type::time_point started;
   clock_type::time_point last_progress;
@@ -133,15 +132,12 @@ class scheduler {
     j->ordered = spec->ordered;
     j->opts = std::move(spec->opts);
     j->started = clock_type::now();  // last_progress: never, so the first ack reports at once
-    // A new job starts level with the least served running job: it neither waits for the
-    // others' past nor takes their turn for long.
-    j->pass = by_pass_.empty() ? 0 : by_pass_.begin()->first;
     j->gate = j->core->gate();
     auto id = j->id;
     if (j->opts.deadline.count() > 0 && finite_wait(j->opts.deadline))
       self_->delayed_send(self_, j->opts.deadline, deadline_atom::value, id);
     // The consumer's constructor runs with its first message (a throw: that message's error).
-    by_pass_.emplace(j->pass, id);
+    share_.join(id);
     auto& job = *jobs_.emplace(id, std::move(j)).first->second;
     touch(job);
     for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per job
@@ -297,24 +293,8 @@ class scheduler {
   /// Keeps the indexes of `j` current (after anything about it changed) and settles it at the
   /// end of this event (its outputs to its consumer, its end).
   void touch(job_state& j) {
-    bool ready = may_have_work(j);
-    if (ready != j.ready) {
-      if (ready)
-        ready_.emplace(j.pass, j.id);
-      else
-        ready_.erase({j.pass, j.id});
-      j.ready = ready;
-    }
+    share_.set_ready(j.id, may_have_work(j));
     touched_.push_back(j.id);
-  }
-
-  /// Changes the fair-share pass of `j`, keeping the indexes ordered by it.
-  void set_pass(job_state& j, double pass) {
-    by_pass_.erase({j.pass, j.id});
-    if (j.ready) ready_.erase({j.pass, j.id});
-    j.pass = pass;
-    by_pass_.emplace(j.pass, j.id);
-    if (j.ready) ready_.emplace(j.pass, j.id);
   }
 
   /// Every event ends here. Its cost grows with the producers and the jobs this event touched,
@@ -355,17 +335,10 @@ class scheduler {
   /// else, when it is idle (no job has an item it could take instead), a copy of a late chunk.
   /// False when there is none.
   bool dispatch_to(std::size_t p, clock_type::time_point now) {
-    for (auto i = ready_.begin(); i != ready_.end();) {
-      auto& j = *jobs_.at(i->second);
-      if (!may_have_work(j)) {  // changed since it was indexed (the window, say)
-        j.ready = false;
-        i = ready_.erase(i);
-        continue;
-      }
-      if (has_work_for(j, p, now)) return dispatch_from(j, p, now);
-      ++i;
-    }
-    return speculate(p, now);
+    auto id = share_.pick(
+        [&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },  // the window, say
+        [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
+    return id ? dispatch_from(*jobs_.at(*id), p, now) : speculate(p, now);
   }
 
   /// options::speculative: an idle producer takes a copy of a late chunk (first answer wins):
@@ -469,7 +442,7 @@ class scheduler {
     s.items += rec.items;
     auto cost =
         static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
-    set_pass(j, j.pass + cost / static_cast<double>(j.opts.weight));
+    share_.charge(j.id, cost, static_cast<double>(j.opts.weight));
     touch(j);
     auto gen = s.gen;
     auto job = j.id;
@@ -945,8 +918,7 @@ class scheduler {
     if (ji == jobs_.end()) return;
     auto j = std::move(ji->second);
     jobs_.erase(ji);
-    by_pass_.erase({j->pass, id});
-    if (j->ready) ready_.erase({j->pass, id});
+    share_.leave(id);
     // A consumer that concluded the job has finished it already: that outcome stands.
     if (j->core->done()) e = j->core->error();
     if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
@@ -989,11 +961,9 @@ class scheduler {
   std::size_t pending_ends_ = 0;
   std::shared_ptr<std::promise<void>> close_promise_;
   std::map<std::uint64_t, std::unique_ptr<job_state>> jobs_;  ///< running, oldest first
-  /// Indexes, so that an event costs the same with 10 or 10,000 jobs running: every job by its
-  /// fair-share pass; the jobs that may have work for a producer, by pass; the jobs this event
-  /// changed.
-  std::set<std::pair<double, std::uint64_t>> by_pass_;
-  std::set<std::pair<double, std::uint64_t>> ready_;
+  /// So that an event costs the same with 10 or 10,000 jobs running: the jobs by fair-share
+  /// pass (those that may have work for a producer apart), and the jobs this event changed.
+  fair_share share_;
   std::vector<std::uint64_t> touched_;
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
 };
