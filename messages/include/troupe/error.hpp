@@ -7,20 +7,29 @@
 
 namespace troupe {
 
+/// Every error code but `none`, in wire order (the value of each is its place here, from 1):
+/// X(name, simple). `simple`: 1 when the exception of that name takes only a message (declared
+/// below by this list), 0 for work_error (declared by hand). The enum, the exception classes,
+/// to_string() and throw_error() are all made from this one list.
+#define TROUPE_ERROR_CODES(X) \
+  X(invalid_argument, 1)      \
+  X(device_unavailable, 1)    \
+  X(init_error, 1)            \
+  X(work_error, 0)            \
+  X(consumer_error, 1)        \
+  X(runner_closed, 1)         \
+  X(config_error, 1)          \
+  X(node_error, 1)            \
+  X(protocol_error, 1)        \
+  X(cancelled, 1)             \
+  X(deadline_exceeded, 1)
+
 /// Error codes carried inside messages (as caf::error with category "troupe").
 enum class errc : std::uint8_t {
   none = 0,
-  invalid_argument,
-  device_unavailable,
-  init_error,
-  work_error,
-  consumer_error,
-  runner_closed,
-  config_error,
-  node_error,
-  protocol_error,
-  cancelled,
-  deadline_exceeded,
+#define TROUPE_DETAIL_ERRC(name, simple) name,
+  TROUPE_ERROR_CODES(TROUPE_DETAIL_ERRC)
+#undef TROUPE_DETAIL_ERRC
 };
 
 /// Returns a short name for `code`, e.g. "work_error".
@@ -33,27 +42,22 @@ class error : public std::runtime_error {
   [[nodiscard]] virtual errc code() const noexcept = 0;
 };
 
-#define TROUPE_DECLARE_ERROR(name)                                           \
+// One exception class per simple code, named like it: invalid_argument, device_unavailable,
+// init_error, consumer_error, runner_closed, config_error, node_error, protocol_error,
+// cancelled (job_handle::cancel() or leaving a stream early ended the job) and
+// deadline_exceeded (the job's job_options::deadline passed before it finished).
+#define TROUPE_DETAIL_DECLARE_ERROR_1(name)                                  \
   class name : public error {                                                \
    public:                                                                   \
     using error::error;                                                      \
     [[nodiscard]] errc code() const noexcept override { return errc::name; } \
   };
-
-TROUPE_DECLARE_ERROR(invalid_argument)
-TROUPE_DECLARE_ERROR(device_unavailable)
-TROUPE_DECLARE_ERROR(init_error)
-TROUPE_DECLARE_ERROR(consumer_error)
-TROUPE_DECLARE_ERROR(runner_closed)
-TROUPE_DECLARE_ERROR(config_error)
-TROUPE_DECLARE_ERROR(node_error)
-TROUPE_DECLARE_ERROR(protocol_error)
-/// job_handle::cancel() (or leaving a stream early) ended the job.
-TROUPE_DECLARE_ERROR(cancelled)
-/// The job's job_options::deadline passed before it finished.
-TROUPE_DECLARE_ERROR(deadline_exceeded)
-
-#undef TROUPE_DECLARE_ERROR
+#define TROUPE_DETAIL_DECLARE_ERROR_0(name)
+#define TROUPE_DETAIL_DECLARE_ERROR(name, simple) TROUPE_DETAIL_DECLARE_ERROR_##simple(name)
+TROUPE_ERROR_CODES(TROUPE_DETAIL_DECLARE_ERROR)
+#undef TROUPE_DETAIL_DECLARE_ERROR
+#undef TROUPE_DETAIL_DECLARE_ERROR_0
+#undef TROUPE_DETAIL_DECLARE_ERROR_1
 
 /// `producer::work` threw. `index()` is the item's 0-based position in the run's input,
 /// `where()` the device that ran it.
