@@ -291,7 +291,7 @@ TEST_F(SchedulerTest, ACancelledJobSendsNothingMoreAndTheNextJobRuns) {
   sched_.run();  // producer 1 holds a chunk: the ordered job cannot finish
   ASSERT_FALSE(first->done());
   auto sent_before = states_[0]->firsts.size() + stalling->firsts.size();
-  caf::anon_send(scheduler_, troupe::detail::cancel_atom::value, std::uint64_t{1});
+  caf::anon_send(scheduler_, troupe::cancel_atom::value, std::uint64_t{1});
   sched_.run();
   ASSERT_TRUE(first->done());
   EXPECT_NE(first->error(), nullptr);

@@ -292,9 +292,6 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
   };
 }
 
-/// A room_atom from the reader's thread: the stream's buffer has room again.
-using room_atom = caf::atom_constant<caf::atom("tr_room")>;
-
 struct stream_state {
   std::shared_ptr<stream_buffer> buf;
   std::shared_ptr<job_gate> gate;

@@ -109,14 +109,6 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
                            bool detached = true);
 
-/// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
-/// the producers and itself, and whether it keeps options::close_timeout itself).
-using close_atom = caf::atom_constant<caf::atom("tr_close")>;
-/// options::close_timeout has passed: producers still busy are left behind.
-using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
-/// Ends a job (with its id): answered once its items are withdrawn.
-using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
-
 }  // namespace troupe::detail
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)

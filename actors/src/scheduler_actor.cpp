@@ -34,11 +34,6 @@ namespace {
 constexpr int max_restarts_in_row = 3;        ///< per slot and job, without an answer in between
 constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an item before we know
 
-/// The scheduler's own timers.
-using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
-using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
-using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
-
 /// A producer: its actor and health, and what the scheduler has learnt of it (producer_model).
 struct producer_slot : producer_model {
   caf::actor handle;

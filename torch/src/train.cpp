@@ -51,10 +51,6 @@ enum class op : std::uint8_t {
 /// deterministic: a fixed tree over shard indices; local: every replica steps on its own.
 enum class reduction : std::uint8_t { fast, deterministic, local, ring };
 
-/// Coordinator -> replica: all-reduce this step's partial sum in a ring
-/// (reply id, ring id, step, position, ring size, right neighbour, its node's address or "").
-using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
-
 /// One command to a replica, or its answer.
 struct train_msg {
   std::uint8_t code = 0;   ///< op

@@ -1,12 +1,32 @@
-// The typed messages between runner, scheduler, producers and consumer. Every message has an
-// inspect() overload, so that it can cross a network through CAF's serializers.
+// troupe's protocol, in one place: every atom and message its actors exchange, and the node
+// protocol's version. Every message has an inspect() overload, so that it can cross a network
+// through CAF's serializers; the ones that cross are registered with CAF in one list
+// (make_system_config, nodes/src/network.cpp: work_chunk, chunk_result, bulk::fragment,
+// init_done, consume_ack, node_hello, spawn_producer).
 //
-//   runner ──init_atom──▶ producer ──init_done──▶ runner
+// A job (the job's id is `run` in these messages):
+//   runner ──init_atom──▶ producer ──init_done──▶ runner              (producer's constructor)
 //   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler
-//   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler
+//   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler  (the consumer's
+//                                      constructor runs with its first message)
 //   scheduler ──consume_chunk (last)──▶ consumer (work, then end()) ──consume_ack──▶ scheduler
 //   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (a job without outputs)
 //   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
+//   handle ──cancel_atom, id──▶ scheduler (answered once the job's items are withdrawn)
+//   stream reader ──room_atom──▶ stream consumer (the buffer has room again)
+//   runner ──close_atom, promise, timed──▶ scheduler; ──close_timeout_atom──▶ scheduler
+//   scheduler ──stall_check_atom / deadline_atom, id / wakeup_atom──▶ itself (timers)
+// Large payloads (≥ 1 MiB) to another node: bulk::fragment messages, then the message with a
+// reference in place of the batch (troupe/internal/bulk.hpp).
+//
+// Nodes (node_protocol_version below):
+//   coordinator ──hello_atom──▶ node ──node_hello──▶ coordinator
+//   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
+//
+// Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
+// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state, and
+// ring_chunk between replicas), and takes ring_atom from the coordinator to all-reduce its
+// gradient with its neighbours.
 #pragma once
 
 #include <caf/atom.hpp>
@@ -26,6 +46,23 @@ namespace troupe {
 
 using init_atom = caf::atom_constant<caf::atom("tr_init")>;
 using end_atom = caf::atom_constant<caf::atom("tr_end")>;
+/// Ends a job (with its id): answered once its items are withdrawn.
+using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
+/// From a stream's reader: the stream's buffer has room again.
+using room_atom = caf::atom_constant<caf::atom("tr_room")>;
+/// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
+/// the producers and itself, and whether it keeps options::close_timeout itself).
+using close_atom = caf::atom_constant<caf::atom("tr_close")>;
+/// options::close_timeout has passed: producers still busy are left behind.
+using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
+/// The scheduler's own timers: work_timeout checks, a job's deadline (with its id), a retry's
+/// backoff or a late chunk to look at.
+using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
+using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
+using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
+/// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
+/// size, right neighbour, its node's address or "").
+using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
 
 /// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
 struct work_chunk {
