@@ -20,6 +20,7 @@
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/device.hpp"
 #include "troupe/node.hpp"
 #include "troupe/options.hpp"
@@ -41,10 +42,6 @@ struct stats_box {
   troupe::stats value;
 };
 
-/// Creates a job's producer actor on a device (not yet constructed: it answers init_atom); the
-/// index is its place in the runner's device list.
-using producer_spawner =
-    std::function<caf::actor(caf::actor_system&, const device&, const config&, std::size_t)>;
 
 /// The actor system every local-only runner of this process shares. It is never destroyed:
 /// a producer stuck inside a native call can be left behind without blocking anything, and no

@@ -21,7 +21,7 @@ job_registry& registry() {
 
 }  // namespace
 
-bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn,
+bool register_job(const std::string& name, const std::type_info& job, producer_spawner spawn,
                   std::string signature) {
   auto& r = registry();
   std::lock_guard<std::mutex> guard{r.mtx};

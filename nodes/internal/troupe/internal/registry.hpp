@@ -15,19 +15,21 @@
 
 namespace troupe {
 
-/// Spawns a producer actor of the job on a local device; the index is the producer's place in
-/// the coordinator's device list.
-using producer_factory =
+/// Spawns a job's producer actor on a local device (not yet constructed: it answers init_atom;
+/// for a training job, a replica actor); the index is its place in the runner's (or the
+/// coordinator's) device list. The one name for "make a producer actor": producer_maker
+/// (job_ops.hpp) makes the job's producer object inside it.
+using producer_spawner =
     std::function<caf::actor(caf::actor_system&, const device&, const config&, std::size_t)>;
 
 struct registered_job {
-  producer_factory spawn;  ///< empty when no job has the name
+  producer_spawner spawn;  ///< empty when no job has the name
   /// "INPUT -> OUTPUT" batch type names: a coordinator and a node must agree on them.
   std::string signature;
 };
 
 /// Registers `job` under `name`; returns true (for static registration).
-bool register_job(const std::string& name, const std::type_info& job, producer_factory spawn,
+bool register_job(const std::string& name, const std::type_info& job, producer_spawner spawn,
                   std::string signature);
 
 /// The job registered under `name` (an empty `spawn` when there is none).
