@@ -9,18 +9,13 @@
 
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
+#include "troupe/internal/named_registry.hpp"
 
 namespace troupe {
 namespace {
 
-struct registry {
-  std::mutex mtx;
-  std::unordered_map<std::string, batch_factory> by_name;
-  std::unordered_map<std::type_index, std::string> names;
-};
-
-registry& batch_registry() {
-  static registry instance;
+detail::named_registry<batch_factory>& batch_registry() {
+  static detail::named_registry<batch_factory> instance;
   return instance;
 }
 
@@ -28,24 +23,16 @@ registry& batch_registry() {
 
 void register_batch_type(const std::string& name, const std::type_info& type,
                          batch_factory factory) {
-  auto& r = batch_registry();
-  std::lock_guard<std::mutex> guard{r.mtx};
-  r.by_name[name] = std::move(factory);
-  r.names[std::type_index{type}] = name;
+  batch_registry().add(name, type, std::move(factory));
 }
 
 std::string batch_type_name(const std::type_info& type) {
-  auto& r = batch_registry();
-  std::lock_guard<std::mutex> guard{r.mtx};
-  auto i = r.names.find(std::type_index{type});
-  return i == r.names.end() ? std::string{} : i->second;
+  return batch_registry().name_of(type);
 }
 
 std::unique_ptr<batch_base> make_batch(const std::string& name) {
-  auto& r = batch_registry();
-  std::lock_guard<std::mutex> guard{r.mtx};
-  auto i = r.by_name.find(name);
-  return i == r.by_name.end() ? nullptr : i->second();
+  auto factory = batch_registry().find(name);
+  return factory ? factory() : nullptr;
 }
 
 std::size_t detail::bytes_left(caf::deserializer& source) noexcept {
