@@ -17,6 +17,24 @@
 #include "troupe/node.hpp"
 
 namespace troupe::detail {
+
+/// Every check of a runner's options, in one place: invalid_argument naming the option.
+void validate(const options& o) {
+  if (o.max_chunk_items == 0 || o.max_chunk_bytes == 0 || o.consumer_backlog == 0)
+    throw invalid_argument(
+        "options: max_chunk_items, max_chunk_bytes and consumer_backlog must be positive");
+  if (!(o.speculation_after >= 1.0))
+    throw invalid_argument(
+        "options::speculation_after must be at least 1 (a multiple of a chunk's expected time)");
+  if (o.close_timeout.count() < 0 || o.work_timeout.count() < 0)
+    throw invalid_argument("options: close_timeout and work_timeout must not be negative");
+}
+
+/// Every check of a job's options.
+void validate(const job_options& o) {
+  if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
+  if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
+}
 namespace {
 
 thread_local bool internal_thread = false;
@@ -67,16 +85,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     throw invalid_argument(
         "the device list is empty: pass troupe::cpus(n), troupe::gpus() "
         "or device specs such as {\"cpu\", \"cuda:0\"}");
-  if (opts_.max_chunk_items == 0 || opts_.max_chunk_bytes == 0 || opts_.consumer_backlog == 0)
-    throw invalid_argument(
-        "options: max_chunk_items, max_chunk_bytes and consumer_backlog "
-        "must be positive");
-  if (!(opts_.speculation_after >= 1.0))
-    throw invalid_argument(
-        "options::speculation_after must be at least 1 (a multiple of a "
-        "chunk's expected time)");
-  if (opts_.close_timeout.count() < 0 || opts_.work_timeout.count() < 0)
-    throw invalid_argument("options: close_timeout and work_timeout must not be negative");
+  validate(opts_);
   for (auto& d : devices_)
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
   bool network = any_remote(devices_);
@@ -251,8 +260,7 @@ troupe::stats runtime::stats() const {
 std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
                                           const consumer_spawner& spawn, bool ordered,
                                           job_options o) {
-  if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
-  if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
+  validate(o);
   {
     std::lock_guard<std::mutex> guard{mtx_};
     if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");

@@ -20,8 +20,8 @@
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
-#include "troupe/internal/registry.hpp"
 #include "troupe/device.hpp"
+#include "troupe/internal/registry.hpp"
 #include "troupe/node.hpp"
 #include "troupe/options.hpp"
 
@@ -42,6 +42,9 @@ struct stats_box {
   troupe::stats value;
 };
 
+/// The checks of a runner's and a job's options (invalid_argument naming the option).
+void validate(const options& o);
+void validate(const job_options& o);
 
 /// The actor system every local-only runner of this process shares. It is never destroyed:
 /// a producer stuck inside a native call can be left behind without blocking anything, and no
