@@ -469,3 +469,19 @@ TEST(Train, AReplicaStuckPastReplicaTimeoutIsDroppedAndItsShardsRecomputed) {
                                                 }()),
                troupe::invalid_argument);
 }
+
+TEST(Train, ReplicasOnGpusStayIdenticalAndMatchTheCpuLoop) {
+  auto gpus = troupe::gpus();
+  if (gpus.empty()) GTEST_SKIP() << "no GPU here: " << troupe::why_unavailable("cuda:0");
+  if (gpus.size() == 1) gpus.push_back(gpus[0]);  // two replicas on one GPU
+  auto batches = make_batches(10, 48);
+  for (bool deterministic : {false, true}) {
+    dp_t dp{gpus, small_cfg(), opts(8, deterministic)};
+    for (auto& b : batches) {
+      dp.step(b);
+      expect_replicas_identical(dp);
+    }
+    // GPU kernels sum in another order than the CPU's: close, not equal.
+    EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-4);
+  }
+}

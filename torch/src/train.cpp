@@ -407,6 +407,9 @@ struct replica_state {
 
   void ring_send(caf::event_based_actor* self, std::uint32_t piece, std::uint32_t hop,
                  std::uint32_t k) {
+    // A neighbour in this process reads the chunk where it is: the kernels that wrote it must
+    // have finished (on a GPU they are queued on this replica's stream).
+    if (binding) binding->synchronize();
     train_msg m;
     m.code = static_cast<std::uint8_t>(op::ring_chunk);
     m.first_shard = piece;
