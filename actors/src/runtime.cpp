@@ -296,18 +296,22 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
   return core;
 }
 
-void runtime_deleter::operator()(runtime* rt) const noexcept {
-  delete rt;
+runtime_handle::runtime_handle(std::vector<device> devices, config cfg, options opts,
+                               std::string job, producer_maker make)
+    : impl_(std::make_unique<runtime>(std::move(devices), std::move(cfg), std::move(opts),
+                                      std::move(job), make)) {}
+runtime_handle::runtime_handle(runtime_handle&&) noexcept = default;
+runtime_handle& runtime_handle::operator=(runtime_handle&&) noexcept = default;
+runtime_handle::~runtime_handle() = default;
+
+runtime& runtime_handle::checked() const {
+  if (!impl_) throw runner_closed("a moved-from runner");
+  return *impl_;
 }
 
-runtime_ptr make_runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-                         producer_maker make) {
-  return runtime_ptr{
-      new runtime(std::move(devices), std::move(cfg), std::move(opts), std::move(job), make)};
-}
-
-std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> source,
-                                     consumer_maker make, bool ordered, job_options o) {
+std::shared_ptr<job_core> runtime_handle::submit(std::shared_ptr<input_source> source,
+                                                 consumer_maker make, bool ordered, job_options o) {
+  auto& rt = checked();
   return rt.submit(
       std::move(source),
       [&make, &rt](caf::actor_system& sys, const std::shared_ptr<job_gate>& gate) {
@@ -316,10 +320,10 @@ std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> 
       ordered, std::move(o));
 }
 
-std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_source> source,
-                                        std::shared_ptr<stream_buffer> buf, bool ordered,
-                                        job_options o) {
-  auto core = rt.submit(
+std::shared_ptr<job_core> runtime_handle::submit_stream(std::shared_ptr<input_source> source,
+                                                        std::shared_ptr<stream_buffer> buf,
+                                                        bool ordered, job_options o) {
+  auto core = checked().submit(
       std::move(source),
       [&buf](caf::actor_system& sys, const std::shared_ptr<job_gate>& gate) {
         return spawn_stream_consumer(sys, buf, gate);
@@ -329,20 +333,21 @@ std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_sourc
   return core;
 }
 
-void close_runtime(runtime& rt) noexcept {
-  rt.close();
+void runtime_handle::close() noexcept {
+  if (impl_) impl_->close();
 }
 
-bool runtime_open(const runtime& rt) {
-  return rt.is_open();
+bool runtime_handle::is_open() const {
+  return impl_ && impl_->is_open();
 }
 
-const std::vector<device>& runtime_devices(const runtime& rt) noexcept {
-  return rt.devices();
+const std::vector<device>& runtime_handle::devices() const noexcept {
+  static const std::vector<device> none;
+  return impl_ ? impl_->devices() : none;
 }
 
-troupe::stats runtime_stats(const runtime& rt) {
-  return rt.stats();
+troupe::stats runtime_handle::stats() const {
+  return impl_ ? impl_->stats() : troupe::stats{};
 }
 
 }  // namespace troupe::detail

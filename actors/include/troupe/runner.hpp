@@ -35,9 +35,8 @@ class basic_runner {
 
   /// Starts one producer per device entry; returns once every producer's constructor has run.
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
-      : rt_(detail::make_runtime(std::move(devices), std::move(cfg), checked(std::move(opts)),
-                                 detail::registered_job_name(typeid(Job)),
-                                 &detail::make_producer_ops<Job>)) {}
+      : rt_(std::move(devices), std::move(cfg), checked(std::move(opts)),
+            detail::registered_job_name(typeid(Job)), &detail::make_producer_ops<Job>) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
   explicit basic_runner(std::size_t cpu_producers, config cfg = {}, options opts = {})
       : basic_runner(cpus(cpu_producers), std::move(cfg), std::move(opts)) {}
@@ -49,9 +48,9 @@ class basic_runner {
   template <class InputRange>
   job_handle<result_type> submit(InputRange&& inputs, job_options o = {}) {
     auto slot = std::make_shared<std::optional<result_type>>();
-    auto core = detail::submit_job(
-        rt(), detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
-        detail::make_consumer_maker<Job>(slot), Order == ordering::ordered, std::move(o));
+    auto core = rt_.submit(detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
+                           detail::make_consumer_maker<Job>(slot), Order == ordering::ordered,
+                           std::move(o));
     return job_handle<result_type>{std::move(core), std::move(slot)};
   }
   job_handle<result_type> submit(std::initializer_list<input_type> inputs, job_options o = {}) {
@@ -74,9 +73,9 @@ class basic_runner {
   template <class InputRange>
   output_stream<output_type> stream(InputRange&& inputs, job_options o = {}) {
     auto buf = std::make_shared<detail::stream_buffer>(stream_buffer_chunks);
-    auto core = detail::submit_stream(
-        rt(), detail::make_job_source<input_type>(std::forward<InputRange>(inputs)), buf,
-        Order == ordering::ordered, std::move(o));
+    auto core =
+        rt_.submit_stream(detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
+                          buf, Order == ordering::ordered, std::move(o));
     return output_stream<output_type>{std::move(core), std::move(buf)};
   }
   output_stream<output_type> stream(std::initializer_list<input_type> inputs, job_options o = {}) {
@@ -86,17 +85,10 @@ class basic_runner {
   /// Ends every job still running (their get() throws runner_closed), then every producer
   /// (producer::end() runs on its thread), within options::close_timeout. Idempotent, safe from any
   /// thread. Called from on_progress or a job's own code, it starts closing and returns at once.
-  void close() noexcept {
-    if (rt_) detail::close_runtime(*rt_);
-  }
-  [[nodiscard]] bool is_open() const { return rt_ && detail::runtime_open(*rt_); }
-  [[nodiscard]] const std::vector<device>& devices() const noexcept {
-    static const std::vector<device> none;
-    return rt_ ? detail::runtime_devices(*rt_) : none;
-  }
-  [[nodiscard]] troupe::stats stats() const {
-    return rt_ ? detail::runtime_stats(*rt_) : troupe::stats{};
-  }
+  void close() noexcept { rt_.close(); }
+  [[nodiscard]] bool is_open() const { return rt_.is_open(); }
+  [[nodiscard]] const std::vector<device>& devices() const noexcept { return rt_.devices(); }
+  [[nodiscard]] troupe::stats stats() const { return rt_.stats(); }
 
  private:
   /// Chunks a stream keeps for its reader (each at most options::max_chunk_bytes).
@@ -106,11 +98,7 @@ class basic_runner {
     if (o.serialize) detail::register_wire_types<Job>();
     return o;
   }
-  detail::runtime& rt() const {
-    if (!rt_) throw runner_closed("a moved-from runner");
-    return *rt_;
-  }
-  detail::runtime_ptr rt_;
+  detail::runtime_handle rt_;
 };
 
 /// The consumer sees outputs in input order.

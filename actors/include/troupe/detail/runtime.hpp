@@ -28,29 +28,39 @@ void clear_internal_thread() noexcept;
 /// The name `job` was registered under (TROUPE_REGISTER_JOB), or "".
 std::string registered_job_name(const std::type_info& job);
 
-class runtime;
-struct runtime_deleter {
-  void operator()(runtime* rt) const noexcept;
-};
-using runtime_ptr = std::unique_ptr<runtime, runtime_deleter>;
+class runtime;  // actors/src/runtime_impl.hpp
 
-/// Starts one producer per device (objects made by `make`) and waits until each has been
-/// constructed. Throws invalid_argument, device_unavailable or init_error. `job`: the job's
-/// registered name ("" if none), needed for remote devices.
-runtime_ptr make_runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-                         producer_maker make);
-/// Starts a job: `source` through the producers into a fresh consumer made by `make`, next to
-/// the jobs already running. Throws runner_closed after close(), invalid_argument for bad
-/// options.
-std::shared_ptr<job_core> submit_job(runtime& rt, std::shared_ptr<input_source> source,
-                                     consumer_maker make, bool ordered, job_options o);
-/// The same with a stream's bounded buffer in place of a consumer.
-std::shared_ptr<job_core> submit_stream(runtime& rt, std::shared_ptr<input_source> source,
-                                        std::shared_ptr<stream_buffer> buf, bool ordered,
-                                        job_options o);
-void close_runtime(runtime& rt) noexcept;
-[[nodiscard]] bool runtime_open(const runtime& rt);
-[[nodiscard]] const std::vector<device>& runtime_devices(const runtime& rt) noexcept;
-[[nodiscard]] troupe::stats runtime_stats(const runtime& rt);
+/// A runner's compiled core, behind a pointer to its implementation: the producers, the
+/// scheduler, the jobs. What a runner template calls; no CAF actor header here.
+class runtime_handle {
+ public:
+  /// Starts one producer per device (objects made by `make`) and waits until each has been
+  /// constructed. Throws invalid_argument, device_unavailable or init_error. `job`: the job's
+  /// registered name ("" if none), needed for remote devices.
+  runtime_handle(std::vector<device> devices, config cfg, options opts, std::string job,
+                 producer_maker make);
+  runtime_handle(runtime_handle&&) noexcept;
+  runtime_handle& operator=(runtime_handle&&) noexcept;
+  ~runtime_handle();
+
+  /// Starts a job: `source` through the producers into a fresh consumer made by `make`, next to
+  /// the jobs already running. Throws runner_closed after close() (or when moved from),
+  /// invalid_argument for bad options.
+  std::shared_ptr<job_core> submit(std::shared_ptr<input_source> source, consumer_maker make,
+                                   bool ordered, job_options o);
+  /// The same with a stream's bounded buffer in place of a consumer.
+  std::shared_ptr<job_core> submit_stream(std::shared_ptr<input_source> source,
+                                          std::shared_ptr<stream_buffer> buf, bool ordered,
+                                          job_options o);
+  /// Ends every job (runner_closed), then the producers. Idempotent.
+  void close() noexcept;
+  [[nodiscard]] bool is_open() const;
+  [[nodiscard]] const std::vector<device>& devices() const noexcept;
+  [[nodiscard]] troupe::stats stats() const;
+
+ private:
+  runtime& checked() const;
+  std::unique_ptr<runtime> impl_;
+};
 
 }  // namespace troupe::detail
