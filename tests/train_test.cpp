@@ -429,13 +429,17 @@ namespace {
 
 /// The first replica constructed (per test) sleeps for two seconds in its second backward.
 std::atomic<int> stuck_replicas{0};
+std::atomic<bool> stuck_finished{false};  ///< the stuck backward has returned
 struct stuck_job {
   struct replica {
     replica(const troupe::device& d, const troupe::config& cfg)
         : inner(d, cfg), stuck(stuck_replicas.fetch_add(1) == 0) {}
     std::vector<torch::Tensor> parameters() { return inner.parameters(); }
     double backward(const std::vector<sample>& shard) {
-      if (stuck && ++calls == 2) std::this_thread::sleep_for(std::chrono::seconds{2});
+      if (stuck && ++calls == 2) {
+        std::this_thread::sleep_for(std::chrono::seconds{2});
+        stuck_finished = true;
+      }
       return inner.backward(shard);
     }
     void step() { inner.step(); }
@@ -453,13 +457,18 @@ TEST(Train, AReplicaStuckPastReplicaTimeoutIsDroppedAndItsShardsRecomputed) {
   auto batches = make_batches(4, 64);
   auto expected = trained({"cpu"}, batches, opts(8, true));
   stuck_replicas = 0;
+  stuck_finished = false;
   auto o = opts(8, true);
   o.replica_timeout = std::chrono::milliseconds{300};
-  troupe::data_parallel<stuck_job> dp{{"cpu", "cpu"}, small_cfg(), o};
-  for (auto& b : batches) dp.step(b);
-  EXPECT_EQ(dp.stats().lost_replicas, 1u);
-  EXPECT_EQ(dp.devices().size(), 1u);
-  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+  {
+    troupe::data_parallel<stuck_job> dp{{"cpu", "cpu"}, small_cfg(), o};
+    for (auto& b : batches) dp.step(b);
+    EXPECT_EQ(dp.stats().lost_replicas, 1u);
+    EXPECT_EQ(dp.devices().size(), 1u);
+    EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+  }
+  // The destructor left the stuck replica behind instead of waiting for its backward().
+  EXPECT_FALSE(stuck_finished.load());
   EXPECT_THROW(troupe::data_parallel<stuck_job>({"cpu"}, small_cfg(),
                                                 [] {
                                                   troupe::train_options bad;

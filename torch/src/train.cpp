@@ -639,6 +639,17 @@ double seconds(clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
+/// The actor system of every data_parallel over local devices only. Never destroyed (like the
+/// runners' local system): a replica stuck inside backward() is left behind when its
+/// data_parallel goes, instead of blocking that destructor until backward() returns.
+caf::actor_system& training_system() {
+  static caf::actor_system* sys = [] {
+    auto* cfg = make_system_config(false).release();  // lives as long as the system: forever
+    return new caf::actor_system(*cfg);
+  }();
+  return *sys;
+}
+
 }  // namespace
 
 std::string replica_signature(const std::type_info& sample) {
@@ -691,8 +702,7 @@ struct trainer::impl {
   std::string job;
   replica_maker make = nullptr;
   std::string signature;
-  std::unique_ptr<caf::actor_system_config> own_cfg;
-  std::unique_ptr<caf::actor_system> own;
+  bool networked = false;  ///< on the process's network system (else on the local one)
   caf::actor_system* sys = nullptr;
   std::unique_ptr<caf::scoped_actor> self;
   caf::actor owner;  ///< nodes end our replicas when this actor ends
@@ -887,7 +897,7 @@ struct trainer::impl {
         if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
         a = spawn_replica(*sys, d, cfg, make);
       } else {
-        if (own)
+        if (!networked)
           throw invalid_argument(
               "device " + d.str() +
               " is on a node, but this data_parallel was built over local devices only: name a "
@@ -1147,10 +1157,9 @@ trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::
   for (auto& d : devices)
     if (!d.is_local()) remote = d.node();
   if (remote.empty()) {
-    p.own_cfg = make_system_config(false);
-    p.own = std::make_unique<caf::actor_system>(*p.own_cfg);
-    p.sys = p.own.get();
+    p.sys = &training_system();
   } else {
+    p.networked = true;
     p.sys = &network_system(tls_for(remote));
   }
   p.self = std::make_unique<caf::scoped_actor>(*p.sys);
