@@ -1066,7 +1066,10 @@ struct trainer::impl {
       if (alive().empty()) throw node_error("every replica was lost during the step");
     };
     compute();
-    if (red == reduction::ring && !ring_all_reduce(attempt)) {
+    auto ring_start = clock::now();
+    bool ringed = red == reduction::ring && ring_all_reduce(attempt);
+    if (red == reduction::ring) stats.reduce_seconds += seconds(clock::now() - ring_start);
+    if (red == reduction::ring && !ringed) {
       // A replica lost (or failing) inside the ring: the partial sums are half reduced. The
       // whole step again, on the survivors, summed by the coordinator.
       red = reduction::fast;

@@ -69,7 +69,9 @@ struct train_stats {
   /// replicas on nodes, gradients of at least 256 KiB); the others went through the
   /// coordinator.
   std::uint64_t ring_reductions = 0;
-  double reduce_seconds = 0;            ///< summing gradients and applying the update
+  /// Summing gradients (on the coordinator, or the ring among replicas) and applying the update;
+  /// the partial sums' way to the coordinator counts in the step, not here.
+  double reduce_seconds = 0;
   double step_seconds = 0;              ///< wall time of the completed steps
   std::vector<replica_stats> replicas;  ///< in device order (removed devices included)
 };
