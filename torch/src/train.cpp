@@ -1166,8 +1166,10 @@ trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::
     p.sys = &network_system(tls_for(remote));
   }
   p.self = std::make_unique<caf::scoped_actor>(*p.sys);
-  p.owner =
-      p.sys->spawn([](caf::event_based_actor*) -> caf::behavior { return {[](std::uint8_t) {}}; });
+  // An argument, however useless: a spawn without one makes CAF 0.17.6 dereference a null
+  // std::shared_ptr<std::tuple<>> (UBSan reports it).
+  p.owner = p.sys->spawn(
+      [](caf::event_based_actor*, bool) -> caf::behavior { return {[](std::uint8_t) {}}; }, true);
   auto fresh = p.start(devices);
   p.copy_state(std::vector<std::size_t>(fresh.begin() + 1, fresh.end()));
 }
