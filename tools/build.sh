@@ -2,7 +2,8 @@
 # Configures and builds troupe into ${BUILD_DIR:-build} against the LibTorch of tools/setup.sh
 # and the patched CAF of tools/build_caf.sh (built first if missing; TROUPE_CAF_PREFIX
 # overrides, TROUPE_CAF_PREFIX=system uses the system's CAF without troupe's patches).
-# Extra arguments go to CMake (e.g. -DTROUPE_SANITIZE=ON -DTROUPE_WITH_TORCH=OFF).
+# Extra arguments go to CMake (e.g. -DTROUPE_SANITIZE=ON -DTROUPE_WITH_TORCH=OFF); TARGETS limits
+# what is built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TROUPE_VENV:-/opt/troupe-venv}
@@ -22,4 +23,5 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} \
   "$@" > "$BUILD_DIR.configure.log" 2>&1 ||
   { cat "$BUILD_DIR.configure.log"; exit 1; }
 grep -A3 "troupe:" "$BUILD_DIR.configure.log" || true
-cmake --build "$BUILD_DIR" -j "${JOBS:-2}"
+# TARGETS: only these targets (space-separated), e.g. for the sanitizer build of CI.
+cmake --build "$BUILD_DIR" -j "${JOBS:-2}" ${TARGETS:+--target $TARGETS}
