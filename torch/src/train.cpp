@@ -278,6 +278,12 @@ struct replica_state {
     auto start = clock::now();
     out.losses.assign(m.end_shard - m.first_shard, 0.0);
     auto mode = static_cast<reduction>(m.mode);
+    if (m.step != buf_step && m.step != partial_step) {
+      // A new step (or the coordinator redoing one after a ring broke): whatever ring was under
+      // way is given up, so that its late chunks cannot add into the buffers this step reuses.
+      ring = ring_run{};
+      early.clear();
+    }
     if (mode == reduction::deterministic) {
       auto leaf = [&](std::uint64_t s) { return shard_grad(m, s, out.losses[s - m.first_shard]); };
       tree_blocks(tree_top(m.total_shards), 0, m.first_shard, m.end_shard, m.total_shards, leaf,
