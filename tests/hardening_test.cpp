@@ -15,6 +15,7 @@
 #include <numeric>
 #include <thread>
 
+#include "fault_points.hpp"
 #include "test_jobs.hpp"
 #include "test_util.hpp"
 
@@ -459,6 +460,7 @@ TEST(Hardening, ASlowSourceDoesNotStarveTheConsumer) {
 
 // -- a chunk holding up an ordered run is sent to an idle producer -----------------------------
 
+template <int Tag>
 struct blocks_item_5 {
   static inline std::promise<void> release;
   static inline std::atomic<bool> blocked{false};
@@ -472,17 +474,31 @@ struct blocks_item_5 {
 
 // Item 5 blocks its first producer until the run has ended: only a re-send lets it end, and
 // the outputs still come exactly once, in order.
-TEST(Hardening, OrderedHeadOfLineChunkIsResentToAnIdleProducer) {
+template <class Job>
+void expect_head_of_line_chunk_resent() {
   troupe::options opts;
   opts.chunk_size = 1;
-  {
-    troupe::ordered_runner<blocks_item_5> runner{2, {}, opts};
-    std::vector<int> xs(200);
-    std::iota(xs.begin(), xs.end(), 0);
-    EXPECT_EQ(runner.run(xs), xs);
-    EXPECT_TRUE(blocks_item_5::blocked);
-    blocks_item_5::release.set_value();
-  }
+  troupe::ordered_runner<Job> runner{2, {}, opts};
+  std::vector<int> xs(200);
+  std::iota(xs.begin(), xs.end(), 0);
+  EXPECT_EQ(runner.run(xs), xs);
+  EXPECT_TRUE(Job::blocked);
+  Job::release.set_value();
+}
+
+TEST(Hardening, OrderedHeadOfLineChunkIsResentToAnIdleProducer) {
+  expect_head_of_line_chunk_resent<blocks_item_5<0>>();
+}
+
+// The same when the scheduler's thread is preempted between computing when the chunk becomes
+// late and arming the wakeup for it (made certain here; it happened once in CI): the wakeup,
+// now in the past, still comes. Without it nothing else happens and run() never returns.
+TEST(Hardening, AWakeupArmedLateStillComes) {
+  troupe::detail::fault_points::before_wake = [] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{30});
+  };
+  expect_head_of_line_chunk_resent<blocks_item_5<1>>();
+  troupe::detail::fault_points::before_wake = nullptr;
 }
 
 // -- small edges -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <set>
 
 #include "fair_share.hpp"
+#include "fault_points.hpp"
 #include "producer_model.hpp"
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
@@ -29,6 +30,9 @@
 #include "troupe/log.hpp"
 
 namespace troupe::detail {
+
+std::atomic<void (*)()> fault_points::before_wake{nullptr};
+
 namespace {
 
 constexpr int max_restarts_in_row = 3;        ///< per slot and job, without an answer in between
@@ -451,10 +455,18 @@ class scheduler {
               });
   }
 
-  /// Wakes this actor when a retry's backoff ends.
+  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late). A time already
+  /// passed wakes it at once: the caller computed `t` from a clock read earlier in this event,
+  /// and a wakeup dropped because the thread was preempted in between would leave the job
+  /// waiting for an event that never comes (it hung CI once: an ordered job whose only way on
+  /// was a speculative copy).
   void wake_at(clock_type::time_point t) {
+    if (auto hook = fault_points::before_wake.load()) hook();
     auto now = clock_type::now();
-    if (t <= now) return;
+    if (t <= now) {
+      self_->send(self_, wakeup_atom::value);
+      return;
+    }
     self_->delayed_send(self_,
                         std::chrono::duration_cast<std::chrono::microseconds>(t - now) +
                             std::chrono::microseconds{100},
