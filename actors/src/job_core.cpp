@@ -64,8 +64,25 @@ bool job_core::done() const {
   return finished_;
 }
 
+bool job_core::drive(const std::function<bool()>& until) const {
+  if (!driver_) return false;
+  driver_(until);
+  return true;
+}
+
+void job_core::drive_to_end(const char* what) {
+  if (!driver_ || ended_.load()) return;
+  driver_([this] { return ended_.load(); });
+  if (!ended_.load())
+    throw testing::hang(std::string{what} + ": job " + std::to_string(id_) +
+                        " cannot end: the simulation has nothing left to run (or passed its "
+                        "time limit) and the job is still running; see simulation::trace()");
+}
+
 bool job_core::wait_for(std::chrono::milliseconds d) {
+  if (driver_ && !ended_.load() && d.count() > 0) driver_([this] { return ended_.load(); });
   std::unique_lock<std::mutex> lock{mtx_};
+  if (driver_) return finished_;
   if (finished_) return true;
   if (d.count() <= 0) return false;
   if (on_internal_thread())
@@ -81,6 +98,7 @@ bool job_core::wait_for(std::chrono::milliseconds d) {
 }
 
 void job_core::get() {
+  if (!taken_) drive_to_end("job_handle::get()");
   {
     std::unique_lock<std::mutex> lock{mtx_};
     if (taken_) throw invalid_argument("job_handle::get() was called before: call it once");
@@ -115,8 +133,9 @@ void job_core::take_back_range() noexcept {
 
 void job_core::cancel() {
   if (done()) return;
-  if (on_internal_thread()) {
+  if (on_internal_thread() || driver_) {
     caf::anon_send(actors_->scheduler, cancel_atom::value, id_);
+    if (driver_) drive_to_end("job_handle::cancel()");
     return;
   }
   try {
@@ -211,7 +230,21 @@ std::optional<batch> stream_buffer::pop(const job_core& job) {
         break;
       }
       if (job.done()) return std::nullopt;
-      cv_.wait(lock);
+      if (!job.simulated()) {
+        cv_.wait(lock);
+        continue;
+      }
+      lock.unlock();
+      job.drive([this, &job] {
+        std::lock_guard<std::mutex> guard{mtx_};
+        return closed_ || !chunks_.empty() || job.done();
+      });
+      lock.lock();
+      if (!closed_ && chunks_.empty() && !job.done()) {
+        throw testing::hang("output_stream: job " + std::to_string(job.id()) +
+                            " cannot go on: the simulation has nothing left to run (or passed "
+                            "its time limit); see simulation::trace()");
+      }
     }
   }
   if (wake) wake();  // outside the lock: it sends a message to the consumer actor

@@ -81,11 +81,7 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
         return spawn_producer_actor(sys, make, d, c, i, wire);
       }),
       stats_(std::make_shared<stats_box>()) {
-  if (devices_.empty())
-    throw invalid_argument(
-        "the device list is empty: pass troupe::cpus(n), troupe::gpus() "
-        "or device specs such as {\"cpu\", \"cuda:0\"}");
-  validate(opts_);
+  check_and_count();
   for (auto& d : devices_)
     if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
   bool network = any_remote(devices_);
@@ -93,12 +89,6 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
     throw invalid_argument(
         "remote devices need a registered job: add TROUPE_REGISTER_JOB(your_job) at namespace "
         "scope, in this program and in the nodes' programs");
-  for (std::size_t i = 0; i < devices_.size(); ++i) {
-    producer_stats ps;
-    ps.index = i;
-    ps.where = devices_[i];
-    stats_->value.producers.push_back(ps);
-  }
   tls settings;
   for (auto& d : devices_)
     if (!d.is_local()) settings = tls_for(d.node());
@@ -141,6 +131,69 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
   scheduler_ = spawn_scheduler(*sys_, std::move(started), devices_, opts_, stats_, spawn_, cfg_);
   open_ = true;
   log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
+}
+
+void runtime::check_and_count() {
+  if (devices_.empty())
+    throw invalid_argument(
+        "the device list is empty: pass troupe::cpus(n), troupe::gpus() "
+        "or device specs such as {\"cpu\", \"cuda:0\"}");
+  validate(opts_);
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    producer_stats ps;
+    ps.index = i;
+    ps.where = devices_[i];
+    stats_->value.producers.push_back(ps);
+  }
+}
+
+namespace {
+
+/// Asks every producer to construct its job object and records the answers (a simulation's
+/// runtime cannot wait for them: the simulation runs until they are in).
+caf::behavior init_collector(caf::event_based_actor* self, std::vector<caf::actor> producers,
+                             std::shared_ptr<std::vector<std::optional<caf::error>>> answers) {
+  for (std::size_t i = 0; i < producers.size(); ++i)
+    self->request(producers[i], caf::infinite, init_atom::value)
+        .then([answers, i](const init_done&) { (*answers)[i] = caf::error{}; },
+              [answers, i](caf::error& err) { (*answers)[i] = std::move(err); });
+  return {[](int) {}};
+}
+
+}  // namespace
+
+runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg,
+                 options opts, producer_maker make)
+    : devices_(std::move(devices)),
+      cfg_(std::move(cfg)),
+      opts_(std::move(opts)),
+      spawn_(
+          [make, host = sim.get()](caf::actor_system&, const device& d, const config& c,
+                                   std::size_t i) { return host->spawn_producer(make, d, c, i); }),
+      stats_(std::make_shared<stats_box>()),
+      sim_(std::move(sim)) {
+  check_and_count();
+  sys_ = &sim_->system();
+  std::vector<caf::actor> producers;
+  for (std::size_t i = 0; i < devices_.size(); ++i)
+    producers.push_back(spawn_(*sys_, devices_[i], cfg_, i));
+  auto answers = std::make_shared<std::vector<std::optional<caf::error>>>(producers.size());
+  auto collector = sys_->spawn(init_collector, producers, answers);
+  sim_->drive([&] {
+    return std::all_of(answers->begin(), answers->end(), [](auto& a) { return a.has_value(); });
+  });
+  caf::anon_send_exit(collector, caf::exit_reason::user_shutdown);
+  for (std::size_t i = 0; i < answers->size(); ++i) {
+    auto& a = (*answers)[i];
+    if (a && !*a) continue;
+    for (auto& p : producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
+    sim_->drive([] { return false; });
+    if (!a) throw testing::hang("producer " + entry_name(devices_, i) + " never started");
+    throw init_error("producer " + entry_name(devices_, i) + ": " + error_text(*a));
+  }
+  scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
+                               /*detached=*/false);
+  open_ = true;
 }
 
 std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings) {
@@ -212,6 +265,10 @@ runtime::~runtime() {
 }
 
 void runtime::close() noexcept {
+  if (sim_) {
+    close_simulated();
+    return;
+  }
   std::shared_future<void> closed;
   try {
     std::unique_lock<std::mutex> lock{mtx_};
@@ -244,6 +301,21 @@ void runtime::close() noexcept {
     anchor_ = nullptr;
   } catch (const std::exception& e) {
     log(log_level::error, std::string{"closing the runner failed: "} + e.what());
+  }
+}
+
+void runtime::close_simulated() noexcept {
+  try {
+    if (!open_) return;
+    open_ = false;
+    auto promise = std::make_shared<std::promise<void>>();
+    auto closed = promise->get_future().share();
+    // timed: the scheduler keeps close_timeout itself, in virtual time.
+    caf::anon_send(scheduler_, close_atom::value, std::move(promise), true);
+    sim_->drive(
+        [&] { return closed.wait_for(std::chrono::seconds{0}) == std::future_status::ready; });
+  } catch (const std::exception& e) {
+    log(log_level::error, std::string{"closing a simulated runner failed: "} + e.what());
   }
 }
 
@@ -284,6 +356,7 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
     throw runner_closed("the runner was closed while the job was submitted");
   }
   core->set_id(next_job_++);
+  if (sim_) sim_->adopt(core);
   auto spec = std::make_shared<job_spec>();
   spec->core = core;
   spec->source = std::move(source);
@@ -300,6 +373,10 @@ runtime_handle::runtime_handle(std::vector<device> devices, config cfg, options 
                                std::string job, producer_maker make)
     : impl_(std::make_unique<runtime>(std::move(devices), std::move(cfg), std::move(opts),
                                       std::move(job), make)) {}
+runtime_handle::runtime_handle(std::shared_ptr<sim_host> sim, std::vector<device> devices,
+                               config cfg, options opts, producer_maker make)
+    : impl_(std::make_unique<runtime>(std::move(sim), std::move(devices), std::move(cfg),
+                                      std::move(opts), make)) {}
 runtime_handle::runtime_handle(runtime_handle&&) noexcept = default;
 runtime_handle& runtime_handle::operator=(runtime_handle&&) noexcept = default;
 runtime_handle::~runtime_handle() = default;

@@ -51,6 +51,21 @@ void validate(const job_options& o);
 /// thread that once used a runner can make a destructor wait.
 caf::actor_system& local_system();
 
+/// A simulated cluster, as a runtime sees it (actors/src/simulation.cpp).
+class sim_host {
+ public:
+  virtual ~sim_host() = default;
+  /// The simulation's actor system (CAF's test coordinator: one thread, virtual time).
+  virtual caf::actor_system& system() = 0;
+  /// Spawns the simulated producer of device `d` (entry `index` of a runner's devices).
+  virtual caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
+                                    std::size_t index) = 0;
+  /// Runs the simulation until `until()` holds or nothing more can happen.
+  virtual void drive(const std::function<bool()>& until) = 0;
+  /// Makes `job` a job of this simulation: its waits run the simulation.
+  virtual void adopt(const std::shared_ptr<job_core>& job) = 0;
+};
+
 class runtime {
  public:
   using consumer_spawner =
@@ -60,6 +75,9 @@ class runtime {
   /// Throws invalid_argument, device_unavailable or init_error.
   /// `job`: the job's registered name ("" if none), needed for remote devices.
   runtime(std::vector<device> devices, config cfg, options opts, std::string job,
+          producer_maker make);
+  /// The same on a simulated cluster (no waiting: the simulation runs instead).
+  runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg, options opts,
           producer_maker make);
   ~runtime();
   runtime(const runtime&) = delete;
@@ -81,6 +99,10 @@ class runtime {
  private:
   /// Spawns one producer per device: locally, or through the device's node.
   std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);
+  /// The checks every runtime makes of its devices and options; one stats entry per device.
+  void check_and_count();
+  /// close() of a simulated runtime: the simulation runs until the scheduler has closed.
+  void close_simulated() noexcept;
   /// Ends actors that started before the runner failed to start.
   void abandon(const std::vector<caf::actor>& started) noexcept;
 
@@ -98,6 +120,7 @@ class runtime {
   caf::actor scheduler_;
   caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
   std::shared_ptr<stats_box> stats_;
+  std::shared_ptr<sim_host> sim_;  ///< a simulated cluster, else null
 };
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`

@@ -130,7 +130,7 @@ class scheduler {
     j->consumer = std::move(spec->consumer);
     j->ordered = spec->ordered;
     j->opts = std::move(spec->opts);
-    j->started = clock_type::now();  // last_progress: never, so the first ack reports at once
+    j->started = clock_now();  // last_progress: never, so the first ack reports at once
     j->gate = j->core->gate();
     auto id = j->id;
     if (j->opts.deadline.count() > 0 && finite_wait(j->opts.deadline))
@@ -169,10 +169,14 @@ class scheduler {
 
   void wakeup() { pump(); }
 
+  /// The actor system's clock: steady_clock in a runner, virtual time in a simulation
+  /// (troupe::testing::simulation runs this actor on CAF's test coordinator).
+  clock_type::time_point clock_now() const { return self_->home_system().clock().now(); }
+
   /// options::work_timeout: gives up on producers that have been on one chunk too long.
   void check_stalls() {
     if (closing_) return;
-    auto now = clock_type::now();
+    auto now = clock_now();
     for (std::size_t p = 0; p < producers_.size(); ++p) {
       auto& s = producers_[p];
       if (!s.alive || s.outstanding.empty()) continue;
@@ -304,7 +308,7 @@ class scheduler {
     bool sent = true;
     while (sent) {
       sent = false;
-      auto now = clock_type::now();
+      auto now = clock_now();
       for (auto p : producers_with_room())
         if (dispatch_to(p, now)) {
           sent = true;
@@ -434,7 +438,7 @@ class scheduler {
     rec.job = j.id;
     rec.id = id;
     rec.items = x.items.size();
-    rec.sent = clock_type::now();
+    rec.sent = clock_now();
     rec.behind = s.outstanding.size();
     rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
     s.outstanding.push_back(rec);
@@ -462,7 +466,7 @@ class scheduler {
   /// was a speculative copy).
   void wake_at(clock_type::time_point t) {
     if (auto hook = fault_points::before_wake.load()) hook();
-    auto now = clock_type::now();
+    auto now = clock_now();
     if (t <= now) {
       self_->send(self_, wakeup_atom::value);
       return;
@@ -491,7 +495,7 @@ class scheduler {
     // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
     // output is delivered exactly once.
     if (s.gen != gen) return;
-    auto now = clock_type::now();
+    auto now = clock_now();
     auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                             [&](const sent_chunk& x) { return x.job == job && x.id == id; });
     if (rec != s.outstanding.end()) {
@@ -597,7 +601,7 @@ class scheduler {
         again.items = x.items.slice(at, at + 1);
         again.attempt = attempts;
         again.avoid = p;
-        again.not_before = clock_type::now() + pol.backoff;
+        again.not_before = clock_now() + pol.backoff;
         if (pol.backoff.count() > 0) wake_at(again.not_before);
         again.last_error = f.what;
         again.last_where = s.where.str();
@@ -872,7 +876,7 @@ class scheduler {
   }
 
   void report_progress(job_state& j, bool final) {
-    auto now = clock_type::now();
+    auto now = clock_now();
     if (!final && now - j.last_progress < std::chrono::milliseconds{100}) return;
     j.last_progress = now;
     progress p;

@@ -37,6 +37,8 @@ class basic_runner {
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
       : rt_(std::move(devices), std::move(cfg), checked(std::move(opts)),
             detail::registered_job_name(typeid(Job)), &detail::make_producer_ops<Job>) {}
+  /// A runner over a core made elsewhere (troupe::testing::simulation's simulated clusters).
+  explicit basic_runner(detail::runtime_handle rt) : rt_(std::move(rt)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
   explicit basic_runner(std::size_t cpu_producers, config cfg = {}, options opts = {})
       : basic_runner(cpus(cpu_producers), std::move(cfg), std::move(opts)) {}

@@ -20,6 +20,7 @@
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
+#include "troupe/simulation.hpp"
 
 namespace troupe::testing {
 

@@ -123,6 +123,12 @@ class batch_base {
   /// A copy of items [from, to) (for a retried item, or outputs around a skipped one).
   [[nodiscard]] virtual std::shared_ptr<batch_base> slice(std::size_t from,
                                                           std::size_t to) const = 0;
+  /// These items followed by those of `other`, a batch of the same type (a simulated item
+  /// failure: the outputs around it).
+  [[nodiscard]] virtual std::shared_ptr<batch_base> concat(const batch_base& other) const {
+    (void)other;
+    throw std::logic_error("this batch cannot be concatenated");
+  }
 };
 
 template <class T>
@@ -162,6 +168,17 @@ class batch_of final : public batch_base {
                          items.begin() + static_cast<std::ptrdiff_t>(to)));
     } else {
       throw std::logic_error("items of this type cannot be copied: no retries or skips");
+    }
+  }
+  [[nodiscard]] std::shared_ptr<batch_base> concat(const batch_base& other) const override {
+    auto* more = dynamic_cast<const batch_of<T>*>(&other);
+    if (more == nullptr) throw std::logic_error("concatenating batches of different types");
+    if constexpr (std::is_copy_constructible<T>::value) {
+      auto out = std::make_shared<batch_of<T>>(items);
+      out->items.insert(out->items.end(), more->items.begin(), more->items.end());
+      return out;
+    } else {
+      throw std::logic_error("items of this type cannot be copied");
     }
   }
   caf::error load(caf::deserializer& source) override {
@@ -283,6 +300,11 @@ class batch {
   /// A copy of items [from, to).
   [[nodiscard]] batch slice(std::size_t from, std::size_t to) const {
     return ptr_ ? batch{ptr_->slice(from, to)} : batch{};
+  }
+  /// A copy of these items followed by those of `other` (of the same type).
+  [[nodiscard]] batch concat(const batch& other) const {
+    if (!other.ptr_) return *this;
+    return ptr_ ? batch{ptr_->concat(*other.ptr_)} : other;
   }
 
   /// The type-erased items (nullptr for no batch).

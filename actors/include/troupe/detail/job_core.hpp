@@ -13,11 +13,24 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 
 #include "troupe/batch.hpp"
 #include "troupe/detail/job_gate.hpp"
 #include "troupe/job_options.hpp"
 #include "troupe/options.hpp"
+
+namespace troupe::testing {
+
+/// A simulated cluster (troupe::testing::simulation) went idle, or past its virtual time
+/// limit, while a job it was asked to finish had not ended: the job can never end (a hang).
+/// Its what() names the job and the virtual time; simulation::trace() has every event.
+class hang : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace troupe::testing
 
 namespace troupe::detail {
 
@@ -55,6 +68,15 @@ class job_core {
   }
   /// Called once the job has ended (a stream's reader waits on its own buffer).
   void on_finish(std::function<void()> f);
+
+  /// A job of a simulated cluster: `drive(until)` runs the simulation on the calling thread
+  /// until `until()` holds or nothing more can happen, in place of every wait below.
+  using driver = std::function<void(const std::function<bool()>& until)>;
+  /// Set once, before the job reaches the scheduler.
+  void set_driver(driver d) { driver_ = std::move(d); }
+  /// Runs the simulation until `until()` holds (nothing without one); false without one.
+  bool drive(const std::function<bool()>& until) const;
+  [[nodiscard]] bool simulated() const noexcept { return static_cast<bool>(driver_); }
 
   // -- the caller's side --------------------------------------------------------------------
 
@@ -99,6 +121,9 @@ class job_core {
   progress progress_;
   job_report report_;
   std::function<void()> on_finish_;
+  driver driver_;
+  /// Simulated: runs the simulation until the job has ended; throws testing::hang if it cannot.
+  void drive_to_end(const char* what);
 };
 
 /// The buffer between a stream's consumer actor and the thread reading the stream. The actor

@@ -28,7 +28,8 @@ void clear_internal_thread() noexcept;
 /// The name `job` was registered under (TROUPE_REGISTER_JOB), or "".
 std::string registered_job_name(const std::type_info& job);
 
-class runtime;  // actors/src/runtime_impl.hpp
+class runtime;   // actors/src/runtime_impl.hpp
+class sim_host;  // a simulated cluster (troupe::testing::simulation, actors/src/simulation.cpp)
 
 /// A runner's compiled core, behind a pointer to its implementation: the producers, the
 /// scheduler, the jobs. What a runner template calls; no CAF actor header here.
@@ -39,6 +40,10 @@ class runtime_handle {
   /// registered name ("" if none), needed for remote devices.
   runtime_handle(std::vector<device> devices, config cfg, options opts, std::string job,
                  producer_maker make);
+  /// The same on a simulated cluster: simulated producers, the scheduler on the simulation's
+  /// thread, in virtual time; waits run the simulation (troupe::testing::simulation).
+  runtime_handle(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg,
+                 options opts, producer_maker make);
   runtime_handle(runtime_handle&&) noexcept;
   runtime_handle& operator=(runtime_handle&&) noexcept;
   ~runtime_handle();
