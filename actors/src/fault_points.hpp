@@ -11,4 +11,10 @@ namespace troupe::detail::fault_points {
 /// computed the time from a clock read earlier in the event.
 extern std::atomic<void (*)()> before_wake;
 
+/// Mistakes the property tests must catch (tests/simulation_test.cpp), planted in the real
+/// scheduler on a cold path: a retry is dropped, or a late answer's outputs (a chunk already
+/// delivered, e.g. by a speculative copy) are delivered again.
+enum class planted_bug : int { none = 0, drop_retry, deliver_late_answer };
+extern std::atomic<planted_bug> planted;
+
 }  // namespace troupe::detail::fault_points
