@@ -91,15 +91,18 @@ class sim_state final : public sim_host {
         start_(sched_.clock().now()) {
     rng_.seed(seed);
     sys_.await_actors_before_shutdown(false);
-    director_ = sys_.spawn([this](caf::event_based_actor*) -> caf::behavior {
-      return {[this](sim_event_atom, std::uint64_t id) {
-        auto i = events_.find(id);
-        if (i == events_.end()) return;
-        auto f = std::move(i->second);
-        events_.erase(i);
-        f();
-      }};
-    });
+    // With an argument: CAF 0.17.6 dereferences a null pointer spawning a function without one.
+    director_ = sys_.spawn(
+        [this](caf::event_based_actor*, int) -> caf::behavior {
+          return {[this](sim_event_atom, std::uint64_t id) {
+            auto i = events_.find(id);
+            if (i == events_.end()) return;
+            auto f = std::move(i->second);
+            events_.erase(i);
+            f();
+          }};
+        },
+        0);
   }
 
   ~sim_state() override {
@@ -441,7 +444,9 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<produce
             sim.cost_ * static_cast<double>(std::max<std::size_t>(1, w.items.size())) * n.slow *
             sim.draw_jitter());
         auto start = std::max(now, st->busy_until);
-        if (n.frozen) start = std::max(start, n.frozen_until);
+        // A frozen node starts it once thawed; a partitioned one works on, its answers held.
+        if (n.frozen && n.frozen_until != sim_clock::time_point::max())
+          start = std::max(start, n.frozen_until);
         r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - now).count();
         r.busy_ns = cost.count();
         st->busy_until = start + cost;
