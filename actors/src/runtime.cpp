@@ -39,10 +39,6 @@ namespace {
 
 thread_local bool internal_thread = false;
 
-std::string entry_name(const std::vector<device>& devices, std::size_t i) {
-  return devices[i].str() + " (producer " + std::to_string(i) + ")";
-}
-
 constexpr auto remote_reply_timeout = std::chrono::seconds{120};  // a remote producer's init
 
 bool any_remote(const std::vector<device>& devices) {
@@ -145,55 +141,6 @@ void runtime::check_and_count() {
     ps.where = devices_[i];
     stats_->value.producers.push_back(ps);
   }
-}
-
-namespace {
-
-/// Asks every producer to construct its job object and records the answers (a simulation's
-/// runtime cannot wait for them: the simulation runs until they are in).
-caf::behavior init_collector(caf::event_based_actor* self, std::vector<caf::actor> producers,
-                             std::shared_ptr<std::vector<std::optional<caf::error>>> answers) {
-  for (std::size_t i = 0; i < producers.size(); ++i)
-    self->request(producers[i], caf::infinite, init_atom::value)
-        .then([answers, i](const init_done&) { (*answers)[i] = caf::error{}; },
-              [answers, i](caf::error& err) { (*answers)[i] = std::move(err); });
-  return {[](int) {}};
-}
-
-}  // namespace
-
-runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg,
-                 options opts, producer_maker make)
-    : devices_(std::move(devices)),
-      cfg_(std::move(cfg)),
-      opts_(std::move(opts)),
-      spawn_(
-          [make, host = sim.get()](caf::actor_system&, const device& d, const config& c,
-                                   std::size_t i) { return host->spawn_producer(make, d, c, i); }),
-      stats_(std::make_shared<stats_box>()),
-      sim_(std::move(sim)) {
-  check_and_count();
-  sys_ = &sim_->system();
-  std::vector<caf::actor> producers;
-  for (std::size_t i = 0; i < devices_.size(); ++i)
-    producers.push_back(spawn_(*sys_, devices_[i], cfg_, i));
-  auto answers = std::make_shared<std::vector<std::optional<caf::error>>>(producers.size());
-  auto collector = sys_->spawn(init_collector, producers, answers);
-  sim_->drive([&] {
-    return std::all_of(answers->begin(), answers->end(), [](auto& a) { return a.has_value(); });
-  });
-  caf::anon_send_exit(collector, caf::exit_reason::user_shutdown);
-  for (std::size_t i = 0; i < answers->size(); ++i) {
-    auto& a = (*answers)[i];
-    if (a && !*a) continue;
-    for (auto& p : producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
-    sim_->drive([] { return false; });
-    if (!a) throw testing::hang("producer " + entry_name(devices_, i) + " never started");
-    throw init_error("producer " + entry_name(devices_, i) + ": " + error_text(*a));
-  }
-  scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
-                               /*detached=*/false);
-  open_ = true;
 }
 
 std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings) {
@@ -301,21 +248,6 @@ void runtime::close() noexcept {
     anchor_ = nullptr;
   } catch (const std::exception& e) {
     log(log_level::error, std::string{"closing the runner failed: "} + e.what());
-  }
-}
-
-void runtime::close_simulated() noexcept {
-  try {
-    if (!open_) return;
-    open_ = false;
-    auto promise = std::make_shared<std::promise<void>>();
-    auto closed = promise->get_future().share();
-    // timed: the scheduler keeps close_timeout itself, in virtual time.
-    caf::anon_send(scheduler_, close_atom::value, std::move(promise), true);
-    sim_->drive(
-        [&] { return closed.wait_for(std::chrono::seconds{0}) == std::future_status::ready; });
-  } catch (const std::exception& e) {
-    log(log_level::error, std::string{"closing a simulated runner failed: "} + e.what());
   }
 }
 

@@ -12,6 +12,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "troupe/config.hpp"
@@ -41,6 +42,11 @@ struct stats_box {
   std::mutex mtx;
   troupe::stats value;
 };
+
+/// How errors name entry `i` of a runner's devices: "cpu (producer 2)".
+inline std::string entry_name(const std::vector<device>& devices, std::size_t i) {
+  return devices[i].str() + " (producer " + std::to_string(i) + ")";
+}
 
 /// The checks of a runner's and a job's options (invalid_argument naming the option).
 void validate(const options& o);

@@ -1,0 +1,276 @@
+// The scheduler actor: the single owner of the state of every job on a runner. Jobs run at the
+// same time on the shared producers; the next chunk for a producer with room comes from the job
+// with the least producer time per weight so far (weighted fair share). Per job it pulls input
+// as producers have room, keeps the table of pieces in flight (scheduler_parts.hpp: which
+// producers hold each one, which wait to be sent again), applies the job's error policy (skip,
+// retry on another producer), orders outputs through a bounded reorder window, drives the job's
+// consumer, and ends the job at its deadline or when cancelled. Per producer it sizes chunks
+// (about target_chunk_time of work), keeps about one round trip of work queued, re-sends the
+// work of a lost or stuck producer, replaces stuck local producers, quarantines producers that
+// keep throwing, and sends a chunk that holds up a job to an idle producer as well (first
+// answer wins). At close() it ends every job, then the producers.
+//
+// The class is declared here and defined in four files, one per concern: scheduler_actor.cpp
+// (the actor: its messages, jobs arriving, cancel, deadlines, close), scheduler_dispatch.cpp
+// (which chunk goes to which producer, speculation, timers), scheduler_results.cpp (answers,
+// error policies, producer health: give-up, restart, quarantine) and scheduler_jobs.cpp (a
+// job's consumer, its progress and its end). The parts with no actor in them are
+// producer_model.hpp, fair_share.hpp and scheduler_parts.hpp, each unit-tested on its own.
+#pragma once
+
+#include <algorithm>
+#include <caf/actor_system.hpp>
+#include <caf/event_based_actor.hpp>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "fair_share.hpp"
+#include "fault_points.hpp"
+#include "producer_model.hpp"
+#include "runtime_impl.hpp"
+#include "scheduler_parts.hpp"
+#include "troupe/detail/messages.hpp"
+#include "troupe/error.hpp"
+#include "troupe/internal/bulk.hpp"
+#include "troupe/log.hpp"
+
+namespace troupe::detail {
+
+inline constexpr int max_restarts_in_row = 3;  ///< per slot and job, without an answer in between
+inline constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an item before we know
+
+/// A producer: its actor and health, and what the scheduler has learnt of it (producer_model).
+struct producer_slot : producer_model {
+  caf::actor handle;
+  device where;
+  std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
+  bool restarting = false;
+  bool quarantined = false;
+  int restarts_in_row = 0;
+  std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
+  clock_type::time_point last_done{};  ///< when its last answer arrived
+};
+
+inline model_settings settings_of(const options& o) {
+  model_settings s;
+  s.chunk_size = o.chunk_size;
+  s.max_in_flight = o.max_in_flight;
+  s.max_chunk_items = o.max_chunk_items;
+  s.target_chunk_time = std::chrono::duration_cast<std::chrono::nanoseconds>(o.target_chunk_time);
+  s.max_chunk_bytes = o.max_chunk_bytes;
+  s.reorder_window = o.reorder_window;
+  return s;
+}
+
+/// One job, from submit() until it ends. Dropped as a whole when it ends.
+struct job_state {
+  std::uint64_t id = 0;
+  std::shared_ptr<job_core> core;
+  std::shared_ptr<input_source> source;
+  caf::actor consumer;
+  bool ordered = false;
+  job_options opts;
+  std::uint64_t next_item = 0;  ///< index of the next item to pull
+  std::uint64_t consumed = 0;
+  bool exhausted = false;
+  bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
+  std::size_t backlog = 0;    ///< chunks sent to the consumer, not yet acknowledged
+  std::deque<batch> pending;  ///< outputs held back while backlog is at consumer_backlog
+  std::shared_ptr<job_gate> gate;      ///< shared with the consumer and the handle
+  std::uint64_t sent_to_consumer = 0;  ///< outputs sent to the consumer
+  /// Its last outputs are on their way with consumer::end(): its report, progress and stats are
+  /// final already, and the consumer finishes the job itself once end() has returned.
+  bool concluded = false;
+  inflight_table pieces;
+  reorder_window reorder;
+  job_report report;
+  clock_type::time_point started;
+  clock_type::time_point last_progress;
+};
+
+class scheduler {
+ public:
+  scheduler(caf::event_based_actor* self, std::vector<caf::actor> producers,
+            std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
+            producer_spawner spawn, config cfg);
+
+  void start(std::shared_ptr<job_spec> spec);
+
+  /// job_handle::cancel(): nothing more of the job reaches a producer; answered when done.
+  /// A cancel that comes after consumer::end() has begun loses: end()'s value is the result.
+  void cancel(std::uint64_t id);
+
+  void deadline_passed(std::uint64_t id);
+
+  void wakeup() { pump(); }
+
+  /// The actor system's clock: steady_clock in a runner, virtual time in a simulation
+  /// (troupe::testing::simulation runs this actor on CAF's test coordinator).
+  clock_type::time_point clock_now() const { return self_->home_system().clock().now(); }
+
+  /// options::work_timeout: gives up on producers that have been on one chunk too long.
+  void check_stalls();
+
+  /// close(): ends every job (runner_closed), then every producer (producer::end()), within
+  /// options::close_timeout in all (close_timeout_atom); producers still busy then are left
+  /// behind. `timed`: this actor keeps that time itself (when nobody waits for `done`); else the
+  /// waiting closer sends close_timeout_atom, so that no timer keeps this actor's thread alive
+  /// after it has quit.
+  void close(std::shared_ptr<std::promise<void>> done, bool timed);
+
+  void close_timed_out();
+
+ private:
+  // -- dispatch --------------------------------------------------------------------------
+
+  void schedule_stall_check();
+
+  /// The reorder window in chunks (reorder_window_chunks).
+  std::size_t window() const { return reorder_window_chunks(producers_, settings_); }
+
+  bool consumer_has_room(const job_state& j) const;
+
+  bool window_open(const job_state& j) const;
+
+  std::size_t chunk_limit(const producer_slot& s) const { return s.chunk_limit(settings_); }
+
+  bool has_room(const producer_slot& s) const { return s.has_room(settings_); }
+
+  /// Live producers with room, the least loaded first.
+  std::vector<std::size_t> producers_with_room() const;
+
+  /// Whether a retry that threw on `p` may go back to it: no other producer can take work.
+  bool only_choice(std::size_t p) const;
+
+  bool has_work_for(const job_state& j, std::size_t p, clock_type::time_point now) const;
+
+  /// Whether `j` may have work for some producer: queued pieces, or items to pull.
+  bool may_have_work(const job_state& j) const;
+
+  /// Keeps the indexes of `j` current (after anything about it changed) and settles it at the
+  /// end of this event (its outputs to its consumer, its end).
+  void touch(job_state& j);
+
+  /// Every event ends here. Its cost grows with the producers and the jobs this event touched,
+  /// not with the number of jobs running.
+  void pump();
+
+  /// The jobs touched since the last settle(): outputs to their consumers, their end.
+  void settle();
+
+  /// Sends producer `p` its next chunk: from the job with the least pass that has work for it;
+  /// else, when it is idle (no job has an item it could take instead), a copy of a late chunk.
+  /// False when there is none.
+  bool dispatch_to(std::size_t p, clock_type::time_point now);
+
+  /// options::speculative: an idle producer takes a copy of a late chunk (first answer wins):
+  /// one outstanding longer than options::speculation_after times its producer's expected time
+  /// for it (at least 10 target chunk times, and those only when its time per item is not known
+  /// yet), and only when `p` has nothing else to do.
+  bool speculate(std::size_t p, clock_type::time_point now);
+
+  bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now);
+
+  void send(std::size_t p, job_state& j, std::uint64_t id);
+
+  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late). A time already
+  /// passed wakes it at once: the caller computed `t` from a clock read earlier in this event,
+  /// and a wakeup dropped because the thread was preempted in between would leave the job
+  /// waiting for an event that never comes (it hung CI once: an ordered job whose only way on
+  /// was a speculative copy).
+  void wake_at(clock_type::time_point t);
+
+  // -- results -----------------------------------------------------------------------------
+
+  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                 chunk_result& r);
+
+  /// Counts the items that threw in a row on `s`; true when it reaches quarantine_after.
+  bool count_failures(producer_slot& s, const chunk_result& r, std::size_t n, std::uint64_t first);
+
+  /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
+  /// job; the outputs of the others are delivered around them.
+  void handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r);
+
+  /// Outputs [out, out + n) of `outputs` are items [first, first + n) of `j`.
+  void deliver_part(job_state& j, std::uint64_t first, std::size_t n, const batch& outputs,
+                    std::size_t out);
+
+  /// A piece's outputs, all of its items.
+  void deliver(job_state& j, std::uint64_t first, std::size_t n, batch outputs);
+
+  void release(job_state& j);
+
+  /// Tells options::on_event (on this thread; what it throws is ignored).
+  void emit(producer_event::kind kind, std::size_t p, std::string reason);
+
+  /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the
+  /// others, its late answers are dropped, and a local one is replaced by a fresh one.
+  void give_up(std::size_t p, const caf::error& err, bool quarantine = false,
+               producer_event::kind kind = producer_event::kind::lost);
+
+  void quarantine_producer(std::size_t p);
+
+  /// Starts a fresh producer on the device of slot `p`; it takes work once constructed.
+  void restart(std::size_t p);
+
+  /// Fails every job with node_error when no producer is left to take work.
+  void check_survivors();
+
+  // -- consumer ------------------------------------------------------------------------------
+
+  /// Outputs for the consumer: sent at the end of this event (flush_consumer), at most
+  /// options::consumer_backlog chunks unacknowledged; the rest wait here.
+  void send_to_consumer(job_state& j, batch outputs) { j.pending.push_back(std::move(outputs)); }
+
+  /// Whether every output of `j` is through the producers and the reorder window.
+  static bool all_through(const job_state& j);
+
+  void flush_consumer(job_state& j);
+
+  /// The job's last outputs go to its consumer with consumer::end(): what get() shows once it
+  /// returns (report, progress, stats) is made final now, so that the consumer can finish the
+  /// job itself, without a round trip through this actor. Undone (counted as failed) when end()
+  /// throws.
+  void conclude(job_state& j);
+
+  void publish_report(job_state& j);
+
+  void report_progress(job_state& j, bool final);
+
+  // -- the end of a job ----------------------------------------------------------------------
+
+  void maybe_finish(std::uint64_t id);
+
+  /// Ends job `id` (e: nullptr on success): its state is dropped, answers still on their way
+  /// are dropped when they come, and its handle wakes up. Its consumer is disposed of by the
+  /// thread that waits for the job, before get() returns.
+  void end_job(std::uint64_t id, std::exception_ptr e);
+
+  void ended_one();
+
+  void finish_close();
+
+  caf::event_based_actor* self_;
+  options opts_;
+  model_settings settings_;  ///< what producer_model reads of opts_
+  std::shared_ptr<stats_box> stats_;
+  producer_spawner spawn_;
+  config cfg_;
+  std::vector<producer_slot> producers_;
+  bool closing_ = false;
+  std::size_t pending_ends_ = 0;
+  std::shared_ptr<std::promise<void>> close_promise_;
+  std::map<std::uint64_t, std::unique_ptr<job_state>> jobs_;  ///< running, oldest first
+  /// So that an event costs the same with 10 or 10,000 jobs running: the jobs by fair-share
+  /// pass (those that may have work for a producer apart), and the jobs this event changed.
+  fair_share share_;
+  std::vector<std::uint64_t> touched_;
+  std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
+};
+
+}  // namespace troupe::detail

@@ -1,0 +1,207 @@
+// The scheduler (scheduler.hpp): which chunk goes to which producer, by fair share, room and
+// the reorder window; speculative copies of late chunks; wakeups.
+#include "scheduler.hpp"
+
+namespace troupe::detail {
+
+bool scheduler::consumer_has_room(const job_state& j) const {
+  return j.pending.empty() && j.backlog < opts_.consumer_backlog;
+}
+
+bool scheduler::window_open(const job_state& j) const {
+  return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
+}
+
+std::vector<std::size_t> scheduler::producers_with_room() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < producers_.size(); ++i)
+    if (has_room(producers_[i])) out.push_back(i);
+  auto load = [this](std::size_t i) { return producers_[i].load(); };
+  std::stable_sort(out.begin(), out.end(),
+                   [&](std::size_t a, std::size_t b) { return load(a) < load(b); });
+  return out;
+}
+
+bool scheduler::only_choice(std::size_t p) const {
+  for (std::size_t i = 0; i < producers_.size(); ++i)
+    if (i != p && (producers_[i].alive || producers_[i].restarting)) return false;
+  return true;
+}
+
+bool scheduler::has_work_for(const job_state& j, std::size_t p, clock_type::time_point now) const {
+  if (!consumer_has_room(j)) return false;
+  return j.pieces.has_queued(p, now, only_choice(p)) || (!j.exhausted && window_open(j));
+}
+
+bool scheduler::may_have_work(const job_state& j) const {
+  return consumer_has_room(j) && (j.pieces.queued() > 0 || (!j.exhausted && window_open(j)));
+}
+
+void scheduler::touch(job_state& j) {
+  share_.set_ready(j.id, may_have_work(j));
+  touched_.push_back(j.id);
+}
+
+void scheduler::pump() {
+  if (closing_) return;
+  settle();
+  bool sent = true;
+  while (sent) {
+    sent = false;
+    auto now = clock_now();
+    for (auto p : producers_with_room())
+      if (dispatch_to(p, now)) {
+        sent = true;
+        break;
+      }
+  }
+  settle();
+}
+
+void scheduler::settle() {
+  while (!touched_.empty()) {
+    auto batch_ids = std::move(touched_);
+    touched_.clear();
+    std::sort(batch_ids.begin(), batch_ids.end());
+    batch_ids.erase(std::unique(batch_ids.begin(), batch_ids.end()), batch_ids.end());
+    for (auto id : batch_ids) {
+      auto ji = jobs_.find(id);
+      if (ji == jobs_.end()) continue;
+      flush_consumer(*ji->second);
+      maybe_finish(id);
+    }
+  }
+}
+
+bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
+  auto id = share_.pick(
+      [&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },  // the window, say
+      [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
+  return id ? dispatch_from(*jobs_.at(*id), p, now) : speculate(p, now);
+}
+
+bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
+  if (!opts_.speculative || !producers_[p].outstanding.empty()) return false;
+  auto floor = std::chrono::duration<double, std::nano>(opts_.target_chunk_time).count() * 10;
+  job_state* best_job = nullptr;
+  std::uint64_t best_id = 0;
+  double most_late = 1;             // elapsed / allowed
+  std::optional<double> next_late;  // ns from now until the first chunk becomes late
+  for (std::size_t q = 0; q < producers_.size(); ++q) {
+    auto& s = producers_[q];
+    if (q == p || !s.alive || s.outstanding.empty()) continue;
+    // A producer works FIFO: its chunks finish one after the other from when it could start
+    // the first one.
+    auto began = std::max(s.outstanding.front().sent, s.last_done);
+    auto elapsed = std::chrono::duration<double, std::nano>(now - began).count();
+    double expected = 0;
+    for (auto& rec : s.outstanding) {
+      expected += static_cast<double>(rec.items) * s.ns_per_item;
+      auto allowed = std::max(floor, opts_.speculation_after * expected);
+      if (elapsed <= allowed * most_late) {  // this one and those behind it: on time (yet)
+        if (!best_job)
+          next_late = std::min(next_late.value_or(allowed - elapsed), allowed - elapsed);
+        break;
+      }
+      auto ji = jobs_.find(rec.job);
+      if (ji == jobs_.end()) continue;
+      auto* x = ji->second->pieces.find(rec.id);
+      if (!x || x->holders.size() != 1 || x->holders[0] == p) continue;
+      best_job = ji->second.get();
+      best_id = rec.id;
+      most_late = elapsed / allowed;
+    }
+  }
+  if (!best_job) {
+    // Nothing is late yet: look again when the first chunk would be.
+    if (next_late) {
+      auto at = now + std::chrono::duration_cast<clock_type::duration>(
+                          std::chrono::duration<double, std::nano>(*next_late));
+      if (!speculation_check_ || *speculation_check_ <= now || at < *speculation_check_) {
+        speculation_check_ = at;
+        wake_at(at);
+      }
+    }
+    return false;
+  }
+  auto n = best_job->pieces.find(best_id)->items.size();
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.duplicated_items += n;
+  }
+  send(p, *best_job, best_id);
+  return true;
+}
+
+bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_point now) {
+  if (auto id = j.pieces.take_queued(p, now, only_choice(p))) {
+    send(p, j, *id);
+    return true;
+  }
+  auto& s = producers_[p];
+  piece x;
+  try {
+    x.items = j.source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
+  } catch (...) {
+    j.exhausted = true;
+    end_job(j.id, std::current_exception());
+    return true;  // the job is gone; look again
+  }
+  j.exhausted = j.source->exhausted();
+  if (x.items.empty()) {
+    touch(j);
+    return j.exhausted;  // looked again with the job now exhausted
+  }
+  x.first = j.next_item;
+  j.next_item += x.items.size();
+  j.report.items = j.next_item;
+  send(p, j, j.pieces.add(std::move(x)));
+  return true;
+}
+
+void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
+  auto& s = producers_[p];
+  auto& x = *j.pieces.find(id);
+  // A caller's range is lent to local producers only: a node gets a copy (its message is
+  // written later, on the network's thread).
+  if (!s.local && x.items.lease()) x.items = x.items.owned();
+  x.holders.push_back(p);
+  sent_chunk rec;
+  rec.job = j.id;
+  rec.id = id;
+  rec.items = x.items.size();
+  rec.sent = clock_now();
+  rec.behind = s.outstanding.size();
+  rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
+  s.outstanding.push_back(rec);
+  s.items += rec.items;
+  auto cost =
+      static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
+  share_.charge(j.id, cost, static_cast<double>(j.opts.weight));
+  touch(j);
+  auto gen = s.gen;
+  auto job = j.id;
+  // A large chunk for a remote producer travels as fragments, then a small reference.
+  work_chunk msg{job, x.first, bulk::split_for(self_, s.handle, x.items),
+                 !j.opts.on_error.fails_fast()};
+  self_->request(s.handle, caf::infinite, std::move(msg))
+      .then([this, p, gen, id, job](chunk_result& r) { on_result(p, gen, job, id, r); },
+            [this, p, gen](caf::error& err) {
+              if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, err);
+            });
+}
+
+void scheduler::wake_at(clock_type::time_point t) {
+  if (auto hook = fault_points::before_wake.load()) hook();
+  auto now = clock_now();
+  if (t <= now) {
+    self_->send(self_, wakeup_atom::value);
+    return;
+  }
+  self_->delayed_send(self_,
+                      std::chrono::duration_cast<std::chrono::microseconds>(t - now) +
+                          std::chrono::microseconds{100},
+                      wakeup_atom::value);
+}
+
+}  // namespace troupe::detail

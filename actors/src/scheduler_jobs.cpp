@@ -1,0 +1,154 @@
+// The scheduler (scheduler.hpp): a job's consumer (outputs within consumer_backlog), its
+// progress and report, and its end; the end of close().
+#include "scheduler.hpp"
+
+namespace troupe::detail {
+
+bool scheduler::all_through(const job_state& j) {
+  return j.exhausted && j.pieces.empty() && j.reorder.empty();
+}
+
+void scheduler::flush_consumer(job_state& j) {
+  while (!j.pending.empty() && j.backlog < opts_.consumer_backlog) {
+    auto outputs = std::move(j.pending.front());
+    j.pending.pop_front();
+    // The job's final outputs carry consumer::end() with them (no end_of_input round trip).
+    bool last = j.pending.empty() && all_through(j) && !j.ending;
+    auto n = outputs.size();
+    j.sent_to_consumer += n;
+    if (last) {
+      j.ending = true;
+      conclude(j);
+    }
+    auto job = j.id;
+    j.backlog += 1;
+    self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs), last})
+        .then(
+            [this, job, n, last](const consume_ack&) {
+              auto ji = jobs_.find(job);
+              if (ji == jobs_.end()) return;
+              auto& j = *ji->second;
+              j.backlog -= 1;
+              j.consumed += n;
+              if (!j.concluded) {
+                std::lock_guard<std::mutex> guard{stats_->mtx};
+                stats_->value.items += n;
+              }
+              if (last) {
+                end_job(job, nullptr);
+              } else {
+                report_progress(j, false);
+                touch(j);
+              }
+              pump();
+            },
+            [this, job](caf::error& err) {
+              if (!jobs_.count(job)) return;
+              end_job(job, std::make_exception_ptr(consumer_error(error_text(err))));
+              pump();
+            });
+  }
+}
+
+void scheduler::conclude(job_state& j) {
+  j.concluded = true;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.items += j.sent_to_consumer - j.consumed;
+    stats_->value.runs += 1;
+  }
+  auto consumed = j.consumed;
+  j.consumed = j.sent_to_consumer;
+  report_progress(j, true);
+  j.consumed = consumed;
+  publish_report(j);
+}
+
+void scheduler::publish_report(job_state& j) {
+  std::sort(j.report.failures.begin(), j.report.failures.end(),
+            [](const item_failure& a, const item_failure& b) { return a.index < b.index; });
+  j.core->update_report([&](job_report& r) { r = j.report; });
+}
+
+void scheduler::report_progress(job_state& j, bool final) {
+  auto now = clock_now();
+  if (!final && now - j.last_progress < std::chrono::milliseconds{100}) return;
+  j.last_progress = now;
+  progress p;
+  p.done = j.consumed;
+  p.total = j.source ? j.source->total() : std::nullopt;
+  p.elapsed_seconds = std::chrono::duration<double>(now - j.started).count();
+  p.items_per_second =
+      p.elapsed_seconds > 0 ? static_cast<double>(j.consumed) / p.elapsed_seconds : 0;
+  j.core->set_progress(p);
+  j.core->update_report([&](job_report& r) {
+    r.items = j.report.items;
+    r.retries = j.report.retries;
+    r.redispatched = j.report.redispatched;
+  });
+  for (auto* f : {&j.opts.on_progress, &opts_.on_progress}) {
+    if (!*f) continue;
+    try {
+      (*f)(p);
+    } catch (...) {
+      log(log_level::warn, "on_progress threw; ignored");
+    }
+  }
+}
+
+void scheduler::maybe_finish(std::uint64_t id) {
+  auto ji = jobs_.find(id);
+  if (ji == jobs_.end()) return;
+  auto& j = *ji->second;
+  if (j.ending || !all_through(j) || !j.pending.empty() || j.backlog > 0) return;
+  j.ending = true;
+  self_->request(j.consumer, caf::infinite, end_of_input{id})
+      .then(
+          [this, id](const consume_ack&) {
+            end_job(id, nullptr);
+            pump();
+          },
+          [this, id](caf::error& err) {
+            end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
+            pump();
+          });
+}
+
+void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
+  auto ji = jobs_.find(id);
+  if (ji == jobs_.end()) return;
+  auto j = std::move(ji->second);
+  jobs_.erase(ji);
+  share_.leave(id);
+  // A consumer that concluded the job has finished it already: that outcome stands.
+  if (j->core->done()) e = j->core->error();
+  if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
+  if (!e && !j->concluded) report_progress(*j, true);
+  j->source.reset();  // the caller's range must not be touched once the job has ended
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    if (!j->concluded) stats_->value.runs += 1;
+    if (e) stats_->value.failed_runs += 1;
+  }
+  if (!j->concluded || e) publish_report(*j);
+  j->core->finish(std::move(e));
+}
+
+void scheduler::ended_one() {
+  if (pending_ends_ > 0 && --pending_ends_ == 0) finish_close();
+}
+
+void scheduler::finish_close() {
+  if (!close_promise_) return;
+  while (!jobs_.empty())  // a consumer::end() that has not answered by now
+    end_job(jobs_.begin()->first,
+            std::make_exception_ptr(runner_closed("the runner was closed during this job")));
+  for (auto& s : producers_)
+    if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+  auto done = std::move(close_promise_);
+  close_promise_ = nullptr;
+  done->set_value();
+  self_->quit();
+}
+
+}  // namespace troupe::detail

@@ -1,0 +1,321 @@
+// The scheduler (scheduler.hpp): producers' answers, the jobs' error policies, and producer
+// health (given up on, replaced, quarantined).
+#include "scheduler.hpp"
+
+namespace troupe::detail {
+
+void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                          chunk_result& r) {
+  // Joined first, even for an answer dropped below, so that its fragments are released.
+  try {
+    r.outputs = bulk::resolve(r.outputs);
+  } catch (const std::exception& e) {
+    r.outputs = {};
+    if (r.ok()) {
+      r.code = errc::protocol_error;
+      r.what = e.what();
+    }
+  }
+  auto& s = producers_[p];
+  // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
+  // output is delivered exactly once.
+  if (s.gen != gen) return;
+  auto now = clock_now();
+  auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
+                          [&](const sent_chunk& x) { return x.job == job && x.id == id; });
+  if (rec != s.outstanding.end()) {
+    s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
+    s.items -= rec->items;
+    s.outstanding.erase(rec);
+  }
+  s.last_done = now;
+  s.restarts_in_row = 0;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.producers[p].busy += std::chrono::nanoseconds{r.busy_ns};
+  }
+  if (closing_) return;
+  auto ji = jobs_.find(job);
+  std::optional<piece> x;
+  if (ji != jobs_.end()) x = ji->second->pieces.take_out(id);
+  // Quarantine counts every throw of this producer, also for a job that has ended.
+  bool quarantine = count_failures(s, r, x ? x->items.size() : 0, x ? x->first : 0);
+  if (x) {
+    auto& j = *ji->second;
+    if (!r.ok()) {
+      if (r.code == errc::work_error)
+        end_job(job, std::make_exception_ptr(work_error(
+                         "producer::work threw on item " + std::to_string(r.failed_index) + " on " +
+                             s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
+                         r.failed_index, s.where.str())));
+      else
+        end_job(job, std::make_exception_ptr(protocol_error(r.what)));
+    } else {
+      {
+        std::lock_guard<std::mutex> guard{stats_->mtx};
+        stats_->value.producers[p].items += r.outputs.size();
+      }
+      if (r.failures.empty())
+        deliver(j, x->first, x->items.size(), std::move(r.outputs));
+      else
+        handle_failures(j, p, std::move(*x), r);
+      if (auto again = jobs_.find(job); again != jobs_.end()) touch(*again->second);
+    }
+  }
+  if (!x && ji != jobs_.end() && r.ok() && r.failures.empty() &&
+      fault_points::planted.load() == fault_points::planted_bug::deliver_late_answer)
+    deliver(*ji->second, r.first, r.outputs.size(), std::move(r.outputs));
+  if (quarantine) quarantine_producer(p);
+  pump();
+}
+
+bool scheduler::count_failures(producer_slot& s, const chunk_result& r, std::size_t n,
+                               std::uint64_t first) {
+  if (!r.ok() && r.code != errc::work_error) return false;
+  if (r.ok() && r.failures.empty()) {
+    s.failures_in_row = 0;
+    return false;
+  }
+  bool reached = false;
+  auto bump = [&] {
+    ++s.failures_in_row;
+    reached = reached || (opts_.quarantine_after && s.failures_in_row >= opts_.quarantine_after);
+  };
+  if (!r.ok()) {  // stopped at its first throw
+    if (r.failed_index != first) s.failures_in_row = 0;
+    bump();
+    return reached;
+  }
+  auto expect = first;  // the item after the previous failure
+  for (auto& f : r.failures) {
+    if (f.index != expect) s.failures_in_row = 0;
+    bump();
+    expect = f.index + 1;
+  }
+  if (n > 0 && expect != first + n) s.failures_in_row = 0;
+  return reached;
+}
+
+void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r) {
+  auto& pol = j.opts.on_error;
+  auto& s = producers_[p];
+  auto job = j.id;
+  std::uint64_t seg = x.first;  // the first item of the current run of successes
+  std::size_t out = 0;          // its first output
+  auto flush = [&](std::uint64_t upto) {
+    if (upto > seg) {
+      auto n = static_cast<std::size_t>(upto - seg);
+      deliver_part(j, seg, n, r.outputs, out);
+      out += n;
+    }
+  };
+  for (auto& f : r.failures) {
+    if (f.index < x.first || f.index >= x.first + x.items.size()) {
+      end_job(job, std::make_exception_ptr(protocol_error("a producer reported item " +
+                                                          std::to_string(f.index) +
+                                                          " outside the chunk it was sent")));
+      return;
+    }
+    flush(f.index);
+    seg = f.index + 1;
+    auto attempts = x.attempt + 1;
+    if (attempts <= pol.retries) {
+      piece again;
+      again.first = f.index;
+      auto at = static_cast<std::size_t>(f.index - x.first);
+      again.items = x.items.slice(at, at + 1);
+      again.attempt = attempts;
+      again.avoid = p;
+      again.not_before = clock_now() + pol.backoff;
+      if (pol.backoff.count() > 0) wake_at(again.not_before);
+      again.last_error = f.what;
+      again.last_where = s.where.str();
+      if (fault_points::planted.load() != fault_points::planted_bug::drop_retry ||
+          again.first % 7 != 3)
+        j.pieces.add_queued(std::move(again));
+      j.report.retries += 1;
+      continue;
+    }
+    auto what = "producer::work threw on item " + std::to_string(f.index) + " on " + s.where.str() +
+                " (producer " + std::to_string(p) + ")" +
+                (attempts > 1 ? " at each of " + std::to_string(attempts) + " attempts" : "") +
+                ": " + f.what;
+    if (!pol.skips) {
+      end_job(job, std::make_exception_ptr(work_error(what, f.index, s.where.str())));
+      return;
+    }
+    j.report.failures.push_back(item_failure{f.index, f.what, s.where.str(), attempts});
+    if (j.report.failures.size() > pol.max_failures) {
+      end_job(job, std::make_exception_ptr(work_error(
+                       "more than " + std::to_string(pol.max_failures) +
+                           " item(s) failed (error_policy max_failures); the last: " + what,
+                       f.index, s.where.str())));
+      return;
+    }
+    if (j.ordered) j.reorder.add(f.index, 1, batch{});  // a gap the order passes over
+  }
+  flush(x.first + x.items.size());
+  if (j.ordered) release(j);
+}
+
+void scheduler::deliver_part(job_state& j, std::uint64_t first, std::size_t n, const batch& outputs,
+                             std::size_t out) {
+  if (!j.ordered) {
+    if (out == 0 && n == outputs.size())
+      send_to_consumer(j, outputs);
+    else
+      send_to_consumer(j, outputs.slice(out, out + n));
+    return;
+  }
+  j.reorder.add(first, n, outputs.slice(out, out + n));
+}
+
+void scheduler::deliver(job_state& j, std::uint64_t first, std::size_t n, batch outputs) {
+  if (!j.ordered) {
+    send_to_consumer(j, std::move(outputs));
+    return;
+  }
+  j.reorder.add(first, n, std::move(outputs));
+  release(j);
+}
+
+void scheduler::release(job_state& j) {
+  j.reorder.release([&](batch b) { send_to_consumer(j, std::move(b)); });
+}
+
+void scheduler::emit(producer_event::kind kind, std::size_t p, std::string reason) {
+  if (!opts_.on_event) return;
+  mark_internal_thread();  // a close() or run() from the handler must not wait for itself
+  producer_event e;
+  e.what = kind;
+  e.producer = p;
+  e.where = producers_[p].where;
+  e.reason = std::move(reason);
+  try {
+    opts_.on_event(e);
+  } catch (...) {
+    log(log_level::warn, "on_event threw; ignored");
+  }
+}
+
+void scheduler::give_up(std::size_t p, const caf::error& err, bool quarantine,
+                        producer_event::kind kind) {
+  auto& s = producers_[p];
+  if (!s.alive) return;
+  if (quarantine) kind = producer_event::kind::quarantined;
+  s.alive = false;
+  s.gen += 1;
+  s.quarantined = quarantine;
+  bool replace = s.local && !closing_ && !quarantine && s.restarts_in_row < max_restarts_in_row;
+  if (quarantine)
+    log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
+                             " is quarantined: its work() threw " +
+                             std::to_string(s.failures_in_row) +
+                             " times in a row (options::quarantine_after); its work goes to "
+                             "the others");
+  else
+    log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() + " is " +
+                             (err == caf::exit_reason::unreachable ? "unreachable" : "lost") +
+                             " (" + error_text(err) + "); its work goes to the others" +
+                             (replace ? ", and a fresh producer replaces it" : ""));
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.producers[p].alive = false;
+    stats_->value.producers[p].quarantined = quarantine;
+  }
+  emit(kind, p,
+       quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
+                        " times in a row (options::quarantine_after)"
+                  : error_text(err));
+  for (auto& rec : s.outstanding) {
+    auto ji = jobs_.find(rec.job);
+    if (ji == jobs_.end()) continue;
+    if (ji->second->pieces.drop_holder(rec.id, p)) ji->second->report.redispatched += rec.items;
+    touch(*ji->second);
+  }
+  s.outstanding.clear();
+  s.items = 0;
+  if (s.local || quarantine) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+  if (replace) restart(p);
+  check_survivors();
+  pump();
+}
+
+void scheduler::quarantine_producer(std::size_t p) {
+  give_up(p, make_error(errc::work_error, "quarantined"), true);
+}
+
+void scheduler::restart(std::size_t p) {
+  auto& s = producers_[p];
+  caf::actor fresh;
+  try {
+    fresh = spawn_(self_->system(), s.where, cfg_, p);
+  } catch (const std::exception& e) {
+    log(log_level::error, "cannot replace the producer on " + s.where.str() + ": " + e.what());
+    return;
+  }
+  s.restarting = true;
+  s.restarts_in_row += 1;
+  s.handle = fresh;
+  s.gen += 1;
+  self_->monitor(fresh);
+  auto gen = s.gen;
+  self_->request(fresh, caf::infinite, init_atom::value)
+      .then(
+          [this, p, gen](const init_done&) {
+            auto& s = producers_[p];
+            if (s.gen != gen) return;
+            s.restarting = false;
+            if (closing_) {
+              self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+              return;
+            }
+            s.alive = true;
+            s.outstanding.clear();
+            s.items = 0;
+            {
+              std::lock_guard<std::mutex> guard{stats_->mtx};
+              auto& ps = stats_->value.producers[p];
+              ps.alive = true;
+              ps.restarts += 1;
+            }
+            log(log_level::info, "producer " + std::to_string(p) + " on " + s.where.str() +
+                                     " was replaced by a fresh one");
+            emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
+            pump();
+          },
+          [this, p, gen](const caf::error& err) {
+            auto& s = producers_[p];
+            if (s.gen != gen) return;
+            s.restarting = false;
+            log(log_level::error, "the replacement producer on " + s.where.str() +
+                                      " failed to start: " + error_text(err));
+            check_survivors();
+            pump();
+          });
+}
+
+void scheduler::check_survivors() {
+  if (jobs_.empty()) return;
+  if (std::any_of(producers_.begin(), producers_.end(),
+                  [](auto& s) { return s.alive || s.restarting; }))
+    return;
+  std::string what = "every producer is lost (";
+  bool all_local = true;
+  bool any_quarantined = false;
+  for (std::size_t i = 0; i < producers_.size(); ++i) {
+    what += (i ? ", " : "") + producers_[i].where.str() +
+            (producers_[i].quarantined ? ": quarantined" : "");
+    all_local = all_local && producers_[i].local;
+    any_quarantined = any_quarantined || producers_[i].quarantined;
+  }
+  what += "); the job's remaining work could not be done: ";
+  what += any_quarantined ? "quarantined producers threw options::quarantine_after times in a "
+                            "row; create a new runner"
+          : all_local     ? "their replacements were stuck too or failed to start (see the "
+                            "log); create a new runner"
+                          : "create a new runner, with reachable nodes";
+  while (!jobs_.empty()) end_job(jobs_.begin()->first, std::make_exception_ptr(node_error(what)));
+}
+
+}  // namespace troupe::detail

@@ -1,0 +1,348 @@
+// The state of a simulated cluster (troupe::testing::simulation, actors/src/simulation.cpp):
+// its actor system on the test coordinator, its nodes and faults, its trace, and the loop that
+// runs it. The simulated producers are in sim_producer.cpp.
+#pragma once
+
+#include <algorithm>
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/event_based_actor.hpp>
+#include <caf/scheduler/test_coordinator.hpp>
+#include <caf/send.hpp>
+#include <cstdio>
+#include <map>
+#include <random>
+
+#include "runtime_impl.hpp"
+#include "troupe/detail/messages.hpp"
+#include "troupe/detail/network.hpp"
+#include "troupe/error.hpp"
+#include "troupe/log.hpp"
+#include "troupe/simulation.hpp"
+
+namespace troupe::detail {
+
+using sim_answer_atom = caf::atom_constant<caf::atom("simanswer")>;
+using sim_event_atom = caf::atom_constant<caf::atom("simevent")>;
+using sim_clock = std::chrono::steady_clock;
+
+/// limits::idle_timeout's default: a node silent this long is lost (heartbeats).
+inline constexpr std::chrono::milliseconds heartbeat_loss{1500};
+
+enum fault_kind : int {
+  kill_fault,
+  freeze_fault,
+  slow_fault,
+  partition_fault,
+  heal_fault,
+  delay_fault
+};
+
+inline const char* fault_name(int k) {
+  static const char* names[] = {"kill", "freeze", "slow", "partition", "heal", "delay"};
+  return names[k];
+}
+
+struct sim_node {
+  bool dead = false;
+  bool frozen = false;
+  sim_clock::time_point frozen_until = sim_clock::time_point::max();  ///< max: partitioned
+  std::uint64_t freeze_id = 0;  ///< which freeze a heartbeat-loss check belongs to
+  double slow = 1;
+  std::chrono::nanoseconds delay{0};
+  std::size_t chunks = 0;  ///< chunks received so far
+  std::vector<caf::actor> producers;
+  std::vector<std::pair<caf::actor, std::uint64_t>> held;  ///< answers held while frozen
+};
+
+struct sim_chunk_fault {
+  std::string node;
+  std::size_t chunk;
+  int kind;
+  double value;
+};
+
+class sim_state;
+
+struct sim_producer_state {
+  sim_state* sim = nullptr;
+  producer_maker make = nullptr;
+  device where;
+  std::string node;
+  config cfg;
+  std::size_t index = 0;
+  std::unique_ptr<producer_ops> ops;
+  sim_clock::time_point busy_until{};
+  std::uint64_t next_answer = 0;
+  std::map<std::uint64_t, std::pair<caf::response_promise, chunk_result>> answers;
+};
+
+caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_producer_state> st);
+
+class sim_state final : public sim_host {
+ public:
+  explicit sim_state(std::uint64_t seed)
+      : cfg_(make_system_config(false)),
+        sys_((cfg_->set("scheduler.policy", caf::atom("testing")), *cfg_)),
+        sched_(dynamic_cast<caf::scheduler::test_coordinator&>(sys_.scheduler())),
+        start_(sched_.clock().now()) {
+    rng_.seed(seed);
+    sys_.await_actors_before_shutdown(false);
+    // With an argument: CAF 0.17.6 dereferences a null pointer spawning a function without one.
+    director_ = sys_.spawn(
+        [this](caf::event_based_actor*, int) -> caf::behavior {
+          return {[this](sim_event_atom, std::uint64_t id) {
+            auto i = events_.find(id);
+            if (i == events_.end()) return;
+            auto f = std::move(i->second);
+            events_.erase(i);
+            f();
+          }};
+        },
+        0);
+  }
+
+  ~sim_state() override {
+    caf::anon_send_exit(director_, caf::exit_reason::user_shutdown);
+    for (auto& [name, n] : nodes_)
+      for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
+    sched_.run();
+    clear_internal_thread();
+  }
+
+  caf::actor_system& system() override { return sys_; }
+
+  caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
+                            std::size_t index) override {
+    auto st = std::make_shared<sim_producer_state>();
+    st->sim = this;
+    st->make = make;
+    st->where = d;
+    st->node = d.node();
+    st->cfg = cfg;
+    st->index = index;
+    auto a = sys_.spawn(sim_producer, st);
+    nodes_[st->node].producers.push_back(a);
+    return a;
+  }
+
+  void drive(const std::function<bool()>& until) override {
+    for (;;) {
+      if (until()) break;
+      if (sched_.has_job()) {
+        auto n = sched_.jobs.size();
+        if (n > 1) {
+          auto k = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng_);
+          std::rotate(sched_.jobs.begin(), sched_.jobs.begin() + static_cast<std::ptrdiff_t>(k),
+                      sched_.jobs.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+        }
+        sched_.run_once();
+        clear_internal_thread();  // the job's code ran on this thread; the caller's waits may
+        continue;                 // run the simulation again
+      }
+      if (!sched_.has_pending_timeout() || elapsed() >= limit_) break;
+      sched_.trigger_timeout();
+    }
+    note_ends();
+  }
+
+  void adopt(const std::shared_ptr<job_core>& job) override {
+    std::weak_ptr<sim_state> weak = self_;
+    job->set_driver([weak](const std::function<bool()>& until) {
+      if (auto s = weak.lock()) s->drive(until);
+    });
+    jobs_.emplace_back(job->id(), job);
+    record("job " + std::to_string(job->id()) + " submitted");
+  }
+
+  // -- the public side --------------------------------------------------------------------
+
+  std::weak_ptr<sim_state> self_;
+  std::vector<device> devices_;
+  std::chrono::nanoseconds cost_{std::chrono::microseconds{100}};
+  double jitter_ = 0.5;
+  std::chrono::nanoseconds limit_{std::chrono::hours{1}};
+  std::map<std::size_t, std::vector<std::uint64_t>> throws_;  ///< producer index -> items
+  std::vector<sim_chunk_fault> chunk_faults_;
+  std::mt19937_64 rng_;
+
+  std::chrono::nanoseconds elapsed() const { return sched_.clock().now() - start_; }
+
+  void record(const std::string& line) {
+    char when[32];
+    std::snprintf(when, sizeof when, "%12.3f ms  ",
+                  std::chrono::duration<double, std::milli>(elapsed()).count());
+    trace_ += when;
+    trace_ += line;
+    trace_ += '\n';
+  }
+
+  const std::string& trace() const { return trace_; }
+
+  sim_node& node(const std::string& name) {
+    auto i = nodes_.find(name);
+    if (i == nodes_.end())
+      throw invalid_argument("simulation: no node named \"" + name +
+                             "\" (add it with simulation::nodes)");
+    return i->second;
+  }
+
+  void add_node(const std::string& name) {
+    if (nodes_.count(name)) throw invalid_argument("simulation: node \"" + name + "\" twice");
+    nodes_[name];
+  }
+
+  /// Runs `f` after `d` of virtual time.
+  void at(std::chrono::nanoseconds d, std::function<void()> f) {
+    auto id = next_event_++;
+    events_.emplace(id, std::move(f));
+    if (d.count() <= 0)
+      caf::anon_send(director_, sim_event_atom::value, id);
+    else
+      caf::delayed_anon_send(director_, d, sim_event_atom::value, id);
+  }
+
+  void apply(int kind, const std::string& name, double value) {
+    auto& n = node(name);
+    if (n.dead) return;
+    std::string what = std::string{fault_name(kind)} + " " + name;
+    switch (kind) {
+      case kill_fault:
+        record(what);
+        lose(name, "killed");
+        return;
+      case freeze_fault:
+      case partition_fault: {
+        auto d = std::chrono::nanoseconds{static_cast<std::int64_t>(value)};
+        n.frozen = true;
+        auto id = ++n.freeze_id;
+        n.frozen_until =
+            kind == partition_fault ? sim_clock::time_point::max() : sched_.clock().now() + d;
+        record(kind == partition_fault ? what : what + " for " + ms(d));
+        if (kind == freeze_fault && d < heartbeat_loss) {
+          at(d, [this, name, id] {
+            if (node(name).freeze_id == id) thaw(name);
+          });
+        } else {
+          at(heartbeat_loss, [this, name, id] {
+            auto& m = node(name);
+            if (m.frozen && m.freeze_id == id) {
+              record("heartbeats of " + name + " missed for " + ms(heartbeat_loss));
+              lose(name, "unreachable");
+            }
+          });
+        }
+        return;
+      }
+      case heal_fault:
+        record(what);
+        if (n.frozen) thaw(name);
+        return;
+      case slow_fault:
+        n.slow = value;
+        record(what + " x" + std::to_string(value));
+        return;
+      case delay_fault:
+        n.delay = std::chrono::nanoseconds{static_cast<std::int64_t>(value)};
+        record(what + " " + ms(n.delay));
+        return;
+      default:
+        return;
+    }
+  }
+
+  /// A chunk arrived at `name`: the faults scripted for that chunk. False: the node died.
+  bool chunk_arrived(const std::string& name) {
+    auto& n = node(name);
+    n.chunks += 1;
+    for (auto& f : chunk_faults_)
+      if (f.node == name && f.chunk == n.chunks) apply(f.kind, f.node, f.value);
+    return !n.dead;
+  }
+
+  static std::string ms(std::chrono::nanoseconds d) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3f ms", std::chrono::duration<double, std::milli>(d).count());
+    return buf;
+  }
+
+  double draw_jitter() { return 1 + jitter_ * std::uniform_real_distribution<double>(0, 1)(rng_); }
+
+  sim_clock::time_point clock_now() const { return sched_.clock().now(); }
+
+  bool run_until_idle() {
+    auto all_ended = [this] {
+      return std::all_of(jobs_.begin(), jobs_.end(), [](auto& j) {
+        auto c = j.second.lock();
+        return !c || c->done();
+      });
+    };
+    drive([&] { return all_ended() && !sched_.has_job(); });
+    if (all_ended()) return true;
+    for (auto& [id, weak] : jobs_)
+      if (auto c = weak.lock(); c && !c->done())
+        record("hang: job " + std::to_string(id) + " is still running and nothing is left to run" +
+               (elapsed() >= limit_ ? " before the time limit" : ""));
+    return false;
+  }
+
+ private:
+  void thaw(const std::string& name) {
+    auto& n = node(name);
+    n.frozen = false;
+    n.frozen_until = sim_clock::time_point::max();
+    record("thaw " + name);
+    auto held = std::move(n.held);
+    n.held.clear();
+    for (auto& [actor, id] : held) caf::anon_send(actor, sim_answer_atom::value, id);
+  }
+
+  void lose(const std::string& name, const char* why) {
+    auto& n = node(name);
+    n.dead = true;
+    n.held.clear();
+    record(name + " lost (" + why + ")");
+    for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::remote_link_unreachable);
+  }
+
+  void note_ends() {
+    for (auto& [id, weak] : jobs_) {
+      if (ended_.count(id)) continue;
+      auto c = weak.lock();
+      if (!c || !c->done()) continue;
+      ended_.insert({id, true});
+      std::string how = "ok";
+      if (auto e = c->error()) {
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          how = std::string{"failed: "} + x.what();
+        } catch (...) {
+          how = "failed";
+        }
+      }
+      record("job " + std::to_string(id) + " ended: " + how);
+    }
+  }
+
+  std::unique_ptr<caf::actor_system_config> cfg_;
+  caf::actor_system sys_;
+  caf::scheduler::test_coordinator& sched_;
+  sim_clock::time_point start_;
+  caf::actor director_;
+  std::map<std::uint64_t, std::function<void()>> events_;
+  std::uint64_t next_event_ = 1;
+  std::map<std::string, sim_node> nodes_;
+  std::vector<std::pair<std::uint64_t, std::weak_ptr<job_core>>> jobs_;
+  std::map<std::uint64_t, bool> ended_;
+  std::string trace_;
+
+ public:
+  sim_node& node_of(const sim_producer_state& st) { return node(st.node); }
+};
+
+inline sim_state& sim_of(const std::shared_ptr<sim_host>& host) {
+  return static_cast<sim_state&>(*host);
+}
+
+}  // namespace troupe::detail
