@@ -177,11 +177,11 @@ class scheduler {
 
   void send(std::size_t p, job_state& j, std::uint64_t id);
 
-  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late). A time already
-  /// passed wakes it at once: the caller computed `t` from a clock read earlier in this event,
-  /// and a wakeup dropped because the thread was preempted in between would leave the job
-  /// waiting for an event that never comes (it hung CI once: an ordered job whose only way on
-  /// was a speculative copy).
+  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late), 100 us late. A
+  /// time already passed wakes it 100 us from now: the caller computed `t` from a clock read
+  /// earlier in this event, and a wakeup dropped because the thread was preempted in between
+  /// would leave the job waiting for an event that never comes (it hung CI once: an ordered job
+  /// whose only way on was a speculative copy).
   void wake_at(clock_type::time_point t);
 
   // -- results -----------------------------------------------------------------------------

@@ -116,7 +116,7 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
     // Nothing is late yet: look again when the first chunk would be.
     if (next_late) {
       auto at = now + std::chrono::duration_cast<clock_type::duration>(
-                          std::chrono::duration<double, std::nano>(*next_late));
+                          std::chrono::duration<double, std::nano>(std::ceil(*next_late)));
       if (!speculation_check_ || *speculation_check_ <= now || at < *speculation_check_) {
         speculation_check_ = at;
         wake_at(at);
@@ -193,15 +193,18 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
 
 void scheduler::wake_at(clock_type::time_point t) {
   if (auto hook = fault_points::before_wake.load()) hook();
+  // A time already passed (the caller read the clock earlier in this event, and the thread may
+  // have been preempted since) still wakes this actor, 100 us from now: never dropped (that hung
+  // a job once), never at once (in virtual time, a simulation, a wakeup at the same instant
+  // could find the same state and ask again, forever).
   auto now = clock_now();
-  if (t <= now) {
+  if (t <= now && fault_points::planted.load() == fault_points::planted_bug::wake_at_once) {
     self_->send(self_, wakeup_atom::value);
     return;
   }
-  self_->delayed_send(self_,
-                      std::chrono::duration_cast<std::chrono::microseconds>(t - now) +
-                          std::chrono::microseconds{100},
-                      wakeup_atom::value);
+  auto until = t > now ? std::chrono::duration_cast<std::chrono::microseconds>(t - now)
+                       : std::chrono::microseconds{0};
+  self_->delayed_send(self_, until + std::chrono::microseconds{100}, wakeup_atom::value);
 }
 
 }  // namespace troupe::detail

@@ -10,6 +10,7 @@
 #include <caf/scheduler/test_coordinator.hpp>
 #include <caf/send.hpp>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -106,7 +107,7 @@ class sim_state final : public sim_host {
     caf::anon_send_exit(director_, caf::exit_reason::user_shutdown);
     for (auto& [name, n] : nodes_)
       for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
-    sched_.run();
+    sched_.run(stuck_ ? max_steps_per_instant : std::numeric_limits<std::size_t>::max());
     clear_internal_thread();
   }
 
@@ -127,8 +128,19 @@ class sim_state final : public sim_host {
   }
 
   void drive(const std::function<bool()>& until) override {
+    auto instant = sched_.clock().now();
+    std::size_t steps = 0;  // at this virtual instant
     for (;;) {
-      if (until()) break;
+      if (stuck_ || until()) break;
+      if (auto t = sched_.clock().now(); t != instant) {
+        instant = t;
+        steps = 0;
+      } else if (++steps > max_steps_per_instant) {
+        stuck_ = true;
+        record("livelock: " + std::to_string(max_steps_per_instant) +
+               " events at one virtual instant; the simulation is stopped");
+        break;
+      }
       if (sched_.has_job()) {
         auto n = sched_.jobs.size();
         if (n > 1) {
@@ -336,6 +348,10 @@ class sim_state final : public sim_host {
   std::vector<std::pair<std::uint64_t, std::weak_ptr<job_core>>> jobs_;
   std::map<std::uint64_t, bool> ended_;
   std::string trace_;
+  /// A simulation that keeps running events without its clock advancing is livelocked: stopped,
+  /// and its jobs reported as hung.
+  static constexpr std::size_t max_steps_per_instant = 1'000'000;
+  bool stuck_ = false;
 
  public:
   sim_node& node_of(const sim_producer_state& st) { return node(st.node); }
