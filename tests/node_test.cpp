@@ -30,11 +30,11 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <troupe/detail/messages.hpp>
 #include <troupe/detail/network.hpp>
 #include <troupe/internal/bulk.hpp>
 #include <troupe/internal/registry.hpp>
 #include <troupe/node.hpp>
+#include <troupe/protocol.hpp>
 
 #include "node_process.hpp"
 #include "remote_jobs.hpp"

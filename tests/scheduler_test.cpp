@@ -14,8 +14,8 @@
 #include <memory>
 #include <set>
 #include <thread>
-#include <troupe/detail/messages.hpp>
 #include <troupe/job_options.hpp>
+#include <troupe/protocol.hpp>
 #include <vector>
 
 #include "runtime_impl.hpp"

@@ -6,8 +6,8 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <troupe/detail/messages.hpp>
 #include <troupe/device_binding.hpp>
+#include <troupe/protocol.hpp>
 #include <troupe/testing.hpp>
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>

@@ -6,9 +6,9 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <troupe/detail/messages.hpp>
 #include <troupe/device_binding.hpp>
 #include <troupe/internal/bulk.hpp>
+#include <troupe/protocol.hpp>
 #include <troupe/testing.hpp>
 
 #include "test_jobs.hpp"

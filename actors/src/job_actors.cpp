@@ -10,11 +10,11 @@
 #include <utility>
 
 #include "troupe/detail/job_core.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
+#include "troupe/protocol.hpp"
 #include "troupe/register.hpp"
 
 namespace troupe::detail {

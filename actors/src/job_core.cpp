@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "runtime_impl.hpp"
-#include "troupe/detail/messages.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 

@@ -10,11 +10,11 @@
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/job_actors.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/log.hpp"
 #include "troupe/node.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 

@@ -8,9 +8,9 @@
 #include <optional>
 
 #include "runtime_impl.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 

@@ -33,10 +33,10 @@
 #include "producer_model.hpp"
 #include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/log.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 

@@ -15,10 +15,10 @@
 #include <random>
 
 #include "runtime_impl.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/error.hpp"
 #include "troupe/log.hpp"
+#include "troupe/protocol.hpp"
 #include "troupe/simulation.hpp"
 
 namespace troupe::detail {

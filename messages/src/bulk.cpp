@@ -14,8 +14,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::bulk {
 namespace {

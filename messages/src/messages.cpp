@@ -1,6 +1,6 @@
-#include "troupe/detail/messages.hpp"
-
 #include <caf/message.hpp>
+
+#include "troupe/protocol.hpp"
 
 namespace troupe {
 

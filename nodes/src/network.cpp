@@ -24,11 +24,11 @@
 #include <mutex>
 #include <thread>
 
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/node.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe {
 namespace detail {

@@ -5,9 +5,9 @@
 #include <cstring>
 #include <limits>
 
-#include "troupe/detail/messages.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe {
 namespace {

@@ -24,12 +24,12 @@
 #include <sstream>
 #include <tuple>
 
-#include "troupe/detail/messages.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/log.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 namespace {

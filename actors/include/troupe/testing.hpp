@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "troupe/detail/job_actors.hpp"
-#include "troupe/detail/messages.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/error.hpp"
+#include "troupe/protocol.hpp"
 #include "troupe/simulation.hpp"
 
 namespace troupe::testing {

@@ -1,0 +1,202 @@
+// troupe's protocol, in one place: every atom and message its actors exchange, and the node
+// protocol's version. Every message has an inspect() overload, so that it can cross a network
+// through CAF's serializers; the ones that cross are registered with CAF in one list
+// (make_system_config, nodes/src/network.cpp: work_chunk, chunk_result, bulk::fragment,
+// init_done, consume_ack, node_hello, spawn_producer).
+//
+// A job (the job's id is `run` in these messages):
+//   runner ──init_atom──▶ producer ──init_done──▶ runner              (producer's constructor)
+//   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler
+//   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler  (the consumer's
+//                                      constructor runs with its first message)
+//   scheduler ──consume_chunk (last)──▶ consumer (work, then end()) ──consume_ack──▶ scheduler
+//   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (a job without outputs)
+//   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
+//   handle ──cancel_atom, id──▶ scheduler (answered once the job's items are withdrawn)
+//   stream reader ──room_atom──▶ stream consumer (the buffer has room again)
+//   runner ──close_atom, promise, timed──▶ scheduler; ──close_timeout_atom──▶ scheduler
+//   scheduler ──stall_check_atom / deadline_atom, id / wakeup_atom──▶ itself (timers)
+// Large payloads (≥ 1 MiB) to another node: bulk::fragment messages, then the message with a
+// reference in place of the batch (troupe/internal/bulk.hpp).
+//
+// Nodes (node_protocol_version below):
+//   coordinator ──hello_atom──▶ node ──node_hello──▶ coordinator
+//   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
+//
+// Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
+// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state, and
+// ring_chunk between replicas), and takes ring_atom from the coordinator to all-reduce its
+// gradient with its neighbours.
+#pragma once
+
+#include <caf/atom.hpp>
+#include <caf/error.hpp>
+#include <caf/make_message.hpp>
+#include <caf/meta/type_name.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "troupe/batch.hpp"
+#include "troupe/config.hpp"
+#include "troupe/detail/work_outcome.hpp"
+#include "troupe/error.hpp"
+
+namespace troupe {
+
+using init_atom = caf::atom_constant<caf::atom("tr_init")>;
+using end_atom = caf::atom_constant<caf::atom("tr_end")>;
+/// Ends a job (with its id): answered once its items are withdrawn.
+using cancel_atom = caf::atom_constant<caf::atom("tr_cancel")>;
+/// From a stream's reader: the stream's buffer has room again.
+using room_atom = caf::atom_constant<caf::atom("tr_room")>;
+/// Asks the scheduler to close (with a std::promise<void> it fulfils once it has ended the run,
+/// the producers and itself, and whether it keeps options::close_timeout itself).
+using close_atom = caf::atom_constant<caf::atom("tr_close")>;
+/// options::close_timeout has passed: producers still busy are left behind.
+using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
+/// The scheduler's own timers: work_timeout checks, a job's deadline (with its id), a retry's
+/// backoff or a late chunk to look at.
+using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
+using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
+using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
+/// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
+/// size, right neighbour, its node's address or "").
+using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
+
+/// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
+struct work_chunk {
+  std::uint64_t run = 0;  ///< the job's id
+  std::uint64_t first = 0;
+  batch items;
+  /// Go on after an item throws (the job has an error policy other than fail()): the answer
+  /// then holds the outputs of the items that worked and lists the ones that threw.
+  bool keep_going = false;
+};
+
+/// A producer's answer to a work_chunk: all outputs, or the first failure.
+struct chunk_result {
+  std::uint64_t run = 0;
+  std::uint64_t first = 0;
+  batch outputs;
+  std::int64_t busy_ns = 0;  ///< time spent inside producer::work
+  /// Time the producer sat idle between its previous chunk and this one: a producer that
+  /// starves while chunks are on their way needs more of them queued (a distant node).
+  std::int64_t idle_ns = 0;
+  errc code = errc::none;          ///< none, or why the chunk failed
+  std::uint64_t failed_index = 0;  ///< the failing item's index in the run
+  std::string what;                ///< the failure's message
+  /// keep_going: the items that threw, in index order; `outputs` holds the others' outputs.
+  std::vector<item_error> failures;
+
+  [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
+};
+
+/// Outputs for the consumer (in input order for ordered runs). `last`: the job's final outputs;
+/// the consumer runs consumer::end() right after them (no end_of_input follows).
+struct consume_chunk {
+  std::uint64_t run = 0;
+  batch items;
+  bool last = false;
+};
+
+/// Tells the consumer that the run's input is complete: it calls consumer::end().
+struct end_of_input {
+  std::uint64_t run = 0;
+};
+
+/// The consumer's (or a producer's end()) acknowledgement.
+struct consume_ack {
+  std::uint64_t run = 0;
+};
+
+/// The producer's answer to init_atom: its constructor finished.
+struct init_done {
+  std::string device;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
+  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items, x.keep_going);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, item_error& x) {
+  return f(caf::meta::type_name("troupe.item_error"), x.index, x.what);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
+  return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
+           x.idle_ns, x.code, x.failed_index, x.what, x.failures);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, consume_chunk& x) {
+  return f(caf::meta::type_name("troupe.consume_chunk"), x.run, x.items, x.last);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, end_of_input& x) {
+  return f(caf::meta::type_name("troupe.end_of_input"), x.run);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, consume_ack& x) {
+  return f(caf::meta::type_name("troupe.consume_ack"), x.run);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, init_done& x) {
+  return f(caf::meta::type_name("troupe.init_done"), x.device);
+}
+
+/// A caf::error in troupe's category, carrying one line of text.
+caf::error make_error(errc code, std::string what);
+
+/// The errc of a troupe error; errc::node_error for CAF's own errors (a lost peer, a dead actor).
+errc error_code(const caf::error& err);
+
+/// The text of a troupe error, or CAF's description of one of its own.
+std::string error_text(const caf::error& err);
+
+}  // namespace troupe
+
+namespace troupe {
+
+// -- node control (docs/api.md, several machines)
+// ------------------------------------------------------------------
+
+/// The version of troupe's node protocol; peers with another version are refused.
+constexpr std::uint32_t node_protocol_version = 4;  // 2: idle_ns; 3: keep_going, failures; 4: index
+
+using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
+
+/// A node's answer to hello_atom: its protocol version and the devices it offers.
+struct node_hello {
+  std::uint32_t version = 0;
+  std::vector<std::string> devices;
+};
+
+/// Asks a node to spawn one producer of a registered job on one of its devices.
+/// The node answers with the producer's handle, or an error.
+struct spawn_producer {
+  std::string job;
+  std::string signature;  ///< the coordinator's "INPUT -> OUTPUT" type names
+  std::string device;
+  config cfg;
+  std::uint64_t index = 0;  ///< the producer's place in the coordinator's device list
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
+  return f(caf::meta::type_name("troupe.node_hello"), x.version, x.devices);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, spawn_producer& x) {
+  return f(caf::meta::type_name("troupe.spawn_producer"), x.job, x.signature, x.device, x.cfg,
+           x.index);
+}
+
+}  // namespace troupe
