@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "stats_box.hpp"
 #include "troupe/config.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/job_ops.hpp"
@@ -35,12 +36,6 @@ struct job_spec {
   caf::actor consumer;
   bool ordered = false;
   job_options opts;
-};
-
-/// Statistics shared between the scheduler and the caller.
-struct stats_box {
-  std::mutex mtx;
-  troupe::stats value;
 };
 
 /// How errors name entry `i` of a runner's devices: "cpu (producer 2)".

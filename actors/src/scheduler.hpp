@@ -10,32 +10,44 @@
 // keep throwing, and sends a chunk that holds up a job to an idle producer as well (first
 // answer wins). At close() it ends every job, then the producers.
 //
-// The class is declared here and defined in four files, one per concern: scheduler_actor.cpp
-// (the actor: its messages, jobs arriving, cancel, deadlines, close), scheduler_dispatch.cpp
-// (which chunk goes to which producer, speculation, timers), scheduler_results.cpp (answers,
-// error policies, producer health: give-up, restart, quarantine) and scheduler_jobs.cpp (a
-// job's consumer, its progress and its end). The parts with no actor in them are
-// producer_model.hpp, fair_share.hpp and scheduler_parts.hpp, each unit-tested on its own.
+// The scheduler is a core with no actor in it: events come in as calls (a job submitted, a
+// producer's answer, a producer lost, a consumer's acknowledgement, a timer, cancel, close) and
+// commands go out through scheduler_io (send a chunk, hand outputs to a consumer, end or replace
+// a producer, arm a timer), with the time read from it. No CAF type crosses that interface: the
+// actor shell (scheduler_actor.cpp) runs the commands with CAF, resolves and splits bulk
+// payloads at its edge, and turns CAF's answers and errors into the core's events. The class is
+// defined in three files, one per concern: scheduler_dispatch.cpp (which chunk goes to which
+// producer, speculation, timers), scheduler_results.cpp (answers, error policies, producer
+// health: give-up, restart, quarantine) and scheduler_jobs.cpp (jobs arriving and ending, a
+// job's consumer, its progress, close). Its smaller parts, producer_model.hpp, fair_share.hpp
+// and scheduler_parts.hpp, are unit-tested on their own.
 #pragma once
 
 #include <algorithm>
-#include <caf/actor_system.hpp>
-#include <caf/event_based_actor.hpp>
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "fair_share.hpp"
 #include "fault_points.hpp"
 #include "producer_model.hpp"
-#include "runtime_impl.hpp"
 #include "scheduler_parts.hpp"
+#include "stats_box.hpp"
+#include "troupe/detail/job_core.hpp"
+#include "troupe/detail/runtime.hpp"
+#include "troupe/detail/source.hpp"
+#include "troupe/device.hpp"
 #include "troupe/error.hpp"
-#include "troupe/internal/bulk.hpp"
+#include "troupe/job_options.hpp"
 #include "troupe/log.hpp"
+#include "troupe/options.hpp"
 #include "troupe/protocol.hpp"
 
 namespace troupe::detail {
@@ -45,7 +57,6 @@ inline constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an 
 
 /// A producer: its actor and health, and what the scheduler has learnt of it (producer_model).
 struct producer_slot : producer_model {
-  caf::actor handle;
   device where;
   std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
   bool restarting = false;
@@ -71,7 +82,6 @@ struct job_state {
   std::uint64_t id = 0;
   std::shared_ptr<job_core> core;
   std::shared_ptr<input_source> source;
-  caf::actor consumer;
   bool ordered = false;
   job_options opts;
   std::uint64_t next_item = 0;  ///< index of the next item to pull
@@ -92,28 +102,68 @@ struct job_state {
   clock_type::time_point last_progress;
 };
 
+/// The commands the scheduler gives. Each answer comes back as the event named beside it.
+class scheduler_io {
+ public:
+  enum class timer { deadline, wakeup, stall_check, close_timeout };
+  virtual ~scheduler_io() = default;
+  /// Now: steady_clock in a runner, virtual time in a simulation.
+  virtual clock_type::time_point now() = 0;
+  /// To producer `p` (generation `gen`): on_result(p, gen, job, id, answer), or
+  /// producer_failed(p, gen, why, unreachable) when it cannot answer.
+  virtual void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) = 0;
+  /// producer::end() on `p`: producer_ended() either way.
+  virtual void end_producer(std::size_t p) = 0;
+  /// Ends `p`'s actor without waiting (a producer given up on, or left at close).
+  virtual void stop_producer(std::size_t p) = 0;
+  /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
+  /// replace_failed(p, gen, why). Throws std::exception when none can be started.
+  virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;
+  /// Outputs to the job's consumer (`n` of them): consumed(job, n, last) or
+  /// consumer_failed(job, why).
+  virtual void consume(consume_chunk msg, std::size_t n) = 0;
+  /// The job's input is complete (consumer::end()): input_ended(job) or consumer_failed(job,
+  /// why).
+  virtual void end_input(std::uint64_t job) = 0;
+  /// timer_fired(t, id) after `after`.
+  virtual void set_timer(std::chrono::nanoseconds after, timer t, std::uint64_t id) = 0;
+  /// The job has ended: its consumer is no longer needed here.
+  virtual void forget_job(std::uint64_t job) = 0;
+  /// The scheduler has closed: nothing more will come from it.
+  virtual void quit() = 0;
+};
+
 class scheduler {
  public:
-  scheduler(caf::event_based_actor* self, std::vector<caf::actor> producers,
-            std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
-            producer_spawner spawn, config cfg);
+  scheduler(scheduler_io& io, std::vector<device> devices, options opts,
+            std::shared_ptr<stats_box> stats);
 
-  void start(std::shared_ptr<job_spec> spec);
+  // -- events ------------------------------------------------------------------------------
+
+  /// A job arrives (its consumer is the shell's business).
+  void start(std::shared_ptr<job_core> core, std::shared_ptr<input_source> source, bool ordered,
+             job_options opts);
 
   /// job_handle::cancel(): nothing more of the job reaches a producer; answered when done.
   /// A cancel that comes after consumer::end() has begun loses: end()'s value is the result.
   void cancel(std::uint64_t id);
 
-  void deadline_passed(std::uint64_t id);
+  void timer_fired(scheduler_io::timer t, std::uint64_t id);
 
-  void wakeup() { pump(); }
-
-  /// The actor system's clock: steady_clock in a runner, virtual time in a simulation
-  /// (troupe::testing::simulation runs this actor on CAF's test coordinator).
-  clock_type::time_point clock_now() const { return self_->home_system().clock().now(); }
-
-  /// options::work_timeout: gives up on producers that have been on one chunk too long.
-  void check_stalls();
+  /// A producer's answer to a chunk (bulk payloads already joined).
+  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                 chunk_result& r);
+  /// A chunk could not reach producer `p` of generation `gen`, or its actor or node is gone.
+  void producer_failed(std::size_t p, std::uint64_t gen, const std::string& why, bool unreachable);
+  /// Producer `p`'s actor or node is gone (a monitor's message).
+  void producer_down(std::size_t p, const std::string& why, bool unreachable);
+  void replaced(std::size_t p, std::uint64_t gen);
+  void replace_failed(std::size_t p, std::uint64_t gen, const std::string& why);
+  void consumed(std::uint64_t job, std::size_t n, bool last);
+  void input_ended(std::uint64_t job);
+  void consumer_failed(std::uint64_t job, const std::string& why);
+  /// A producer has run producer::end() (or failed to: `why`), at close().
+  void producer_ended(std::size_t p, const std::string& why);
 
   /// close(): ends every job (runner_closed), then every producer (producer::end()), within
   /// options::close_timeout in all (close_timeout_atom); producers still busy then are left
@@ -125,6 +175,13 @@ class scheduler {
   void close_timed_out();
 
  private:
+  clock_type::time_point clock_now() { return io_.now(); }
+
+  void deadline_passed(std::uint64_t id);
+
+  /// options::work_timeout: gives up on producers that have been on one chunk too long.
+  void check_stalls();
+
   // -- dispatch --------------------------------------------------------------------------
 
   void schedule_stall_check();
@@ -186,9 +243,6 @@ class scheduler {
 
   // -- results -----------------------------------------------------------------------------
 
-  void on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
-                 chunk_result& r);
-
   /// Counts the items that threw in a row on `s`; true when it reaches quarantine_after.
   bool count_failures(producer_slot& s, const chunk_result& r, std::size_t n, std::uint64_t first);
 
@@ -210,7 +264,8 @@ class scheduler {
 
   /// A producer is lost (its actor or node died) or stuck (work_timeout): its chunks go to the
   /// others, its late answers are dropped, and a local one is replaced by a fresh one.
-  void give_up(std::size_t p, const caf::error& err, bool quarantine = false,
+  /// `why`: what happened; `unreachable`: its node went silent.
+  void give_up(std::size_t p, const std::string& why, bool unreachable, bool quarantine = false,
                producer_event::kind kind = producer_event::kind::lost);
 
   void quarantine_producer(std::size_t p);
@@ -255,12 +310,10 @@ class scheduler {
 
   void finish_close();
 
-  caf::event_based_actor* self_;
+  scheduler_io& io_;
   options opts_;
   model_settings settings_;  ///< what producer_model reads of opts_
   std::shared_ptr<stats_box> stats_;
-  producer_spawner spawn_;
-  config cfg_;
   std::vector<producer_slot> producers_;
   bool closing_ = false;
   std::size_t pending_ends_ = 0;

@@ -181,14 +181,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   touch(j);
   auto gen = s.gen;
   auto job = j.id;
-  // A large chunk for a remote producer travels as fragments, then a small reference.
-  work_chunk msg{job, x.first, bulk::split_for(self_, s.handle, x.items),
-                 !j.opts.on_error.fails_fast()};
-  self_->request(s.handle, caf::infinite, std::move(msg))
-      .then([this, p, gen, id, job](chunk_result& r) { on_result(p, gen, job, id, r); },
-            [this, p, gen](caf::error& err) {
-              if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, err);
-            });
+  io_.send_chunk(p, gen, id, work_chunk{job, x.first, x.items, !j.opts.on_error.fails_fast()});
 }
 
 void scheduler::wake_at(clock_type::time_point t) {
@@ -199,12 +192,12 @@ void scheduler::wake_at(clock_type::time_point t) {
   // could find the same state and ask again, forever).
   auto now = clock_now();
   if (t <= now && fault_points::planted.load() == fault_points::planted_bug::wake_at_once) {
-    self_->send(self_, wakeup_atom::value);
+    io_.set_timer(std::chrono::nanoseconds{0}, scheduler_io::timer::wakeup, 0);
     return;
   }
   auto until = t > now ? std::chrono::duration_cast<std::chrono::microseconds>(t - now)
                        : std::chrono::microseconds{0};
-  self_->delayed_send(self_, until + std::chrono::microseconds{100}, wakeup_atom::value);
+  io_.set_timer(until + std::chrono::microseconds{100}, scheduler_io::timer::wakeup, 0);
 }
 
 }  // namespace troupe::detail

@@ -20,34 +20,34 @@ void scheduler::flush_consumer(job_state& j) {
       j.ending = true;
       conclude(j);
     }
-    auto job = j.id;
     j.backlog += 1;
-    self_->request(j.consumer, caf::infinite, consume_chunk{job, std::move(outputs), last})
-        .then(
-            [this, job, n, last](const consume_ack&) {
-              auto ji = jobs_.find(job);
-              if (ji == jobs_.end()) return;
-              auto& j = *ji->second;
-              j.backlog -= 1;
-              j.consumed += n;
-              if (!j.concluded) {
-                std::lock_guard<std::mutex> guard{stats_->mtx};
-                stats_->value.items += n;
-              }
-              if (last) {
-                end_job(job, nullptr);
-              } else {
-                report_progress(j, false);
-                touch(j);
-              }
-              pump();
-            },
-            [this, job](caf::error& err) {
-              if (!jobs_.count(job)) return;
-              end_job(job, std::make_exception_ptr(consumer_error(error_text(err))));
-              pump();
-            });
+    io_.consume(consume_chunk{j.id, std::move(outputs), last}, n);
   }
+}
+
+void scheduler::consumed(std::uint64_t job, std::size_t n, bool last) {
+  auto ji = jobs_.find(job);
+  if (ji == jobs_.end()) return;
+  auto& j = *ji->second;
+  j.backlog -= 1;
+  j.consumed += n;
+  if (!j.concluded) {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.items += n;
+  }
+  if (last) {
+    end_job(job, nullptr);
+  } else {
+    report_progress(j, false);
+    touch(j);
+  }
+  pump();
+}
+
+void scheduler::consumer_failed(std::uint64_t job, const std::string& why) {
+  if (!jobs_.count(job)) return;
+  end_job(job, std::make_exception_ptr(consumer_error(why)));
+  pump();
 }
 
 void scheduler::conclude(job_state& j) {
@@ -102,16 +102,12 @@ void scheduler::maybe_finish(std::uint64_t id) {
   auto& j = *ji->second;
   if (j.ending || !all_through(j) || !j.pending.empty() || j.backlog > 0) return;
   j.ending = true;
-  self_->request(j.consumer, caf::infinite, end_of_input{id})
-      .then(
-          [this, id](const consume_ack&) {
-            end_job(id, nullptr);
-            pump();
-          },
-          [this, id](caf::error& err) {
-            end_job(id, std::make_exception_ptr(consumer_error(error_text(err))));
-            pump();
-          });
+  io_.end_input(id);
+}
+
+void scheduler::input_ended(std::uint64_t job) {
+  end_job(job, nullptr);
+  pump();
 }
 
 void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
@@ -120,6 +116,7 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
   auto j = std::move(ji->second);
   jobs_.erase(ji);
   share_.leave(id);
+  io_.forget_job(id);
   // A consumer that concluded the job has finished it already: that outcome stands.
   if (j->core->done()) e = j->core->error();
   if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
@@ -143,12 +140,11 @@ void scheduler::finish_close() {
   while (!jobs_.empty())  // a consumer::end() that has not answered by now
     end_job(jobs_.begin()->first,
             std::make_exception_ptr(runner_closed("the runner was closed during this job")));
-  for (auto& s : producers_)
-    if (s.handle) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+  for (std::size_t p = 0; p < producers_.size(); ++p) io_.stop_producer(p);
   auto done = std::move(close_promise_);
   close_promise_ = nullptr;
   done->set_value();
-  self_->quit();
+  io_.quit();
 }
 
 }  // namespace troupe::detail

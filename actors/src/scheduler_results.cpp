@@ -6,16 +6,6 @@ namespace troupe::detail {
 
 void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
                           chunk_result& r) {
-  // Joined first, even for an answer dropped below, so that its fragments are released.
-  try {
-    r.outputs = bulk::resolve(r.outputs);
-  } catch (const std::exception& e) {
-    r.outputs = {};
-    if (r.ok()) {
-      r.code = errc::protocol_error;
-      r.what = e.what();
-    }
-  }
   auto& s = producers_[p];
   // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
   // output is delivered exactly once.
@@ -198,7 +188,16 @@ void scheduler::emit(producer_event::kind kind, std::size_t p, std::string reaso
   }
 }
 
-void scheduler::give_up(std::size_t p, const caf::error& err, bool quarantine,
+void scheduler::producer_failed(std::size_t p, std::uint64_t gen, const std::string& why,
+                                bool unreachable) {
+  if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, why, unreachable);
+}
+
+void scheduler::producer_down(std::size_t p, const std::string& why, bool unreachable) {
+  if (!producers_[p].restarting) give_up(p, why, unreachable);
+}
+
+void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable, bool quarantine,
                         producer_event::kind kind) {
   auto& s = producers_[p];
   if (!s.alive) return;
@@ -215,8 +214,8 @@ void scheduler::give_up(std::size_t p, const caf::error& err, bool quarantine,
                              "the others");
   else
     log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() + " is " +
-                             (err == caf::exit_reason::unreachable ? "unreachable" : "lost") +
-                             " (" + error_text(err) + "); its work goes to the others" +
+                             (unreachable ? "unreachable" : "lost") + " (" + why +
+                             "); its work goes to the others" +
                              (replace ? ", and a fresh producer replaces it" : ""));
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
@@ -226,7 +225,7 @@ void scheduler::give_up(std::size_t p, const caf::error& err, bool quarantine,
   emit(kind, p,
        quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
                         " times in a row (options::quarantine_after)"
-                  : error_text(err));
+                  : why);
   for (auto& rec : s.outstanding) {
     auto ji = jobs_.find(rec.job);
     if (ji == jobs_.end()) continue;
@@ -235,64 +234,60 @@ void scheduler::give_up(std::size_t p, const caf::error& err, bool quarantine,
   }
   s.outstanding.clear();
   s.items = 0;
-  if (s.local || quarantine) self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
+  if (s.local || quarantine) io_.stop_producer(p);
   if (replace) restart(p);
   check_survivors();
   pump();
 }
 
 void scheduler::quarantine_producer(std::size_t p) {
-  give_up(p, make_error(errc::work_error, "quarantined"), true);
+  give_up(p, "quarantined", false, true);
 }
 
 void scheduler::restart(std::size_t p) {
   auto& s = producers_[p];
-  caf::actor fresh;
   try {
-    fresh = spawn_(self_->system(), s.where, cfg_, p);
+    io_.replace_producer(p, s.gen + 1);
   } catch (const std::exception& e) {
     log(log_level::error, "cannot replace the producer on " + s.where.str() + ": " + e.what());
     return;
   }
   s.restarting = true;
   s.restarts_in_row += 1;
-  s.handle = fresh;
   s.gen += 1;
-  self_->monitor(fresh);
-  auto gen = s.gen;
-  self_->request(fresh, caf::infinite, init_atom::value)
-      .then(
-          [this, p, gen](const init_done&) {
-            auto& s = producers_[p];
-            if (s.gen != gen) return;
-            s.restarting = false;
-            if (closing_) {
-              self_->send_exit(s.handle, caf::exit_reason::user_shutdown);
-              return;
-            }
-            s.alive = true;
-            s.outstanding.clear();
-            s.items = 0;
-            {
-              std::lock_guard<std::mutex> guard{stats_->mtx};
-              auto& ps = stats_->value.producers[p];
-              ps.alive = true;
-              ps.restarts += 1;
-            }
-            log(log_level::info, "producer " + std::to_string(p) + " on " + s.where.str() +
-                                     " was replaced by a fresh one");
-            emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
-            pump();
-          },
-          [this, p, gen](const caf::error& err) {
-            auto& s = producers_[p];
-            if (s.gen != gen) return;
-            s.restarting = false;
-            log(log_level::error, "the replacement producer on " + s.where.str() +
-                                      " failed to start: " + error_text(err));
-            check_survivors();
-            pump();
-          });
+}
+
+void scheduler::replaced(std::size_t p, std::uint64_t gen) {
+  auto& s = producers_[p];
+  if (s.gen != gen) return;
+  s.restarting = false;
+  if (closing_) {
+    io_.stop_producer(p);
+    return;
+  }
+  s.alive = true;
+  s.outstanding.clear();
+  s.items = 0;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    auto& ps = stats_->value.producers[p];
+    ps.alive = true;
+    ps.restarts += 1;
+  }
+  log(log_level::info,
+      "producer " + std::to_string(p) + " on " + s.where.str() + " was replaced by a fresh one");
+  emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
+  pump();
+}
+
+void scheduler::replace_failed(std::size_t p, std::uint64_t gen, const std::string& why) {
+  auto& s = producers_[p];
+  if (s.gen != gen) return;
+  s.restarting = false;
+  log(log_level::error,
+      "the replacement producer on " + s.where.str() + " failed to start: " + why);
+  check_survivors();
+  pump();
 }
 
 void scheduler::check_survivors() {

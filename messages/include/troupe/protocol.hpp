@@ -15,7 +15,7 @@
 //   handle ──cancel_atom, id──▶ scheduler (answered once the job's items are withdrawn)
 //   stream reader ──room_atom──▶ stream consumer (the buffer has room again)
 //   runner ──close_atom, promise, timed──▶ scheduler; ──close_timeout_atom──▶ scheduler
-//   scheduler ──stall_check_atom / deadline_atom, id / wakeup_atom──▶ itself (timers)
+//   scheduler ──timer_atom, kind, id──▶ itself (timers: deadline, wakeup, stall check, close)
 // Large payloads (≥ 1 MiB) to another node: bulk::fragment messages, then the message with a
 // reference in place of the batch (troupe/internal/bulk.hpp).
 //
@@ -60,6 +60,8 @@ using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
 using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
 using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
 using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
+/// The scheduler's timers, to itself: timer_atom, kind (scheduler_io::timer), id.
+using timer_atom = caf::atom_constant<caf::atom("tr_timer")>;
 /// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
 /// size, right neighbour, its node's address or "").
 using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
