@@ -1,0 +1,196 @@
+// The scheduler's core without an actor (actors/src/scheduler.hpp): events are calls, and every
+// command it gives (chunks to producers, outputs to consumers, timers, exits, replacements) is
+// recorded by a fake scheduler_io, so that a test reads the exact sequence and answers it in any
+// order it likes, with the time it chooses.
+#include <gtest/gtest.h>
+
+#include <caf/actor.hpp>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "scheduler.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using troupe::batch;
+using troupe::chunk_result;
+using troupe::consume_chunk;
+using troupe::work_chunk;
+using troupe::detail::clock_type;
+using troupe::detail::scheduler;
+using troupe::detail::scheduler_io;
+
+/// Records the core's commands; the test answers them.
+struct fake_io final : scheduler_io {
+  struct sent {
+    std::size_t p;
+    std::uint64_t gen, id;
+    work_chunk msg;
+  };
+  clock_type::time_point t{std::chrono::seconds{1}};
+  std::deque<sent> chunks;
+  std::deque<std::pair<consume_chunk, std::size_t>> to_consumer;
+  std::vector<std::uint64_t> inputs_ended, forgotten;
+  std::vector<std::size_t> stopped, ended, replaced;
+  std::vector<std::pair<std::chrono::nanoseconds, timer>> timers;
+  bool quitted = false;
+
+  clock_type::time_point now() override { return t; }
+  void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) override {
+    chunks.push_back({p, gen, id, std::move(msg)});
+  }
+  void end_producer(std::size_t p) override { ended.push_back(p); }
+  void stop_producer(std::size_t p) override { stopped.push_back(p); }
+  void replace_producer(std::size_t p, std::uint64_t) override { replaced.push_back(p); }
+  void consume(consume_chunk msg, std::size_t n) override {
+    to_consumer.emplace_back(std::move(msg), n);
+  }
+  void end_input(std::uint64_t job) override { inputs_ended.push_back(job); }
+  void set_timer(std::chrono::nanoseconds after, timer k, std::uint64_t) override {
+    timers.emplace_back(after, k);
+  }
+  void forget_job(std::uint64_t job) override { forgotten.push_back(job); }
+  void quit() override { quitted = true; }
+};
+
+/// The answer a producer that echoes its inputs gives to `s`.
+chunk_result echo(const fake_io::sent& s, std::int64_t busy_ns = 1000) {
+  chunk_result r;
+  r.run = s.msg.run;
+  r.first = s.msg.first;
+  r.busy_ns = busy_ns;
+  auto* in = s.msg.items.as<std::int64_t>();
+  r.outputs = batch::of(in ? in->items : std::vector<std::int64_t>{});
+  return r;
+}
+
+struct core_fixture {
+  explicit core_fixture(std::vector<troupe::device> devices, troupe::options opts = {})
+      : stats(std::make_shared<troupe::detail::stats_box>()) {
+    stats->value.producers.resize(devices.size());
+    core = std::make_unique<scheduler>(io, std::move(devices), std::move(opts), stats);
+  }
+
+  std::shared_ptr<troupe::detail::job_core> submit(std::uint64_t id, std::int64_t n, bool ordered,
+                                                   troupe::job_options o = {}) {
+    auto job = std::make_shared<troupe::detail::job_core>(id, caf::actor{});
+    core->start(job, troupe::detail::make_job_source<std::int64_t>(test_util::iota(n)), ordered,
+                std::move(o));
+    return job;
+  }
+
+  /// Acknowledges every output sent to a consumer; returns the outputs in the order sent.
+  std::vector<std::int64_t> consume_all() {
+    std::vector<std::int64_t> out;
+    while (!io.to_consumer.empty()) {
+      auto [msg, n] = std::move(io.to_consumer.front());
+      io.to_consumer.pop_front();
+      if (auto* xs = msg.items.as<std::int64_t>())
+        out.insert(out.end(), xs->items.begin(), xs->items.end());
+      core->consumed(msg.run, n, msg.last);
+    }
+    return out;
+  }
+
+  fake_io io;
+  std::shared_ptr<troupe::detail::stats_box> stats;
+  std::unique_ptr<scheduler> core;
+};
+
+TEST(SchedulerCore, AnOrderedJobAnsweredBackwardsReachesItsConsumerInOrder) {
+  troupe::options opts;
+  opts.chunk_size = 2;
+  core_fixture f{{"cpu", "cpu"}, opts};
+  auto job = f.submit(1, 8, true);
+  ASSERT_EQ(f.io.chunks.size(), 4u);  // two chunks queued at each producer (min depth)
+  std::vector<std::int64_t> seen;
+  // Answer the last chunk first: nothing may reach the consumer before item 0.
+  while (!f.io.chunks.empty()) {
+    auto s = std::move(f.io.chunks.back());
+    f.io.chunks.pop_back();
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    if (s.msg.first != 0) {
+      EXPECT_TRUE(f.io.to_consumer.empty()) << "item " << s.msg.first;
+    }
+  }
+  auto out = f.consume_all();
+  EXPECT_EQ(out, test_util::iota(8));
+  EXPECT_TRUE(job->done());
+  EXPECT_EQ(job->error(), nullptr);
+  EXPECT_EQ(f.io.forgotten, (std::vector<std::uint64_t>{1}));
+}
+
+TEST(SchedulerCore, ALostProducersChunksGoToTheOtherAndItsLateAnswerIsDropped) {
+  troupe::options opts;
+  opts.chunk_size = 3;
+  opts.speculative = false;
+  core_fixture f{{"h:1/cpu", "cpu"}, opts};  // producer 0 is on a node: lost, not replaced
+  auto job = f.submit(7, 6, false);
+  std::vector<fake_io::sent> at_node;
+  for (auto& s : f.io.chunks)
+    if (s.p == 0) at_node.push_back(s);
+  ASSERT_FALSE(at_node.empty());
+  std::size_t before = f.io.chunks.size();
+  f.core->producer_down(0, "node gone", true);
+  ASSERT_GT(f.io.chunks.size(), before);  // re-sent
+  for (std::size_t i = before; i < f.io.chunks.size(); ++i) EXPECT_EQ(f.io.chunks[i].p, 1u);
+  // The lost producer's late answer carries its old generation: dropped.
+  auto late = echo(at_node.front());
+  f.core->on_result(0, at_node.front().gen, late.run, at_node.front().id, late);
+  for (std::size_t i = 0; i < f.io.chunks.size(); ++i) {
+    auto& s = f.io.chunks[i];
+    if (s.p != 1) continue;
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+  }
+  auto out = f.consume_all();
+  std::sort(out.begin(), out.end());
+  EXPECT_EQ(out, test_util::iota(6));  // each item once
+  EXPECT_TRUE(job->done());
+  EXPECT_EQ(job->report().redispatched, at_node.size() * 3);
+  EXPECT_TRUE(f.io.replaced.empty());
+}
+
+TEST(SchedulerCore, TimersAreCommandsAndTheirEventsEndTheJob) {
+  core_fixture f{{"cpu"}};
+  troupe::job_options o;
+  o.deadline = 50ms;
+  auto job = f.submit(3, 100, false, o);
+  ASSERT_FALSE(f.io.timers.empty());
+  EXPECT_EQ(f.io.timers.front().first, 50ms);
+  EXPECT_EQ(f.io.timers.front().second, scheduler_io::timer::deadline);
+  f.io.t += 50ms;
+  f.core->timer_fired(scheduler_io::timer::deadline, 3);
+  ASSERT_TRUE(job->done());
+  EXPECT_THROW(std::rethrow_exception(job->error()), troupe::deadline_exceeded);
+  // Answers to the job's chunks, now late, are dropped; the producer takes no more of it.
+  auto sent = f.io.chunks.size();
+  for (auto s : std::deque<fake_io::sent>(f.io.chunks)) {
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+  }
+  EXPECT_EQ(f.io.chunks.size(), sent);
+  EXPECT_TRUE(f.io.to_consumer.empty());
+}
+
+TEST(SchedulerCore, CloseEndsTheJobsThenTheProducersThenQuits) {
+  core_fixture f{{"cpu", "cpu"}};
+  auto job = f.submit(1, 1000, true);
+  auto done = std::make_shared<std::promise<void>>();
+  auto closed = done->get_future();
+  f.core->close(done, true);
+  ASSERT_TRUE(job->done());
+  EXPECT_THROW(std::rethrow_exception(job->error()), troupe::runner_closed);
+  EXPECT_EQ(f.io.ended, (std::vector<std::size_t>{0, 1}));
+  EXPECT_FALSE(f.io.quitted);
+  f.core->producer_ended(0, {});
+  f.core->producer_ended(1, "end() threw");
+  EXPECT_TRUE(f.io.quitted);
+  EXPECT_EQ(closed.wait_for(0s), std::future_status::ready);
+}
+
+}  // namespace
