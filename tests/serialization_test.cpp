@@ -297,3 +297,15 @@ TEST(ProducerEvents, AHandlerMayCloseTheRunnerWithoutWaitingForItself) {
   EXPECT_GE(events.load(), 1);
   EXPECT_FALSE(runner.is_open());
 }
+
+TEST(Serialization, SimulatedRunnersSerializeToo) {
+  constexpr int n = 100;
+  troupe::testing::simulation sim{1};
+  sim.nodes({"a:1"}, troupe::cpus(2));
+  troupe::options opts;
+  opts.serialize = true;
+  auto wire = sim.unordered_runner<label_lengths<broken_item>>(sim.devices(), {}, opts);
+  EXPECT_EQ(wire.run(labelled<broken_item>(n)), static_cast<std::int64_t>(n) * (n - 1) / 2);
+  EXPECT_THROW((void)sim.unordered_runner<unserializable_job>(sim.devices(), {}, opts),
+               troupe::invalid_argument);
+}

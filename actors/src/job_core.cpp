@@ -56,7 +56,22 @@ void job_core::set_progress(const progress& p) {
 
 void job_core::on_finish(std::function<void()> f) {
   std::lock_guard<std::mutex> guard{mtx_};
-  on_finish_ = std::move(f);
+  if (!on_finish_) {
+    on_finish_ = std::move(f);
+    return;
+  }
+  on_finish_ = [first = std::move(on_finish_), then = std::move(f)] {
+    first();
+    then();
+  };
+}
+
+void job_core::detach_actors() noexcept {
+  dispose();
+  std::lock_guard<std::mutex> guard{mtx_};
+  actors_->scheduler = nullptr;
+  actors_->consumer = nullptr;
+  disposed_ = true;
 }
 
 bool job_core::done() const {
@@ -66,23 +81,44 @@ bool job_core::done() const {
 
 bool job_core::drive(const std::function<bool()>& until) const {
   if (!driver_) return false;
-  driver_(until);
+  driver_(until, std::chrono::nanoseconds::max());
   return true;
+}
+
+void job_core::refuse_internal_wait(const char* what) const {
+  if (!ended_.load() && on_internal_thread())
+    throw invalid_argument(std::string{what} +
+                           " on troupe's own threads (on_progress, a producer, a consumer) "
+                           "would wait for itself and hold up every job: submit() from there "
+                           "and wait elsewhere");
 }
 
 void job_core::drive_to_end(const char* what) {
   if (!driver_ || ended_.load()) return;
-  driver_([this] { return ended_.load(); });
-  if (!ended_.load())
-    throw testing::hang(std::string{what} + ": job " + std::to_string(id_) +
-                        " cannot end: the simulation has nothing left to run (or passed its "
-                        "time limit) and the job is still running; see simulation::trace()");
+  refuse_internal_wait(what);
+  driver_([this] { return ended_.load(); }, std::chrono::nanoseconds::max());
+  if (ended_.load()) return;
+  // A hang: the job is withdrawn as far as the simulation can still run (its lent range is
+  // never read again), and the caller hears why.
+  if (actors_->scheduler) caf::anon_send(actors_->scheduler, cancel_atom::value, id_);
+  driver_([this] { return ended_.load(); }, std::chrono::nanoseconds::max());
+  take_back_range();
+  dispose();
+  throw testing::hang(std::string{what} + ": job " + std::to_string(id_) +
+                      " cannot end: the simulation has nothing left to run (or passed its "
+                      "time limit) and the job is still running; see simulation::trace()");
 }
 
 bool job_core::wait_for(std::chrono::milliseconds d) {
-  if (driver_ && !ended_.load() && d.count() > 0) driver_([this] { return ended_.load(); });
+  if (driver_) {
+    if (ended_.load() || d.count() <= 0) return ended_.load();
+    refuse_internal_wait("job_handle::wait_for()");
+    auto limit = finite_wait(d);
+    driver_([this] { return ended_.load(); },
+            limit ? std::chrono::nanoseconds{*limit} : std::chrono::nanoseconds::max());
+    return ended_.load();
+  }
   std::unique_lock<std::mutex> lock{mtx_};
-  if (driver_) return finished_;
   if (finished_) return true;
   if (d.count() <= 0) return false;
   if (on_internal_thread())
@@ -133,9 +169,10 @@ void job_core::take_back_range() noexcept {
 
 void job_core::cancel() {
   if (done()) return;
+  if (driver_ && !actors_->scheduler) return;  // its simulation has ended
   if (on_internal_thread() || driver_) {
     caf::anon_send(actors_->scheduler, cancel_atom::value, id_);
-    if (driver_) drive_to_end("job_handle::cancel()");
+    if (driver_ && !on_internal_thread()) drive_to_end("job_handle::cancel()");
     return;
   }
   try {

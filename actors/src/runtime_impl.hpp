@@ -58,11 +58,16 @@ class sim_host {
   virtual ~sim_host() = default;
   /// The simulation's actor system (CAF's test coordinator: one thread, virtual time).
   virtual caf::actor_system& system() = 0;
-  /// Spawns the simulated producer of device `d` (entry `index` of a runner's devices).
+  /// Spawns the simulated producer of device `d` (entry `index` of a runner's devices);
+  /// `serialize`: options::serialize.
   virtual caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
-                                    std::size_t index) = 0;
-  /// Runs the simulation until `until()` holds or nothing more can happen.
-  virtual void drive(const std::function<bool()>& until) = 0;
+                                    std::size_t index, bool serialize) = 0;
+  /// Runs the simulation until `until()` holds, nothing more can happen, or `at_most` of virtual
+  /// time has passed.
+  virtual void drive(const std::function<bool()>& until,
+                     std::chrono::nanoseconds at_most = std::chrono::nanoseconds::max()) = 0;
+  /// An actor of a runner (its scheduler) that ends with the simulation.
+  virtual void own(caf::actor a) = 0;
   /// Makes `job` a job of this simulation: its waits run the simulation.
   virtual void adopt(const std::shared_ptr<job_core>& job) = 0;
 };

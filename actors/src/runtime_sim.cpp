@@ -34,9 +34,10 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
-      spawn_(
-          [make, host = sim.get()](caf::actor_system&, const device& d, const config& c,
-                                   std::size_t i) { return host->spawn_producer(make, d, c, i); }),
+      spawn_([make, host = sim.get(), wire = opts_.serialize](caf::actor_system&, const device& d,
+                                                              const config& c, std::size_t i) {
+        return host->spawn_producer(make, d, c, i, wire);
+      }),
       stats_(std::make_shared<stats_box>()),
       sim_(std::move(sim)) {
   check_and_count();
@@ -56,10 +57,13 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
     for (auto& p : producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
     sim_->drive([] { return false; });
     if (!a) throw testing::hang("producer " + entry_name(devices_, i) + " never started");
-    throw init_error("producer " + entry_name(devices_, i) + ": " + error_text(*a));
+    auto why = "producer " + entry_name(devices_, i) + ": " + error_text(*a);
+    if (error_code(*a) == errc::node_error) throw node_error(why);
+    throw init_error(why);
   }
   scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
                                /*detached=*/false);
+  sim_->own(scheduler_);
   open_ = true;
 }
 

@@ -86,6 +86,7 @@ void scheduler::report_progress(job_state& j, bool final) {
     r.retries = j.report.retries;
     r.redispatched = j.report.redispatched;
   });
+  mark_internal_thread();  // a wait from the callback must be refused, not wait for itself
   for (auto* f : {&j.opts.on_progress, &opts_.on_progress}) {
     if (!*f) continue;
     try {

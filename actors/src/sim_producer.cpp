@@ -25,6 +25,15 @@ chunk_result run_chunk(sim_producer_state& st, const work_chunk& w) {
     items = w.items.owned();
     lease->release();
   }
+  if (st.serialize) {  // options::serialize: exactly what a node would receive
+    try {
+      items = round_trip_batch(items, "the chunk's inputs");
+    } catch (const std::exception& e) {
+      r.code = errc::protocol_error;
+      r.what = e.what();
+      return r;
+    }
+  }
   if (!st.ops) {
     r.code = errc::protocol_error;
     r.what = "producer on " + st.where.str() + " was not started or has ended";
@@ -70,6 +79,15 @@ chunk_result run_chunk(sim_producer_state& st, const work_chunk& w) {
   } else {
     r.failures = std::move(out.failures);
     r.outputs = std::move(out.outputs);
+    if (st.serialize) {
+      try {
+        r.outputs = round_trip_batch(r.outputs, "the chunk's outputs");
+      } catch (const std::exception& e) {
+        r.outputs = {};
+        r.code = errc::protocol_error;
+        r.what = e.what();
+      }
+    }
   }
   return r;
 }
@@ -86,6 +104,10 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_pro
   });
   return {
       [st](init_atom) -> caf::result<init_done> {
+        if (st->sim->node_of(*st).dead)  // a runner made after its node was lost
+          return make_error(errc::node_error, "node " + st->node +
+                                                  " is down (killed or lost earlier in this "
+                                                  "simulation)");
         try {
           st->ops = st->make(st->where.local(), st->cfg, st->index);
           return init_done{st->where.str()};

@@ -72,6 +72,7 @@ struct sim_producer_state {
   std::string node;
   config cfg;
   std::size_t index = 0;
+  bool serialize = false;  ///< options::serialize: chunks through the wire format both ways
   std::unique_ptr<producer_ops> ops;
   sim_clock::time_point busy_until{};
   std::uint64_t next_answer = 0;
@@ -104,18 +105,31 @@ class sim_state final : public sim_host {
   }
 
   ~sim_state() override {
+    // Handles may outlive the simulation: their jobs end now, and they let go of its actors.
+    for (auto& weak : jobs_)
+      if (auto c = weak.lock()) {
+        if (!c->done())
+          c->finish(std::make_exception_ptr(
+              runner_closed("the simulation ended before this job did (troupe::testing)")));
+        c->detach_actors();
+      }
     caf::anon_send_exit(director_, caf::exit_reason::user_shutdown);
+    for (auto& a : owned_) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     for (auto& [name, n] : nodes_)
       for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
-    sched_.run(stuck_ ? max_steps_per_instant : std::numeric_limits<std::size_t>::max());
+    // An exit comes before the other messages an actor has: a livelocked one ends too.
+    sched_.run(stuck_ ? livelock_after_ : std::numeric_limits<std::size_t>::max());
     clear_internal_thread();
   }
 
   caf::actor_system& system() override { return sys_; }
 
+  void own(caf::actor a) override { owned_.push_back(std::move(a)); }
+
   caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
-                            std::size_t index) override {
+                            std::size_t index, bool serialize) override {
     auto st = std::make_shared<sim_producer_state>();
+    st->serialize = serialize;
     st->sim = this;
     st->make = make;
     st->where = d;
@@ -127,17 +141,22 @@ class sim_state final : public sim_host {
     return a;
   }
 
-  void drive(const std::function<bool()>& until) override {
+  void drive(const std::function<bool()>& until,
+             std::chrono::nanoseconds at_most = std::chrono::nanoseconds::max()) override {
     auto instant = sched_.clock().now();
+    auto stop_at = at_most == std::chrono::nanoseconds::max() ||
+                           instant.time_since_epoch() > sim_clock::duration::max() - at_most
+                       ? sim_clock::time_point::max()
+                       : instant + at_most;
     std::size_t steps = 0;  // at this virtual instant
     for (;;) {
       if (stuck_ || until()) break;
       if (auto t = sched_.clock().now(); t != instant) {
         instant = t;
         steps = 0;
-      } else if (++steps > max_steps_per_instant) {
+      } else if (++steps > livelock_after_) {
         stuck_ = true;
-        record("livelock: " + std::to_string(max_steps_per_instant) +
+        record("livelock: " + std::to_string(livelock_after_) +
                " events at one virtual instant; the simulation is stopped");
         break;
       }
@@ -152,19 +171,48 @@ class sim_state final : public sim_host {
         clear_internal_thread();  // the job's code ran on this thread; the caller's waits may
         continue;                 // run the simulation again
       }
-      if (!sched_.has_pending_timeout() || elapsed() >= limit_) break;
+      if (!sched_.has_pending_timeout() || elapsed() >= limit_ || instant >= stop_at) break;
       sched_.trigger_timeout();
     }
-    note_ends();
   }
 
   void adopt(const std::shared_ptr<job_core>& job) override {
     std::weak_ptr<sim_state> weak = self_;
-    job->set_driver([weak](const std::function<bool()>& until) {
-      if (auto s = weak.lock()) s->drive(until);
+    job->set_driver([weak](const std::function<bool()>& until, std::chrono::nanoseconds at_most) {
+      if (auto s = weak.lock()) s->drive(until, at_most);
     });
-    jobs_.emplace_back(job->id(), job);
-    record("job " + std::to_string(job->id()) + " submitted");
+    auto id = job->id();
+    job->on_finish([weak, id, w = std::weak_ptr<job_core>(job)] {
+      auto s = weak.lock();
+      auto c = w.lock();
+      if (!s || !c) return;
+      s->live_ -= 1;
+      std::string how = "ok";
+      if (auto e = c->error()) {
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          how = std::string{"failed: "} + x.what();
+        } catch (...) {
+          how = "failed";
+        }
+      }
+      s->record("job " + std::to_string(id) + " ended: " + how);
+    });
+    live_ += 1;
+    // Kept to let the handles go of this simulation's actors when it ends; ended ones are
+    // dropped as the list doubles, so that many short jobs cost nothing here.
+    if (jobs_.size() >= 2 * prune_at_) {
+      jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(),
+                                 [](auto& w) {
+                                   auto c = w.lock();
+                                   return !c || c->done();
+                                 }),
+                  jobs_.end());
+      prune_at_ = std::max<std::size_t>(64, jobs_.size());
+    }
+    jobs_.push_back(job);
+    record("job " + std::to_string(id) + " submitted");
   }
 
   // -- the public side --------------------------------------------------------------------
@@ -174,6 +222,7 @@ class sim_state final : public sim_host {
   std::chrono::nanoseconds cost_{std::chrono::microseconds{100}};
   double jitter_ = 0.5;
   std::chrono::nanoseconds limit_{std::chrono::hours{1}};
+  std::size_t& livelock_after() { return livelock_after_; }
   std::map<std::size_t, std::vector<std::uint64_t>> throws_;  ///< producer index -> items
   std::vector<sim_chunk_fault> chunk_faults_;
   std::mt19937_64 rng_;
@@ -283,18 +332,10 @@ class sim_state final : public sim_host {
   sim_clock::time_point clock_now() const { return sched_.clock().now(); }
 
   bool run_until_idle() {
-    auto all_ended = [this] {
-      return std::all_of(jobs_.begin(), jobs_.end(), [](auto& j) {
-        auto c = j.second.lock();
-        return !c || c->done();
-      });
-    };
-    drive([&] { return all_ended() && !sched_.has_job(); });
-    if (all_ended()) return true;
-    for (auto& [id, weak] : jobs_)
-      if (auto c = weak.lock(); c && !c->done())
-        record("hang: job " + std::to_string(id) + " is still running and nothing is left to run" +
-               (elapsed() >= limit_ ? " before the time limit" : ""));
+    drive([&] { return live_ == 0 && !sched_.has_job(); });
+    if (live_ == 0) return true;
+    record("hang: " + std::to_string(live_) + " job(s) still running and nothing is left to run" +
+           (elapsed() >= limit_ ? " before the time limit" : "") + (stuck_ ? " (livelock)" : ""));
     return false;
   }
 
@@ -317,26 +358,6 @@ class sim_state final : public sim_host {
     for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::remote_link_unreachable);
   }
 
-  void note_ends() {
-    for (auto& [id, weak] : jobs_) {
-      if (ended_.count(id)) continue;
-      auto c = weak.lock();
-      if (!c || !c->done()) continue;
-      ended_.insert({id, true});
-      std::string how = "ok";
-      if (auto e = c->error()) {
-        try {
-          std::rethrow_exception(e);
-        } catch (const std::exception& x) {
-          how = std::string{"failed: "} + x.what();
-        } catch (...) {
-          how = "failed";
-        }
-      }
-      record("job " + std::to_string(id) + " ended: " + how);
-    }
-  }
-
   std::unique_ptr<caf::actor_system_config> cfg_;
   caf::actor_system sys_;
   caf::scheduler::test_coordinator& sched_;
@@ -345,12 +366,14 @@ class sim_state final : public sim_host {
   std::map<std::uint64_t, std::function<void()>> events_;
   std::uint64_t next_event_ = 1;
   std::map<std::string, sim_node> nodes_;
-  std::vector<std::pair<std::uint64_t, std::weak_ptr<job_core>>> jobs_;
-  std::map<std::uint64_t, bool> ended_;
+  std::vector<std::weak_ptr<job_core>> jobs_;
+  std::size_t prune_at_ = 64;
+  std::size_t live_ = 0;           ///< jobs submitted and not ended
+  std::vector<caf::actor> owned_;  ///< the runners' schedulers
   std::string trace_;
   /// A simulation that keeps running events without its clock advancing is livelocked: stopped,
   /// and its jobs reported as hung.
-  static constexpr std::size_t max_steps_per_instant = 1'000'000;
+  std::size_t livelock_after_ = 1'000'000;
   bool stuck_ = false;
 
  public:

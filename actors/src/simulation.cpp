@@ -27,10 +27,13 @@ void fault_at::kill(const std::string& node) {
   add(detail::kill_fault, node, 0);
 }
 void fault_at::freeze(const std::string& node, std::chrono::nanoseconds d) {
+  if (d.count() < 0 || d > std::chrono::hours{24 * 365})
+    throw invalid_argument("simulation: freeze() needs a duration between 0 and a year");
   add(detail::freeze_fault, node, static_cast<double>(d.count()));
 }
 void fault_at::slow(const std::string& node, double factor) {
-  if (!(factor > 0)) throw invalid_argument("simulation: slow() needs a factor above 0");
+  if (!(factor > 0) || factor > 1e6)
+    throw invalid_argument("simulation: slow() needs a factor above 0 and at most 1e6");
   add(detail::slow_fault, node, factor);
 }
 void fault_at::partition(const std::string& node) {
@@ -40,6 +43,8 @@ void fault_at::heal(const std::string& node) {
   add(detail::heal_fault, node, 0);
 }
 void fault_at::delay(const std::string& node, std::chrono::nanoseconds d) {
+  if (d.count() < 0 || d > std::chrono::hours{1})
+    throw invalid_argument("simulation: delay() needs a duration between 0 and 1 hour");
   add(detail::delay_fault, node, static_cast<double>(d.count()));
 }
 
@@ -75,16 +80,25 @@ std::vector<device> simulation::devices() const {
 }
 
 void simulation::cost_per_item(std::chrono::nanoseconds d) {
+  if (d.count() < 0 || d > std::chrono::hours{1})
+    throw invalid_argument("simulation: cost_per_item must be between 0 and 1 hour");
   sim_of(host_).cost_ = d;
 }
 
 void simulation::jitter(double j) {
-  if (!(j >= 0)) throw invalid_argument("simulation: jitter must be at least 0");
+  if (!(j >= 0) || j > 1000)
+    throw invalid_argument("simulation: jitter must be between 0 and 1000");
   sim_of(host_).jitter_ = j;
 }
 
 void simulation::time_limit(std::chrono::nanoseconds d) {
+  if (d.count() < 0) throw invalid_argument("simulation: time_limit must not be negative");
   sim_of(host_).limit_ = d;
+}
+
+void simulation::livelock_after(std::size_t events) {
+  if (events == 0) throw invalid_argument("simulation: livelock_after must be at least 1");
+  sim_of(host_).livelock_after() = events;
 }
 
 fault_at simulation::at_chunk(std::size_t n) {

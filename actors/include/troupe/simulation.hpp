@@ -125,10 +125,15 @@ class simulation {
   /// A simulation that reaches this virtual time is stopped: a job still running is a hang
   /// (default 1 hour).
   void time_limit(std::chrono::nanoseconds d);
+  /// A simulation that runs this many events at one virtual instant is livelocked: stopped, its
+  /// jobs hung (default 1,000,000; raise it for a zero cost_per_item or a million jobs
+  /// submitted at once).
+  void livelock_after(std::size_t events);
 
   template <class Job>
   troupe::ordered_runner<Job> ordered_runner(std::vector<device> devices, config cfg = {},
                                              options opts = {}) {
+    if (opts.serialize) detail::register_wire_types<Job>();
     return troupe::ordered_runner<Job>{detail::runtime_handle{host_, std::move(devices),
                                                               std::move(cfg), std::move(opts),
                                                               &detail::make_producer_ops<Job>}};
@@ -136,6 +141,7 @@ class simulation {
   template <class Job>
   troupe::unordered_runner<Job> unordered_runner(std::vector<device> devices, config cfg = {},
                                                  options opts = {}) {
+    if (opts.serialize) detail::register_wire_types<Job>();
     return troupe::unordered_runner<Job>{detail::runtime_handle{host_, std::move(devices),
                                                                 std::move(cfg), std::move(opts),
                                                                 &detail::make_producer_ops<Job>}};

@@ -66,12 +66,18 @@ class job_core {
     std::lock_guard<std::mutex> guard{mtx_};
     f(report_);
   }
-  /// Called once the job has ended (a stream's reader waits on its own buffer).
+  /// Called once the job has ended (a stream's reader waits on its own buffer); each call
+  /// adds one.
   void on_finish(std::function<void()> f);
+  /// Its simulation is ending: the consumer is let go and no message is sent to the
+  /// simulation's actors any more (the handle may outlive them).
+  void detach_actors() noexcept;
 
   /// A job of a simulated cluster: `drive(until)` runs the simulation on the calling thread
   /// until `until()` holds or nothing more can happen, in place of every wait below.
-  using driver = std::function<void(const std::function<bool()>& until)>;
+  /// `at_most`: virtual time it may advance, at most (nanoseconds::max(): no limit).
+  using driver =
+      std::function<void(const std::function<bool()>& until, std::chrono::nanoseconds at_most)>;
   /// Set once, before the job reaches the scheduler.
   void set_driver(driver d) { driver_ = std::move(d); }
   /// Runs the simulation until `until()` holds (nothing without one); false without one.
@@ -122,8 +128,11 @@ class job_core {
   job_report report_;
   std::function<void()> on_finish_;
   driver driver_;
-  /// Simulated: runs the simulation until the job has ended; throws testing::hang if it cannot.
+  /// Simulated: runs the simulation until the job has ended; throws testing::hang if it cannot
+  /// (the job withdrawn first).
   void drive_to_end(const char* what);
+  /// Throws invalid_argument for a wait on troupe's own threads on a job still running.
+  void refuse_internal_wait(const char* what) const;
 };
 
 /// The buffer between a stream's consumer actor and the thread reading the stream. The actor
