@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fault_points.hpp"
+#include "test_jobs.hpp"
 
 namespace {
 
@@ -24,16 +25,7 @@ using namespace std::chrono_literals;
 using troupe::testing::simulation;
 
 /// A user's job: the sum of squares.
-struct squares {
-  struct producer {
-    std::int64_t work(std::int64_t x) { return x * x; }
-  };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
-};
+using squares = test_jobs::squares;
 
 /// A user's job with a planted bug: its consumer assumes the outputs come in input order
 /// (true only under an ordered runner). It returns whether they did.

@@ -32,6 +32,20 @@ std::string describe_current_exception() {
   }
 }
 
+std::optional<batch> own_chunk_items(const work_chunk& w, chunk_result& r,
+                                     std::vector<std::byte>* scratch) {
+  auto* lease = w.items.lease();
+  if (!lease) return w.items;
+  if (!lease->acquire()) {
+    r.code = errc::cancelled;
+    r.what = "the job has ended";
+    return std::nullopt;
+  }
+  batch items = scratch ? w.items.copied_into(*scratch) : w.items.owned();
+  lease->release();
+  return items;
+}
+
 namespace {
 
 using clock = std::chrono::steady_clock;
@@ -68,16 +82,9 @@ struct producer_state {
     // A part of a caller's range, lent (batch_view): copied here, into this producer's own
     // buffer, while the job holds it; user code never sees the caller's memory, so that a
     // producer stuck in work() cannot hold up the job's handle.
-    batch items = w.items;
-    if (auto* lease = w.items.lease()) {
-      if (!lease->acquire()) {
-        r.code = errc::cancelled;
-        r.what = "the job has ended";
-        return r;
-      }
-      items = w.items.copied_into(scratch);
-      lease->release();
-    }
+    auto lent = own_chunk_items(w, r, &scratch);
+    if (!lent) return r;
+    batch items = std::move(*lent);
     batch joined;
     try {
       joined = bulk::resolve(items);  // a large chunk arrives as fragments and a reference

@@ -2,6 +2,7 @@
 // producer code on each chunk, with the scripted throws; the answer after the chunk's virtual
 // cost, held while the node is frozen.
 #include "sim_state.hpp"
+#include "troupe/detail/job_actors.hpp"
 
 namespace troupe::detail {
 namespace {
@@ -15,16 +16,9 @@ chunk_result run_chunk(sim_producer_state& st, const work_chunk& w) {
   chunk_result r;
   r.run = w.run;
   r.first = w.first;
-  batch items = w.items;
-  if (auto* lease = w.items.lease()) {
-    if (!lease->acquire()) {
-      r.code = errc::cancelled;
-      r.what = "the job has ended";
-      return r;
-    }
-    items = w.items.owned();
-    lease->release();
-  }
+  auto lent = own_chunk_items(w, r);
+  if (!lent) return r;
+  batch items = std::move(*lent);
   if (st.serialize) {  // options::serialize: exactly what a node would receive
     try {
       items = round_trip_batch(items, "the chunk's inputs");

@@ -10,15 +10,24 @@
 #include <caf/fwd.hpp>
 #include <cstddef>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "troupe/config.hpp"
 #include "troupe/detail/job_gate.hpp"
 #include "troupe/detail/job_ops.hpp"
 #include "troupe/device.hpp"
+#include "troupe/protocol.hpp"
 
 namespace troupe::detail {
 
 class stream_buffer;
+
+/// The items of `w` for a producer: a part of a caller's range (lent) is copied while the job
+/// still holds the range (into `scratch`, reused, when given), so that user code never sees the
+/// caller's memory; nothing when the job has ended (`r` then says cancelled).
+std::optional<batch> own_chunk_items(const work_chunk& w, chunk_result& r,
+                                     std::vector<std::byte>* scratch = nullptr);
 
 /// Spawns the producer actor of a job on device `d` (detached). It constructs the job's producer
 /// object (`make`) when it receives init_atom, runs chunks, and runs producer::end() on end_atom.
