@@ -67,6 +67,7 @@ void job_core::on_finish(std::function<void()> f) {
 }
 
 void job_core::detach_actors() noexcept {
+  take_back_range();  // nothing reads the caller's range any more
   dispose();
   std::lock_guard<std::mutex> guard{mtx_};
   actors_->scheduler = nullptr;

@@ -3,6 +3,7 @@
 // <troupe/detail/runtime.hpp>.
 #pragma once
 
+#include <atomic>
 #include <caf/actor.hpp>
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/fwd.hpp>
@@ -68,6 +69,8 @@ class sim_host {
                      std::chrono::nanoseconds at_most = std::chrono::nanoseconds::max()) = 0;
   /// An actor of a runner (its scheduler) that ends with the simulation.
   virtual void own(caf::actor a) = 0;
+  /// Set when the simulation ends: its schedulers do nothing more but end.
+  virtual std::shared_ptr<std::atomic<bool>> halted() = 0;
   /// Makes `job` a job of this simulation: its waits run the simulation.
   virtual void adopt(const std::shared_ptr<job_core>& job) = 0;
 };
@@ -131,12 +134,15 @@ class runtime {
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`
 /// start replacements for local producers that were given up on.
-/// `detached`: on a thread of its own (runners); false only for the deterministic scheduler
-/// tests, which run it on CAF's test coordinator.
+/// `detached`: on a thread of its own (runners); false for the deterministic scheduler tests
+/// and simulations, which run it on CAF's test coordinator. `halted`: once true, it does
+/// nothing more but end (a simulation that ends while a job still runs: nothing of that job,
+/// its caller's range included, may be touched again).
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
-                           bool detached = true);
+                           bool detached = true,
+                           std::shared_ptr<std::atomic<bool>> halted = nullptr);
 
 }  // namespace troupe::detail
 

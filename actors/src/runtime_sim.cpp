@@ -62,7 +62,7 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
     throw init_error(why);
   }
   scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
-                               /*detached=*/false);
+                               /*detached=*/false, sim_->halted());
   sim_->own(scheduler_);
   open_ = true;
 }

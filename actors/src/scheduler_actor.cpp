@@ -21,8 +21,9 @@ class scheduler_shell final : public scheduler_io {
  public:
   scheduler_shell(caf::event_based_actor* self, std::vector<caf::actor> producers,
                   std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
-                  producer_spawner spawn, config cfg)
+                  producer_spawner spawn, config cfg, std::shared_ptr<std::atomic<bool>> halted)
       : self_(self),
+        halted_(std::move(halted)),
         handles_(std::move(producers)),
         devices_(devices),
         spawn_(std::move(spawn)),
@@ -33,16 +34,19 @@ class scheduler_shell final : public scheduler_io {
     self_->set_down_handler([this](caf::down_msg& dm) {
       for (std::size_t p = 0; p < handles_.size(); ++p)
         if (handles_[p].address() == dm.source)
-          core_.producer_down(p, error_text(dm.reason), dm.reason == caf::exit_reason::unreachable);
+          if (auto* c = core())
+            c->producer_down(p, error_text(dm.reason), dm.reason == caf::exit_reason::unreachable);
     });
   }
 
-  scheduler& core() { return core_; }
+  /// The core, for an event; nullptr once halted (the event is dropped).
+  scheduler* core() { return halted_ && halted_->load() ? nullptr : &core_; }
 
   void start(std::shared_ptr<job_spec>& spec) {
     consumers_[spec->core->id()] = std::move(spec->consumer);
-    core_.start(std::move(spec->core), std::move(spec->source), spec->ordered,
-                std::move(spec->opts));
+    if (auto* c = core())
+      c->start(std::move(spec->core), std::move(spec->source), spec->ordered,
+               std::move(spec->opts));
   }
 
   // -- the core's commands ----------------------------------------------------------------
@@ -67,17 +71,23 @@ class scheduler_shell final : public scheduler_io {
                   r.what = e.what();
                 }
               }
-              core_.on_result(p, gen, job, id, r);
+              if (auto* c = core()) c->on_result(p, gen, job, id, r);
             },
             [this, p, gen](caf::error& err) {
-              core_.producer_failed(p, gen, error_text(err), err == caf::exit_reason::unreachable);
+              if (auto* c = core())
+                c->producer_failed(p, gen, error_text(err), err == caf::exit_reason::unreachable);
             });
   }
 
   void end_producer(std::size_t p) override {
     self_->request(handles_[p], caf::infinite, end_atom::value)
-        .then([this, p](const consume_ack&) { core_.producer_ended(p, {}); },
-              [this, p](const caf::error& err) { core_.producer_ended(p, error_text(err)); });
+        .then(
+            [this, p](const consume_ack&) {
+              if (auto* c = core()) c->producer_ended(p, {});
+            },
+            [this, p](const caf::error& err) {
+              if (auto* c = core()) c->producer_ended(p, error_text(err));
+            });
   }
 
   void stop_producer(std::size_t p) override {
@@ -89,24 +99,37 @@ class scheduler_shell final : public scheduler_io {
     handles_[p] = fresh;
     self_->monitor(fresh);
     self_->request(fresh, caf::infinite, init_atom::value)
-        .then([this, p, gen](const init_done&) { core_.replaced(p, gen); },
-              [this, p, gen](const caf::error& err) {
-                core_.replace_failed(p, gen, error_text(err));
-              });
+        .then(
+            [this, p, gen](const init_done&) {
+              if (auto* c = core()) c->replaced(p, gen);
+            },
+            [this, p, gen](const caf::error& err) {
+              if (auto* c = core()) c->replace_failed(p, gen, error_text(err));
+            });
   }
 
   void consume(consume_chunk msg, std::size_t n) override {
     auto job = msg.run;
     auto last = msg.last;
     self_->request(consumers_[job], caf::infinite, std::move(msg))
-        .then([this, job, n, last](const consume_ack&) { core_.consumed(job, n, last); },
-              [this, job](caf::error& err) { core_.consumer_failed(job, error_text(err)); });
+        .then(
+            [this, job, n, last](const consume_ack&) {
+              if (auto* c = core()) c->consumed(job, n, last);
+            },
+            [this, job](caf::error& err) {
+              if (auto* c = core()) c->consumer_failed(job, error_text(err));
+            });
   }
 
   void end_input(std::uint64_t job) override {
     self_->request(consumers_[job], caf::infinite, end_of_input{job})
-        .then([this, job](const consume_ack&) { core_.input_ended(job); },
-              [this, job](caf::error& err) { core_.consumer_failed(job, error_text(err)); });
+        .then(
+            [this, job](const consume_ack&) {
+              if (auto* c = core()) c->input_ended(job);
+            },
+            [this, job](caf::error& err) {
+              if (auto* c = core()) c->consumer_failed(job, error_text(err));
+            });
   }
 
   void set_timer(std::chrono::nanoseconds after, timer t, std::uint64_t id) override {
@@ -124,6 +147,7 @@ class scheduler_shell final : public scheduler_io {
 
  private:
   caf::event_based_actor* self_;
+  std::shared_ptr<std::atomic<bool>> halted_;
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<device> devices_;
   producer_spawner spawn_;
@@ -137,16 +161,16 @@ class scheduler_shell final : public scheduler_io {
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
-                           bool detached) {
+                           bool detached, std::shared_ptr<std::atomic<bool>> halted) {
   // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
   // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
-  auto init = [producers = std::move(producers), devices = std::move(devices),
-               opts = std::move(opts), spawn = std::move(spawn),
-               cfg = std::move(cfg)](caf::event_based_actor* self,
-                                     std::shared_ptr<stats_box> box) mutable -> caf::behavior {
+  auto init =
+      [producers = std::move(producers), devices = std::move(devices), opts = std::move(opts),
+       spawn = std::move(spawn), cfg = std::move(cfg), halted = std::move(halted)](
+          caf::event_based_actor* self, std::shared_ptr<stats_box> box) mutable -> caf::behavior {
     auto st = std::make_shared<scheduler_shell>(self, std::move(producers), std::move(devices),
                                                 std::move(opts), std::move(box), std::move(spawn),
-                                                std::move(cfg));
+                                                std::move(cfg), halted);
     return {
         [st](std::shared_ptr<job_spec>& spec) {
           mark_internal_thread();
@@ -154,19 +178,24 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         },
         [st](cancel_atom, std::uint64_t id) {
           mark_internal_thread();
-          st->core().cancel(id);
+          if (auto* c = st->core()) c->cancel(id);
           return consume_ack{id};
         },
         [st](timer_atom, int t, std::uint64_t id) {
           mark_internal_thread();
-          st->core().timer_fired(static_cast<scheduler_io::timer>(t), id);
+          if (auto* c = st->core()) c->timer_fired(static_cast<scheduler_io::timer>(t), id);
         },
         [st](close_atom, std::shared_ptr<std::promise<void>>& done, bool timed) {
           mark_internal_thread();
-          st->core().close(std::move(done), timed);
+          if (auto* c = st->core())
+            c->close(std::move(done), timed);
+          else
+            done->set_value();
         },
         // The runner's close() gave up waiting: the producers still busy are left behind.
-        [st](close_timeout_atom) { st->core().timer_fired(scheduler_io::timer::close_timeout, 0); },
+        [st](close_timeout_atom) {
+          if (auto* c = st->core()) c->timer_fired(scheduler_io::timer::close_timeout, 0);
+        },
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/event_based_actor.hpp>
@@ -113,18 +114,21 @@ class sim_state final : public sim_host {
               runner_closed("the simulation ended before this job did (troupe::testing)")));
         c->detach_actors();
       }
+    // Nothing of a job still running may be touched now (its caller's range may be gone): the
+    // schedulers only end, whatever messages they still have.
+    halted_->store(true);
     caf::anon_send_exit(director_, caf::exit_reason::user_shutdown);
     for (auto& a : owned_) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     for (auto& [name, n] : nodes_)
       for (auto& p : n.producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
-    // An exit comes before the other messages an actor has: a livelocked one ends too.
-    sched_.run(stuck_ ? livelock_after_ : std::numeric_limits<std::size_t>::max());
+    sched_.run();
     clear_internal_thread();
   }
 
   caf::actor_system& system() override { return sys_; }
 
   void own(caf::actor a) override { owned_.push_back(std::move(a)); }
+  std::shared_ptr<std::atomic<bool>> halted() override { return halted_; }
 
   caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
                             std::size_t index, bool serialize) override {
@@ -370,6 +374,7 @@ class sim_state final : public sim_host {
   std::size_t prune_at_ = 64;
   std::size_t live_ = 0;           ///< jobs submitted and not ended
   std::vector<caf::actor> owned_;  ///< the runners' schedulers
+  std::shared_ptr<std::atomic<bool>> halted_ = std::make_shared<std::atomic<bool>>(false);
   std::string trace_;
   /// A simulation that keeps running events without its clock advancing is livelocked: stopped,
   /// and its jobs reported as hung.
