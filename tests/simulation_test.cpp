@@ -535,3 +535,22 @@ TEST(Simulation, ManyShortJobsCostLittle) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Simulation, ALivelockedSimulationNeverTouchesARangeFreedBeforeIt) {
+  simulation sim{31};
+  four_nodes(sim);
+  sim.cost_per_item(0ns);  // every event at one instant: reported as a livelock
+  sim.livelock_after(20'000);
+  troupe::options o;
+  o.chunk_size = 1;
+  auto r = sim.unordered_runner<squares>(sim.devices(), {}, o);
+  {
+    std::vector<std::int64_t> xs(100'000, 1);
+    EXPECT_THROW(r.run(xs), troupe::testing::hang);
+  }  // xs goes first, then the runner, then the simulation: ASan reports any read of it
+  EXPECT_NE(sim.trace().find("livelock"), std::string::npos);
+}
+
+}  // namespace
