@@ -9,34 +9,7 @@
 set -euo pipefail
 source "$(dirname "$0")/node_lib.sh"
 bin=$1
-tag="tt$$"
-coord="${tag}c"
-dir=$(mktemp -d)
-pids=()
-if ! ip netns add "$coord" 2>"$dir/err"; then
-  echo "skipped: cannot create a network namespace here ($(head -c 200 "$dir/err"))"
-  rm -rf "$dir"
-  exit 77
-fi
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  for ns in "$coord" "${tag}n1" "${tag}n2"; do ip netns del "$ns" 2>/dev/null || true; done
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-ip netns exec "$coord" ip link set lo up
-for i in 1 2; do
-  ns="${tag}n$i"
-  ip netns add "$ns"
-  ip netns exec "$ns" ip link set lo up
-  ip link add "${tag}c$i" netns "$coord" type veth peer name "${tag}n$i" netns "$ns"
-  ip netns exec "$coord" ip addr add "10.232.$i.1/24" dev "${tag}c$i"
-  ip netns exec "$coord" ip link set "${tag}c$i" up
-  ip netns exec "$ns" ip addr add "10.232.$i.2/24" dev "${tag}n$i"
-  ip netns exec "$ns" ip link set "${tag}n$i" up
-  ip netns exec "$ns" "$bin" --serve "10.232.$i.2:0" --devices cpu > "$dir/node$i" &
-  pids+=($!)
-done
+netns_two_nodes "tt$$" 232 --devices cpu
 a=$(served_address "$dir/node1")
 b=$(served_address "$dir/node2")
 echo "nodes: $a (namespace ${tag}n1), $b (namespace ${tag}n2)"
