@@ -1,115 +1,82 @@
 // The simulated producers of troupe::testing::simulation (sim_state.hpp): the job's real
-// producer code on each chunk, with the scripted throws; the answer after the chunk's virtual
-// cost, held while the node is frozen.
+// producer code on each chunk, run as a real producer actor runs it (producer_state), with the
+// scripted throws around it; the answer after the chunk's virtual cost, held while the node is
+// frozen.
 #include "sim_state.hpp"
-#include "troupe/detail/job_actors.hpp"
 
 namespace troupe::detail {
 namespace {
 
 std::string slot_name(const sim_producer_state& st) {
-  return st.where.str() + "#" + std::to_string(st.index);
+  return st.where.str() + "#" + std::to_string(st.real.index);
 }
 
-/// The job's real producer code on a chunk, with the scripted throws.
-chunk_result run_chunk(sim_producer_state& st, const work_chunk& w) {
-  chunk_result r;
-  r.run = w.run;
-  r.first = w.first;
-  auto lent = own_chunk_items(w, r);
-  if (!lent) return r;
-  batch items = std::move(*lent);
-  if (st.serialize) {  // options::serialize: exactly what a node would receive
-    try {
-      items = round_trip_batch(items, "the chunk's inputs");
-    } catch (const std::exception& e) {
-      r.code = errc::protocol_error;
-      r.what = e.what();
-      return r;
+/// The job's producer with producer_script::throws_at_item: the scripted item throws (each time
+/// this producer runs it); the others run the job's own code.
+class scripted_ops final : public producer_ops {
+ public:
+  scripted_ops(std::unique_ptr<producer_ops> inner, const sim_state& sim, std::size_t index)
+      : inner_(std::move(inner)), sim_(sim), index_(index) {}
+
+  void work(const batch& items, std::uint64_t first, bool keep_going, work_outcome& out) override {
+    auto k = scripted_throw(first, items.size());
+    if (!k) {
+      inner_->work(items, first, keep_going, out);
+      return;
     }
-  }
-  if (!st.ops) {
-    r.code = errc::protocol_error;
-    r.what = "producer on " + st.where.str() + " was not started or has ended";
-    return r;
-  }
-  std::optional<std::uint64_t> throws;
-  if (auto t = st.sim->throws_.find(st.index); t != st.sim->throws_.end())
-    for (auto k : t->second)
-      if (k >= w.first && k < w.first + items.size() && (!throws || k < *throws)) throws = k;
-  auto what = [](std::uint64_t k) {
-    return "simulated throw at item " + std::to_string(k) + " (producer_script::throws_at_item)";
-  };
-  if (throws && !w.keep_going) {
-    r.code = errc::work_error;
-    r.failed_index = *throws;
-    r.what = what(*throws);
-    return r;
-  }
-  auto part = [&](std::size_t from, std::size_t to, work_outcome& out) {
-    if (from < to) st.ops->work(items.slice(from, to), w.first + from, w.keep_going, out);
-  };
-  work_outcome out;
-  if (!throws) {
-    st.ops->work(items, w.first, w.keep_going, out);
-  } else {
-    auto at = static_cast<std::size_t>(*throws - w.first);
+    auto what =
+        "simulated throw at item " + std::to_string(*k) + " (producer_script::throws_at_item)";
+    if (!keep_going) {
+      out.failed = true;
+      out.failed_index = *k;
+      out.what = std::move(what);
+      return;
+    }
+    // The outputs around it, as a producer that goes on after a throw gives them.
+    auto at = static_cast<std::size_t>(*k - first);
     work_outcome before, after;
-    part(0, at, before);
-    part(at + 1, items.size(), after);
+    if (at > 0) inner_->work(items.slice(0, at), first, true, before);
+    if (at + 1 < items.size()) inner_->work(items.slice(at + 1, items.size()), *k + 1, true, after);
     out.wrong_type = before.wrong_type || after.wrong_type;
     out.outputs = before.outputs.concat(after.outputs);
     out.failures = std::move(before.failures);
-    out.failures.push_back(item_error{*throws, what(*throws)});
+    out.failures.push_back(item_error{*k, std::move(what)});
     out.failures.insert(out.failures.end(), after.failures.begin(), after.failures.end());
   }
-  if (out.wrong_type) {
-    r.code = errc::protocol_error;
-    r.what = "work chunk holds items of another type than the job's input";
-  } else if (out.failed) {
-    r.code = errc::work_error;
-    r.failed_index = out.failed_index;
-    r.what = std::move(out.what);
-  } else {
-    r.failures = std::move(out.failures);
-    r.outputs = std::move(out.outputs);
-    if (st.serialize) {
-      try {
-        r.outputs = round_trip_batch(r.outputs, "the chunk's outputs");
-      } catch (const std::exception& e) {
-        r.outputs = {};
-        r.code = errc::protocol_error;
-        r.what = e.what();
-      }
-    }
+  void end() override { inner_->end(); }
+  void destroy() override { inner_->destroy(); }
+
+ private:
+  /// The first scripted throw among items [first, first + n), if any.
+  std::optional<std::uint64_t> scripted_throw(std::uint64_t first, std::size_t n) const {
+    auto t = sim_.throws_.find(index_);
+    if (t == sim_.throws_.end()) return std::nullopt;
+    std::optional<std::uint64_t> k;
+    for (auto item : t->second)
+      if (item >= first && item < first + n && (!k || item < *k)) k = item;
+    return k;
   }
-  return r;
-}
+
+  std::unique_ptr<producer_ops> inner_;
+  const sim_state& sim_;
+  std::size_t index_;
+};
 
 }  // namespace
 
 caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_producer_state> st) {
-  self->attach_functor([st] {
-    try {
-      if (st->ops) st->ops->destroy();
-    } catch (...) {
-    }
-    st->ops.reset();
-  });
+  self->attach_functor([st] { st->real.destroy(); });
   return {
       [st](init_atom) -> caf::result<init_done> {
         if (st->sim->node_of(*st).dead)  // a runner made after its node was lost
           return make_error(errc::node_error, "node " + st->node +
                                                   " is down (killed or lost earlier in this "
                                                   "simulation)");
-        try {
-          st->ops = st->make(st->where.local(), st->cfg, st->index);
-          return init_done{st->where.str()};
-        } catch (...) {
-          return make_error(errc::init_error,
-                            "producer on " + st->where.str() +
-                                " failed to start: " + describe_current_exception());
-        }
+        auto r = st->real.init();
+        if (st->real.producer)
+          st->real.producer = std::make_unique<scripted_ops>(std::move(st->real.producer), *st->sim,
+                                                             st->real.index);
+        return r;
       },
       [self, st](const work_chunk& w) -> caf::result<chunk_result> {
         auto& sim = *st->sim;
@@ -117,7 +84,8 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_pro
                      std::to_string(w.first + w.items.size());
         if (!sim.chunk_arrived(st->node)) return caf::delegated<chunk_result>{};  // died with it
         sim.record(slot_name(*st) + " got " + range);
-        auto r = run_chunk(*st, w);
+        auto r = st->real.work(w);
+        // Its time is virtual: the chunk's cost, from when the producer could start it.
         auto& n = sim.node_of(*st);
         auto now = sim.clock_now();
         auto cost = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -153,20 +121,7 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_pro
         promise.deliver(std::move(r));
         st->answers.erase(i);
       },
-      [st](end_atom) -> caf::result<consume_ack> {
-        try {
-          if (st->ops) {
-            st->ops->end();
-            st->ops->destroy();
-          }
-          st->ops.reset();
-          return consume_ack{};
-        } catch (...) {
-          st->ops.reset();
-          return make_error(errc::work_error, "producer::end() on " + st->where.str() +
-                                                  " threw: " + describe_current_exception());
-        }
-      },
+      [st](end_atom) { return st->real.end(); },
   };
 }
 

@@ -15,6 +15,7 @@
 #include <map>
 #include <random>
 
+#include "producer_state.hpp"
 #include "runtime_impl.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/error.hpp"
@@ -68,13 +69,10 @@ class sim_state;
 
 struct sim_producer_state {
   sim_state* sim = nullptr;
-  producer_maker make = nullptr;
-  device where;
+  device where;  ///< on its node ("a:1/cpu")
   std::string node;
-  config cfg;
-  std::size_t index = 0;
-  bool serialize = false;  ///< options::serialize: chunks through the wire format both ways
-  std::unique_ptr<producer_ops> ops;
+  /// The job's producer on the local device, run as a real producer actor runs it.
+  producer_state real;
   sim_clock::time_point busy_until{};
   std::uint64_t next_answer = 0;
   std::map<std::uint64_t, std::pair<caf::response_promise, chunk_result>> answers;
@@ -133,13 +131,14 @@ class sim_state final : public sim_host {
   caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
                             std::size_t index, bool serialize) override {
     auto st = std::make_shared<sim_producer_state>();
-    st->serialize = serialize;
     st->sim = this;
-    st->make = make;
     st->where = d;
     st->node = d.node();
-    st->cfg = cfg;
-    st->index = index;
+    st->real.make = make;
+    st->real.where = d.local();
+    st->real.cfg = cfg;
+    st->real.index = index;
+    st->real.serialize = serialize;
     auto a = sys_.spawn(sim_producer, st);
     nodes_[st->node].producers.push_back(a);
     return a;

@@ -130,21 +130,18 @@ class simulation {
   /// submitted at once).
   void livelock_after(std::size_t events);
 
+  /// The usual runners, on this simulation's devices (devices()).
   template <class Job>
   troupe::ordered_runner<Job> ordered_runner(std::vector<device> devices, config cfg = {},
                                              options opts = {}) {
-    if (opts.serialize) detail::register_wire_types<Job>();
-    return troupe::ordered_runner<Job>{detail::runtime_handle{host_, std::move(devices),
-                                                              std::move(cfg), std::move(opts),
-                                                              &detail::make_producer_ops<Job>}};
+    return make_runner<troupe::ordered_runner<Job>, Job>(std::move(devices), std::move(cfg),
+                                                         std::move(opts));
   }
   template <class Job>
   troupe::unordered_runner<Job> unordered_runner(std::vector<device> devices, config cfg = {},
                                                  options opts = {}) {
-    if (opts.serialize) detail::register_wire_types<Job>();
-    return troupe::unordered_runner<Job>{detail::runtime_handle{host_, std::move(devices),
-                                                                std::move(cfg), std::move(opts),
-                                                                &detail::make_producer_ops<Job>}};
+    return make_runner<troupe::unordered_runner<Job>, Job>(std::move(devices), std::move(cfg),
+                                                           std::move(opts));
   }
 
   /// Fault scripts: at a node's n-th chunk (1-based), or after `d` of virtual time from now.
@@ -167,6 +164,13 @@ class simulation {
   void draw(const explore_options& eo);
 
  private:
+  template <class Runner, class Job>
+  Runner make_runner(std::vector<device> devices, config cfg, options opts) {
+    if (opts.serialize) detail::register_wire_types<Job>();  // as a real runner does
+    return Runner{detail::runtime_handle{host_, std::move(devices), std::move(cfg), std::move(opts),
+                                         &detail::make_producer_ops<Job>}};
+  }
+
   std::shared_ptr<detail::sim_host> host_;
 };
 

@@ -55,12 +55,9 @@ using room_atom = caf::atom_constant<caf::atom("tr_room")>;
 using close_atom = caf::atom_constant<caf::atom("tr_close")>;
 /// options::close_timeout has passed: producers still busy are left behind.
 using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
-/// The scheduler's own timers: work_timeout checks, a job's deadline (with its id), a retry's
-/// backoff or a late chunk to look at.
-using stall_check_atom = caf::atom_constant<caf::atom("tr_stall")>;
-using deadline_atom = caf::atom_constant<caf::atom("tr_dline")>;
-using wakeup_atom = caf::atom_constant<caf::atom("tr_wake")>;
-/// The scheduler's timers, to itself: timer_atom, kind (scheduler_io::timer), id.
+/// The scheduler's own timers, to itself: timer_atom, kind (scheduler_io::timer: a job's
+/// deadline with its id, a wakeup for a retry's backoff or a late chunk, a work_timeout check,
+/// close_timeout), id.
 using timer_atom = caf::atom_constant<caf::atom("tr_timer")>;
 /// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
 /// size, right neighbour, its node's address or "").
