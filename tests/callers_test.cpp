@@ -591,3 +591,60 @@ TEST(Callers, ALentRangeIsNotReadAfterRunReturns) {
 }
 
 }  // namespace
+
+namespace {
+
+// 12. A lent range is read a block at a time (a few KiB) under its lease: items that throw on
+// either side of a block's edge, and in later blocks of a chunk, keep their indices, and the
+// outputs around them come back in order, whole.
+struct throws_near_block_edges {
+  static bool bad(std::int64_t x) { return x % 2048 == 0 || x % 2048 == 2047 || x % 7777 == 5; }
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (bad(x)) throw std::runtime_error("bad " + std::to_string(x));
+      return 3 * x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { ys.push_back(y); }
+    std::vector<std::int64_t> end() { return std::move(ys); }
+    std::vector<std::int64_t> ys;
+  };
+};
+
+TEST(Callers, ALentRangeIsReadInBlocksAndFailedItemsKeepTheirIndices) {
+  watchdog dog{60s, "a lent range read in blocks"};
+  troupe::options opts;
+  opts.chunk_size = 10'000;  // chunks span several blocks, and blocks span chunk edges
+  troupe::ordered_runner<throws_near_block_edges> runner{2, {}, opts};
+  auto xs = iota(100'000);
+  troupe::job_options o;
+  o.on_error = troupe::error_policy::skip();
+  auto h = runner.submit(xs, o);  // an lvalue: lent
+  auto ys = h.get();
+  std::vector<std::int64_t> want;
+  std::vector<std::uint64_t> failed;
+  for (auto x : xs) {
+    if (throws_near_block_edges::bad(x))
+      failed.push_back(static_cast<std::uint64_t>(x));
+    else
+      want.push_back(3 * x);
+  }
+  EXPECT_EQ(ys, want);
+  auto report = h.report();
+  ASSERT_EQ(report.failures.size(), failed.size());
+  for (std::size_t i = 0; i < failed.size(); ++i) {
+    EXPECT_EQ(report.failures[i].index, failed[i]);
+    EXPECT_EQ(report.failures[i].what, "bad " + std::to_string(failed[i]));
+  }
+  // Without a policy a failure ends the job with its index.
+  try {
+    runner.run(xs);
+    ADD_FAILURE() << "no work_error";
+  } catch (const troupe::work_error& e) {
+    EXPECT_TRUE(throws_near_block_edges::bad(static_cast<std::int64_t>(e.index()))) << e.index();
+    EXPECT_NE(std::string{e.what()}.find(": bad " + std::to_string(e.index())), std::string::npos);
+  }
+}
+
+}  // namespace

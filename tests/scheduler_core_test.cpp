@@ -193,4 +193,63 @@ TEST(SchedulerCore, CloseEndsTheJobsThenTheProducersThenQuits) {
   EXPECT_EQ(closed.wait_for(0s), std::future_status::ready);
 }
 
+TEST(SchedulerCore, AnAnswerWhoseOutputsAndFailuresDoNotAddUpEndsTheJobNotTheScheduler) {
+  // What a faulty or hostile node could send: too few outputs, failures out of order, twice, or
+  // outside the chunk. Each ends its job with protocol_error; the core goes on with the next.
+  troupe::options opts;
+  opts.chunk_size = 4;
+  core_fixture f{{"h:1/cpu"}, opts};
+  using tamper = void (*)(chunk_result&);
+  std::vector<tamper> cases = {
+      [](chunk_result& r) { r.outputs = r.outputs.slice(0, 3); },
+      [](chunk_result& r) {
+        r.outputs = r.outputs.slice(0, 2);
+        r.failures = {{r.first + 2, "x"}, {r.first + 1, "y"}};
+      },
+      [](chunk_result& r) {
+        r.outputs = r.outputs.slice(0, 2);
+        r.failures = {{r.first + 1, "x"}, {r.first + 1, "x"}};
+      },
+      [](chunk_result& r) {
+        r.outputs = r.outputs.slice(0, 3);
+        r.failures = {{r.first + 4, "x"}};
+      },
+      [](chunk_result& r) {
+        r.failures = {{r.first, "x"}};
+      },  // 4 outputs and a failure
+  };
+  std::uint64_t id = 1;
+  for (auto bad : cases) {
+    for (bool ordered : {false, true}) {
+      troupe::job_options o;
+      o.on_error = troupe::error_policy::skip();
+      auto job = f.submit(id++, 8, ordered, o);
+      ASSERT_FALSE(f.io.chunks.empty());
+      auto s = std::move(f.io.chunks.front());
+      f.io.chunks.clear();
+      auto r = echo(s);
+      bad(r);
+      f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+      ASSERT_TRUE(job->done());
+      EXPECT_THROW(std::rethrow_exception(job->error()), troupe::protocol_error);
+      EXPECT_TRUE(f.io.to_consumer.empty());  // nothing of the answer was delivered
+      f.io.to_consumer.clear();
+    }
+  }
+  // And a well-formed job after them runs to its end.
+  auto job = f.submit(id, 8, true);
+  std::vector<std::int64_t> out;
+  while (!f.io.chunks.empty()) {
+    auto s = std::move(f.io.chunks.front());
+    f.io.chunks.pop_front();
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    auto more = f.consume_all();
+    out.insert(out.end(), more.begin(), more.end());
+  }
+  EXPECT_EQ(out, test_util::iota(8));
+  EXPECT_TRUE(job->done());
+  EXPECT_EQ(job->error(), nullptr);
+}
+
 }  // namespace

@@ -51,20 +51,22 @@ struct producer_state {
     chunk_result r;
     r.run = w.run;
     r.first = w.first;
-    // A part of a caller's range, lent (batch_view): copied here, into this producer's own
-    // buffer, while the job holds it; user code never sees the caller's memory, so that a
-    // producer stuck in work() cannot hold up the job's handle.
-    auto lent = own_chunk_items(w, r, &scratch);
-    if (!lent) return r;
-    batch items = std::move(*lent);
-    batch joined;
-    try {
-      joined = bulk::resolve(items);  // a large chunk arrives as fragments and a reference
-      if (serialize) joined = round_trip_batch(joined, "the chunk's inputs");
-    } catch (const std::exception& e) {
-      r.code = errc::protocol_error;
-      r.what = e.what();
-      return r;
+    // A part of a caller's range, lent (batch_view): the work loop reads it a block at a time
+    // under its lease (user code never sees the caller's memory, so a producer stuck in
+    // work() cannot hold up the job's handle). With options::serialize it is copied here first,
+    // to go through the wire format.
+    batch joined = w.items;
+    if (!w.items.lease() || serialize) {
+      auto own = own_chunk_items(w, r, &scratch);
+      if (!own) return r;
+      try {
+        joined = bulk::resolve(*own);  // a large chunk arrives as fragments and a reference
+        if (serialize) joined = round_trip_batch(joined, "the chunk's inputs");
+      } catch (const std::exception& e) {
+        r.code = errc::protocol_error;
+        r.what = e.what();
+        return r;
+      }
     }
     if (!producer) {
       r.code = errc::protocol_error;
@@ -79,6 +81,11 @@ struct producer_state {
     if (out.wrong_type) {
       r.code = errc::protocol_error;
       r.what = "work chunk holds items of another type than the job's input";
+      return r;
+    }
+    if (out.revoked) {  // the job ended while this chunk of its caller's range was worked on
+      r.code = errc::cancelled;
+      r.what = "the job has ended";
       return r;
     }
     if (out.failed) {

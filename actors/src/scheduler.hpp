@@ -248,6 +248,9 @@ class scheduler {
 
   /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
   /// job; the outputs of the others are delivered around them.
+  /// Why a producer's answer to `x` cannot be right (outputs and failures do not add up to
+  /// its items, failures out of order or outside it), or nothing.
+  static std::optional<std::string> malformed(const piece& x, const chunk_result& r);
   void handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r);
 
   /// Outputs [out, out + n) of `outputs` are items [first, first + n) of `j`.

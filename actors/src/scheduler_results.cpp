@@ -40,6 +40,8 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
                          r.failed_index, s.where.str())));
       else
         end_job(job, std::make_exception_ptr(protocol_error(r.what)));
+    } else if (auto bad = malformed(*x, r)) {
+      end_job(job, std::make_exception_ptr(protocol_error(*bad)));
     } else {
       {
         std::lock_guard<std::mutex> guard{stats_->mtx};
@@ -86,6 +88,25 @@ bool scheduler::count_failures(producer_slot& s, const chunk_result& r, std::siz
   return reached;
 }
 
+std::optional<std::string> scheduler::malformed(const piece& x, const chunk_result& r) {
+  // A producer (a node's, possibly a faulty or hostile one) answers every item once: an output,
+  // or a failure listed in input order within the chunk.
+  auto n = x.items.size();
+  auto expect = x.first;
+  for (auto& f : r.failures) {
+    if (f.index < expect || f.index >= x.first + n)
+      return "a producer reported item " + std::to_string(f.index) +
+             (f.index < x.first || f.index >= x.first + n ? " outside the chunk it was sent"
+                                                          : " out of order or twice");
+    expect = f.index + 1;
+  }
+  if (r.failures.size() + r.outputs.size() != n)
+    return "a producer answered a chunk of " + std::to_string(n) + " item(s) with " +
+           std::to_string(r.outputs.size()) + " output(s) and " +
+           std::to_string(r.failures.size()) + " failure(s)";
+  return std::nullopt;
+}
+
 void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r) {
   auto& pol = j.opts.on_error;
   auto& s = producers_[p];
@@ -99,13 +120,7 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
       out += n;
     }
   };
-  for (auto& f : r.failures) {
-    if (f.index < x.first || f.index >= x.first + x.items.size()) {
-      end_job(job, std::make_exception_ptr(protocol_error("a producer reported item " +
-                                                          std::to_string(f.index) +
-                                                          " outside the chunk it was sent")));
-      return;
-    }
+  for (auto& f : r.failures) {  // in order, within the chunk (malformed() checked)
     flush(f.index);
     seg = f.index + 1;
     auto attempts = x.attempt + 1;

@@ -70,34 +70,40 @@ struct flat_item<T, std::enable_if_t<is_contiguous_container<T>::value>>
 }  // namespace detail
 
 /// A caller's contiguous range of numbers lent to a job's local producers instead of copied on
-/// the scheduler's thread (runner.run(vector)): a producer copies its chunk out of it, between
-/// acquire() and release(), before any user code runs; the job's handle revokes the lease and
-/// waits for such copies before the caller may touch the range again.
+/// the scheduler's thread (runner.run(vector)): a producer's work loop copies a block of it
+/// (a few KiB, into a buffer of its own) between acquire() and release(), then calls work() on
+/// the copies; the job's handle revokes the lease and waits for such a copy under way (never
+/// for work()) before the caller may touch the range again. Lock-free for the readers: two
+/// atomic operations each side (a mutex only to wake a revoker that waits).
 class range_lease {
  public:
   /// A producer is about to read the range: false once it has been revoked (do not read).
-  bool acquire() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (revoked_) return false;
-    ++readers_;
-    return true;
+  bool acquire() noexcept {
+    readers_.fetch_add(1);
+    if (!revoked_.load()) return true;
+    release();
+    return false;
   }
-  void release() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (--readers_ == 0) cv_.notify_all();
+  void release() noexcept {
+    // seq_cst on both sides: a reader that does not see revoked_ has its decrement seen by
+    // the revoker's check of readers_, so a wake-up is never needed and never missed.
+    if (readers_.fetch_sub(1) == 1 && revoked_.load()) {
+      std::lock_guard<std::mutex> guard{mtx_};
+      cv_.notify_all();
+    }
   }
   /// Nobody reads the range once this returns (a copy under way finishes first).
   void revoke_and_wait() {
+    revoked_.store(true);
     std::unique_lock<std::mutex> lock{mtx_};
-    revoked_ = true;
-    cv_.wait(lock, [this] { return readers_ == 0; });
+    cv_.wait(lock, [this] { return readers_.load() == 0; });
   }
 
  private:
+  std::atomic<std::size_t> readers_{0};
+  std::atomic<bool> revoked_{false};
   std::mutex mtx_;
   std::condition_variable cv_;
-  bool revoked_ = false;
-  std::size_t readers_ = 0;
 };
 
 class batch_base {

@@ -23,8 +23,9 @@ struct work_outcome {
   std::vector<item_error> failures;  ///< keep_going: the items that threw
   bool failed = false;               ///< an item threw and the chunk ended there
   bool wrong_type = false;           ///< the chunk holds items of another type than the job's
-  std::uint64_t failed_index = 0;    ///< failed: the item's index in the job's input
-  std::string what;                  ///< failed: its message
+  bool revoked = false;  ///< a part of a caller's range whose job ended: the chunk was given up
+  std::uint64_t failed_index = 0;  ///< failed: the item's index in the job's input
+  std::string what;                ///< failed: its message
 };
 
 }  // namespace detail
