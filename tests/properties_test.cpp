@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "scheduler_parts.hpp"
+#include "troupe/batch.hpp"
 
 namespace {
 

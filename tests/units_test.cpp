@@ -327,6 +327,7 @@ TEST(BulkPayloads, LostLyingOrUnknownFragmentsAreErrors) {
 // -- the scheduler's parts ------------------------------------------------------------------------
 
 #include "scheduler_parts.hpp"
+#include "troupe/batch.hpp"
 
 namespace {
 

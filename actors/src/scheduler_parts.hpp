@@ -1,6 +1,8 @@
 // The scheduler's bookkeeping, as small classes with their own unit tests
 // (tests/units_test.cpp): the reorder window of an ordered job, and the table of a job's pieces
-// in flight (which producers hold each one, which wait to be sent again).
+// in flight (which producers hold each one, which wait to be sent again). Templates over the
+// payload (troupe::batch in the scheduler, anything with empty() in a test), so that no CAF
+// header is included here (tests/CMakeLists.txt checks that).
 #pragma once
 
 #include <algorithm>
@@ -15,7 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "troupe/batch.hpp"
+namespace troupe {
+class batch;
+}
 
 namespace troupe::detail {
 
@@ -24,10 +28,11 @@ using clock_type = std::chrono::steady_clock;
 /// The outputs of an ordered job that wait for the ones ahead of them. Each entry covers the
 /// items [first, first + count) of the job's input; an entry without outputs stands for
 /// skipped items. Entries are released strictly in input order, each exactly once.
-class reorder_window {
+template <class Batch>
+class basic_reorder_window {
  public:
   /// Throws std::logic_error for a range already released or already held.
-  void add(std::uint64_t first, std::uint64_t count, batch outputs) {
+  void add(std::uint64_t first, std::uint64_t count, Batch outputs) {
     if (count == 0) return;
     if (first < next_) throw std::logic_error("reorder_window: a range released before");
     auto [i, fresh] = pending_.emplace(first, entry{count, std::move(outputs)});
@@ -55,7 +60,7 @@ class reorder_window {
  private:
   struct entry {
     std::uint64_t count;
-    batch outputs;
+    Batch outputs;
   };
   std::map<std::uint64_t, entry> pending_;
   std::uint64_t next_ = 0;
@@ -63,9 +68,10 @@ class reorder_window {
 
 /// Items of a job on their way: sent to one or more producers (a speculative copy), or queued
 /// to be sent (again: after a producer was lost, or to retry an item that threw).
-struct piece {
+template <class Batch>
+struct basic_piece {
   std::uint64_t first = 0;  ///< index of its first item in the job's input
-  batch items;
+  Batch items;
   std::vector<std::size_t> holders;  ///< producers it was sent to that may still answer
   unsigned attempt = 0;              ///< attempts of its items that threw already
   std::optional<std::size_t> avoid;  ///< the producer its item threw on (a retry)
@@ -74,8 +80,11 @@ struct piece {
   std::string last_where;
 };
 
-class inflight_table {
+template <class Batch>
+class basic_inflight_table {
  public:
+  using piece = basic_piece<Batch>;
+
   /// Adds a piece about to be sent; returns its id.
   std::uint64_t add(piece p) {
     auto id = next_id_++;
@@ -164,5 +173,9 @@ class inflight_table {
   std::set<std::pair<std::uint64_t, std::uint64_t>> queue_;  ///< (first index, id)
   std::uint64_t next_id_ = 0;
 };
+
+using reorder_window = basic_reorder_window<troupe::batch>;
+using piece = basic_piece<troupe::batch>;
+using inflight_table = basic_inflight_table<troupe::batch>;
 
 }  // namespace troupe::detail

@@ -2,7 +2,6 @@
 // "HOST:PORT/cpu", "HOST:PORT/cuda:N".
 #pragma once
 
-#include <caf/meta/type_name.hpp>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -35,7 +34,7 @@ class device {
 
   template <class Inspector>
   friend typename Inspector::result_type inspect(Inspector& f, device& x) {
-    return f(caf::meta::type_name("troupe.device"), x.kind_, x.index_, x.node_);
+    return f(x.kind_, x.index_, x.node_);  // (no CAF header here: the core's parts use it)
   }
 
  private:
