@@ -252,4 +252,44 @@ TEST(SchedulerCore, AnAnswerWhoseOutputsAndFailuresDoNotAddUpEndsTheJobNotTheSch
   EXPECT_EQ(job->error(), nullptr);
 }
 
+TEST(SchedulerCore, AProducersAnswerBringsItsNextChunkBeforeTheConsumerAcknowledges) {
+  // The outputs go to the consumer and the producer gets its next chunk in the same event: a
+  // job whose outputs were waiting for the consumer's room was marked as having no work, and
+  // stayed so until the consumer's acknowledgement (the producers idled a consumer round trip
+  // per chunk).
+  troupe::options opts;
+  opts.chunk_size = 10;
+  core_fixture f{{"cpu"}, opts};
+  auto job = f.submit(1, 100, false);
+  ASSERT_EQ(f.io.chunks.size(), 2u);  // two chunks queued at the producer (min depth)
+  for (int k = 0; k < 3; ++k) {
+    auto s = std::move(f.io.chunks.front());
+    f.io.chunks.pop_front();
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    EXPECT_EQ(f.io.to_consumer.size(), static_cast<std::size_t>(k + 1));  // none acknowledged
+    ASSERT_EQ(f.io.chunks.size(), 2u) << "answer " << k << ": no next chunk sent";
+  }
+  // The next answer fills the consumer's backlog (4 by default): the producer's next chunk
+  // waits until the consumer acknowledges.
+  auto s = std::move(f.io.chunks.front());
+  f.io.chunks.pop_front();
+  auto r = echo(s);
+  f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+  EXPECT_EQ(f.io.to_consumer.size(), 4u);
+  EXPECT_EQ(f.io.chunks.size(), 1u);
+  std::vector<std::int64_t> out;
+  while (!f.io.chunks.empty() || !f.io.to_consumer.empty()) {
+    auto more = f.consume_all();
+    out.insert(out.end(), more.begin(), more.end());
+    if (f.io.chunks.empty()) continue;
+    auto next = std::move(f.io.chunks.front());
+    f.io.chunks.pop_front();
+    auto a = echo(next);
+    f.core->on_result(next.p, next.gen, next.msg.run, next.id, a);
+  }
+  EXPECT_EQ(out, test_util::iota(100));
+  EXPECT_TRUE(job->done());
+}
+
 }  // namespace

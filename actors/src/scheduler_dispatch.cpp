@@ -67,8 +67,13 @@ void scheduler::settle() {
     for (auto id : batch_ids) {
       auto ji = jobs_.find(id);
       if (ji == jobs_.end()) continue;
-      flush_consumer(*ji->second);
+      auto& j = *ji->second;
+      flush_consumer(j);
       maybe_finish(id);
+      // Flushing emptied `pending`: the job may take a producer again. (touch() marked it
+      // before, while its outputs still waited here; without this it stayed unready until the
+      // consumer's next acknowledgement, and the producers idled a consumer round trip.)
+      share_.set_ready(id, may_have_work(j));
     }
   }
 }
