@@ -648,3 +648,107 @@ TEST(Callers, ALentRangeIsReadInBlocksAndFailedItemsKeepTheirIndices) {
 }
 
 }  // namespace
+
+namespace {
+
+// 13. A handle destroyed while its job has not ended yet still takes the range back before
+// the destructor returns: on troupe's own threads (where cancel() only sends the cancel), and
+// while consumer::end() runs (the cancel is refused) with a speculative copy's original still
+// working on a chunk. Found by an attack under ASan (a heap-use-after-free in the producer's
+// block copy); here the range is poisoned instead of freed, and a producer that read it after
+// the destructor would see the poison.
+constexpr std::int64_t poison = -7;
+
+struct poison_reader {
+  static inline std::atomic<int> saw_poison{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (x == poison) ++saw_poison;
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+struct submits_from_a_producer {
+  static inline troupe::unordered_runner<poison_reader>* inner = nullptr;
+  struct producer {
+    int work(int k) {
+      std::vector<std::int64_t> xs(1'000'000);
+      std::iota(xs.begin(), xs.end(), 0);
+      {
+        auto h = inner->submit(xs);  // lent
+        std::this_thread::sleep_for(std::chrono::milliseconds{1 + k % 3});
+        if (k % 2) h.cancel();
+      }  // destroyed on a producer's thread, the job still running
+      std::fill(xs.begin(), xs.end(), poison);
+      std::this_thread::sleep_for(5ms);  // a producer that still read it would see the poison
+      return k;
+    }
+  };
+};
+
+TEST(Callers, AHandleDestroyedOnTroupesOwnThreadTakesItsRangeBack) {
+  watchdog dog{120s, "a handle destroyed on a producer's thread"};
+  poison_reader::saw_poison = 0;
+  troupe::unordered_runner<poison_reader> inner{2};
+  submits_from_a_producer::inner = &inner;
+  troupe::unordered_runner<submits_from_a_producer> outer{1};
+  std::vector<int> ks(12);
+  std::iota(ks.begin(), ks.end(), 0);
+  outer.run(ks);
+  EXPECT_EQ(poison_reader::saw_poison, 0) << "a producer read a range after its handle was gone";
+}
+
+struct slow_original {
+  static inline latch* hold = nullptr;   // the original of one chunk waits here
+  static inline latch* ending = nullptr;  // consumer::end() has begun
+  static inline latch* finish = nullptr;  // consumer::end() waits here
+  static inline std::atomic<bool> held{false};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (x == poison) ++poison_reader::saw_poison;
+      if (x == 3 * 4096 + 10 && !held.exchange(true)) hold->wait();
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() {
+      ending->open();
+      finish->wait();
+      return sum;
+    }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Callers, AHandleDestroyedWhileEndRunsTakesItsRangeBackFromASlowOriginal) {
+  watchdog dog{60s, "a handle destroyed while consumer::end() runs"};
+  poison_reader::saw_poison = 0;
+  latch hold, ending, finish;
+  slow_original::hold = &hold;
+  slow_original::ending = &ending;
+  slow_original::finish = &finish;
+  slow_original::held = false;
+  troupe::options opts;
+  opts.max_chunk_items = 4096;  // the held item is in the first of its chunk's two blocks
+  troupe::unordered_runner<slow_original> runner{2, {}, opts};
+  auto xs = iota(8 * 4096);
+  {
+    auto h = runner.submit(xs);
+    ending.wait();  // every output delivered (a speculative copy took the held chunk)
+  }  // cancel() is refused while end() runs: the job has not ended
+  std::fill(xs.begin(), xs.end(), poison);
+  hold.open();  // the original goes on with its chunk's next block
+  std::this_thread::sleep_for(50ms);
+  finish.open();
+  EXPECT_EQ(poison_reader::saw_poison, 0) << "the slow original read the range after the handle";
+  EXPECT_GE(runner.stats().duplicated_items, 4096u);
+}
+
+}  // namespace

@@ -190,7 +190,11 @@ void job_core::abandon() noexcept {
     cancel();
   } catch (...) {
   }
-  if (done()) take_back_range();
+  // The range goes back now, whether or not the job has ended yet: on troupe's own threads
+  // cancel() only sends the cancel, and a cancel that comes while consumer::end() runs is
+  // refused; either way a producer (a speculative copy, say) may still be working on a chunk
+  // of it. Revoked, the lease lets no block be copied any more; this waits for one under way.
+  take_back_range();
   if (done()) dispose();
 }
 

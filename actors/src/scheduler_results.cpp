@@ -38,6 +38,9 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
                          "producer::work threw on item " + std::to_string(r.failed_index) + " on " +
                              s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
                          r.failed_index, s.where.str())));
+      else if (r.code == errc::cancelled)  // its handle took the caller's range back
+        end_job(job, std::make_exception_ptr(cancelled(
+                         "job " + std::to_string(job) + " was cancelled (its handle was given up)")));
       else
         end_job(job, std::make_exception_ptr(protocol_error(r.what)));
     } else if (auto bad = malformed(*x, r)) {
