@@ -705,7 +705,7 @@ TEST(Callers, AHandleDestroyedOnTroupesOwnThreadTakesItsRangeBack) {
 }
 
 struct slow_original {
-  static inline latch* hold = nullptr;   // the original of one chunk waits here
+  static inline latch* hold = nullptr;    // the original of one chunk waits here
   static inline latch* ending = nullptr;  // consumer::end() has begun
   static inline latch* finish = nullptr;  // consumer::end() waits here
   static inline std::atomic<bool> held{false};
@@ -742,7 +742,7 @@ TEST(Callers, AHandleDestroyedWhileEndRunsTakesItsRangeBackFromASlowOriginal) {
   {
     auto h = runner.submit(xs);
     ending.wait();  // every output delivered (a speculative copy took the held chunk)
-  }  // cancel() is refused while end() runs: the job has not ended
+  }                 // cancel() is refused while end() runs: the job has not ended
   std::fill(xs.begin(), xs.end(), poison);
   hold.open();  // the original goes on with its chunk's next block
   std::this_thread::sleep_for(50ms);

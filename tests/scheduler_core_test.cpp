@@ -292,4 +292,39 @@ TEST(SchedulerCore, AProducersAnswerBringsItsNextChunkBeforeTheConsumerAcknowled
   EXPECT_TRUE(job->done());
 }
 
+TEST(SchedulerCore, ARangeTakenBackIsNotReadByTheSchedulerEither) {
+  // A handle destroyed before its job ended takes the caller's range back at once (its cancel
+  // still on the way). The scheduler then reads none of it: not the item of a retry, not the
+  // copy a node would get; the job ends as cancelled.
+  troupe::options opts;
+  opts.chunk_size = 4;
+  opts.speculative = false;
+  for (bool remote : {false, true}) {
+    core_fixture f{{remote ? "h:1/cpu" : "cpu"}, opts};
+    auto xs = test_util::iota(64);
+    auto source = troupe::detail::make_job_source<std::int64_t>(xs);  // an lvalue: lent
+    auto lease = source->lease();
+    ASSERT_NE(lease, nullptr);
+    if (remote) lease->revoke_and_wait();  // before the first chunk goes to the node
+    auto job = std::make_shared<troupe::detail::job_core>(1, caf::actor{});
+    troupe::job_options o;
+    o.on_error = troupe::error_policy::retry(2);
+    f.core->start(job, source, false, o);
+    if (!remote) {
+      ASSERT_FALSE(f.io.chunks.empty());
+      lease->revoke_and_wait();
+      auto s = std::move(f.io.chunks.front());
+      f.io.chunks.pop_front();
+      chunk_result r;  // item 1 threw: a retry would copy it out of the range
+      r.run = s.msg.run;
+      r.first = s.msg.first;
+      r.outputs = batch::of(std::vector<std::int64_t>{0, 2, 3});
+      r.failures = {{s.msg.first + 1, "x"}};
+      f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    }
+    ASSERT_TRUE(job->done()) << (remote ? "remote" : "retry");
+    EXPECT_THROW(std::rethrow_exception(job->error()), troupe::cancelled);
+  }
+}
+
 }  // namespace

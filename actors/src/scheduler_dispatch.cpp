@@ -169,7 +169,14 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   auto& x = *j.pieces.find(id);
   // A caller's range is lent to local producers only: a node gets a copy (its message is
   // written later, on the network's thread).
-  if (!s.local && x.items.lease()) x.items = x.items.owned();
+  if (!s.local && x.items.lease()) {
+    auto items = own_items(x.items, 0, x.items.size());
+    if (!items) {  // its handle took the range back: the job is being cancelled
+      end_job(j.id, taken_back(j.id));
+      return;
+    }
+    x.items = std::move(*items);
+  }
   x.holders.push_back(p);
   sent_chunk rec;
   rec.job = j.id;

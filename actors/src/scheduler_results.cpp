@@ -39,8 +39,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
                              s.where.str() + " (producer " + std::to_string(p) + "): " + r.what,
                          r.failed_index, s.where.str())));
       else if (r.code == errc::cancelled)  // its handle took the caller's range back
-        end_job(job, std::make_exception_ptr(cancelled(
-                         "job " + std::to_string(job) + " was cancelled (its handle was given up)")));
+        end_job(job, taken_back(job));
       else
         end_job(job, std::make_exception_ptr(protocol_error(r.what)));
     } else if (auto bad = malformed(*x, r)) {
@@ -131,7 +130,12 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
       piece again;
       again.first = f.index;
       auto at = static_cast<std::size_t>(f.index - x.first);
-      again.items = x.items.slice(at, at + 1);
+      auto items = own_items(x.items, at, at + 1);
+      if (!items) {  // a caller's range its handle took back: the job is being cancelled
+        end_job(job, taken_back(job));
+        return;
+      }
+      again.items = std::move(*items);
       again.attempt = attempts;
       again.avoid = p;
       again.not_before = clock_now() + pol.backoff;
