@@ -6,6 +6,7 @@
 
 #include <caf/actor.hpp>
 #include <deque>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -325,6 +326,32 @@ TEST(SchedulerCore, ARangeTakenBackIsNotReadByTheSchedulerEither) {
     ASSERT_TRUE(job->done()) << (remote ? "remote" : "retry");
     EXPECT_THROW(std::rethrow_exception(job->error()), troupe::cancelled);
   }
+}
+
+TEST(SchedulerCore, TwoJobsShareTheProducersByTheirWeights) {
+  // Weights 3 and 1, both with more work than the run takes: the producer's time goes 3 : 1.
+  // (With a job marked as having no work while its outputs waited for the consumer, the two
+  // took turns, 1 : 1, whatever their weights.)
+  troupe::options opts;
+  opts.chunk_size = 1;
+  core_fixture f{{"cpu", "cpu"}, opts};
+  troupe::job_options heavy, light;
+  heavy.weight = 3;
+  light.weight = 1;
+  auto a = f.submit(1, 100'000, false, heavy);
+  auto b = f.submit(2, 100'000, false, light);
+  std::map<std::uint64_t, int> done;
+  for (int k = 0; k < 400; ++k) {
+    ASSERT_FALSE(f.io.chunks.empty());
+    auto s = std::move(f.io.chunks.front());
+    f.io.chunks.pop_front();
+    f.io.t += 1us;
+    auto r = echo(s);
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    done[s.msg.run] += 1;
+    f.consume_all();
+  }
+  EXPECT_NEAR(static_cast<double>(done[1]) / done[2], 3.0, 0.3) << done[1] << " : " << done[2];
 }
 
 }  // namespace
