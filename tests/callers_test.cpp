@@ -81,11 +81,7 @@ struct throws_at {
       return x;
     }
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = test_jobs::squares::consumer;
 };
 
 /// Runs `f` on a thread of its own pinned to the `n`-th CPU this process may use (not pinned
@@ -388,11 +384,7 @@ struct slow_end {
       ++ended;
     }
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = test_jobs::squares::consumer;
 };
 
 TEST(Callers, MillisecondsMaxIsForever) {
@@ -495,11 +487,7 @@ struct counted_squares {
       return x * x;
     }
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = test_jobs::squares::consumer;
 };
 
 TEST(Callers, HealthyJobsAreComputedOnce) {
@@ -561,11 +549,7 @@ struct reads_lent_range {
       return x;
     }
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = test_jobs::squares::consumer;
 };
 
 TEST(Callers, ALentRangeIsNotReadAfterRunReturns) {
@@ -667,11 +651,7 @@ struct poison_reader {
       return x;
     }
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = test_jobs::squares::consumer;
 };
 
 struct submits_from_a_producer {

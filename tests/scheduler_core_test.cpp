@@ -83,6 +83,32 @@ struct core_fixture {
     return job;
   }
 
+  /// Answers chunk `s` as a producer that echoes its inputs.
+  void answer(const fake_io::sent& s) {
+    auto r = echo(s);
+    core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+  }
+
+  /// Answers the oldest chunk sent; returns the job it was of.
+  std::uint64_t answer_oldest() {
+    auto s = std::move(io.chunks.front());
+    io.chunks.pop_front();
+    answer(s);
+    return s.msg.run;
+  }
+
+  /// Answers and acknowledges everything until nothing is left to send or consume; returns
+  /// the outputs in the order they reached the consumer.
+  std::vector<std::int64_t> run_to_end() {
+    std::vector<std::int64_t> out;
+    while (!io.chunks.empty() || !io.to_consumer.empty()) {
+      auto more = consume_all();
+      out.insert(out.end(), more.begin(), more.end());
+      if (!io.chunks.empty()) answer_oldest();
+    }
+    return out;
+  }
+
   /// Acknowledges every output sent to a consumer; returns the outputs in the order sent.
   std::vector<std::int64_t> consume_all() {
     std::vector<std::int64_t> out;
@@ -112,8 +138,7 @@ TEST(SchedulerCore, AnOrderedJobAnsweredBackwardsReachesItsConsumerInOrder) {
   while (!f.io.chunks.empty()) {
     auto s = std::move(f.io.chunks.back());
     f.io.chunks.pop_back();
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    f.answer(s);
     if (s.msg.first != 0) {
       EXPECT_TRUE(f.io.to_consumer.empty()) << "item " << s.msg.first;
     }
@@ -145,8 +170,7 @@ TEST(SchedulerCore, ALostProducersChunksGoToTheOtherAndItsLateAnswerIsDropped) {
   for (std::size_t i = 0; i < f.io.chunks.size(); ++i) {
     auto& s = f.io.chunks[i];
     if (s.p != 1) continue;
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    f.answer(s);
   }
   auto out = f.consume_all();
   std::sort(out.begin(), out.end());
@@ -171,8 +195,7 @@ TEST(SchedulerCore, TimersAreCommandsAndTheirEventsEndTheJob) {
   // Answers to the job's chunks, now late, are dropped; the producer takes no more of it.
   auto sent = f.io.chunks.size();
   for (auto s : std::deque<fake_io::sent>(f.io.chunks)) {
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    f.answer(s);
   }
   EXPECT_EQ(f.io.chunks.size(), sent);
   EXPECT_TRUE(f.io.to_consumer.empty());
@@ -239,16 +262,7 @@ TEST(SchedulerCore, AnAnswerWhoseOutputsAndFailuresDoNotAddUpEndsTheJobNotTheSch
   }
   // And a well-formed job after them runs to its end.
   auto job = f.submit(id, 8, true);
-  std::vector<std::int64_t> out;
-  while (!f.io.chunks.empty()) {
-    auto s = std::move(f.io.chunks.front());
-    f.io.chunks.pop_front();
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
-    auto more = f.consume_all();
-    out.insert(out.end(), more.begin(), more.end());
-  }
-  EXPECT_EQ(out, test_util::iota(8));
+  EXPECT_EQ(f.run_to_end(), test_util::iota(8));
   EXPECT_TRUE(job->done());
   EXPECT_EQ(job->error(), nullptr);
 }
@@ -264,32 +278,16 @@ TEST(SchedulerCore, AProducersAnswerBringsItsNextChunkBeforeTheConsumerAcknowled
   auto job = f.submit(1, 100, false);
   ASSERT_EQ(f.io.chunks.size(), 2u);  // two chunks queued at the producer (min depth)
   for (int k = 0; k < 3; ++k) {
-    auto s = std::move(f.io.chunks.front());
-    f.io.chunks.pop_front();
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    f.answer_oldest();
     EXPECT_EQ(f.io.to_consumer.size(), static_cast<std::size_t>(k + 1));  // none acknowledged
     ASSERT_EQ(f.io.chunks.size(), 2u) << "answer " << k << ": no next chunk sent";
   }
   // The next answer fills the consumer's backlog (4 by default): the producer's next chunk
   // waits until the consumer acknowledges.
-  auto s = std::move(f.io.chunks.front());
-  f.io.chunks.pop_front();
-  auto r = echo(s);
-  f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+  f.answer_oldest();
   EXPECT_EQ(f.io.to_consumer.size(), 4u);
   EXPECT_EQ(f.io.chunks.size(), 1u);
-  std::vector<std::int64_t> out;
-  while (!f.io.chunks.empty() || !f.io.to_consumer.empty()) {
-    auto more = f.consume_all();
-    out.insert(out.end(), more.begin(), more.end());
-    if (f.io.chunks.empty()) continue;
-    auto next = std::move(f.io.chunks.front());
-    f.io.chunks.pop_front();
-    auto a = echo(next);
-    f.core->on_result(next.p, next.gen, next.msg.run, next.id, a);
-  }
-  EXPECT_EQ(out, test_util::iota(100));
+  EXPECT_EQ(f.run_to_end(), test_util::iota(100));
   EXPECT_TRUE(job->done());
 }
 
@@ -343,12 +341,8 @@ TEST(SchedulerCore, TwoJobsShareTheProducersByTheirWeights) {
   std::map<std::uint64_t, int> done;
   for (int k = 0; k < 400; ++k) {
     ASSERT_FALSE(f.io.chunks.empty());
-    auto s = std::move(f.io.chunks.front());
-    f.io.chunks.pop_front();
     f.io.t += 1us;
-    auto r = echo(s);
-    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
-    done[s.msg.run] += 1;
+    done[f.answer_oldest()] += 1;
     f.consume_all();
   }
   EXPECT_NEAR(static_cast<double>(done[1]) / done[2], 3.0, 0.3) << done[1] << " : " << done[2];

@@ -33,20 +33,6 @@ std::string describe_current_exception() {
   }
 }
 
-std::optional<batch> own_chunk_items(const work_chunk& w, chunk_result& r,
-                                     std::vector<std::byte>* scratch) {
-  auto* lease = w.items.lease();
-  if (!lease) return w.items;
-  if (!lease->acquire()) {
-    r.code = errc::cancelled;
-    r.what = "the job has ended";
-    return std::nullopt;
-  }
-  batch items = scratch ? w.items.copied_into(*scratch) : w.items.owned();
-  lease->release();
-  return items;
-}
-
 namespace {
 
 caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<producer_state> st) {

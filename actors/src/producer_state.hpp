@@ -31,7 +31,6 @@ struct producer_state {
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<producer_ops> producer;
   std::chrono::steady_clock::time_point last_end{};  ///< when the previous chunk was done
-  std::vector<std::byte> scratch;                    ///< lent chunks are copied here (reused)
 
   caf::result<init_done> init() {
     try {
@@ -47,6 +46,13 @@ struct producer_state {
     }
   }
 
+  /// The answer for a chunk of a caller's range whose job's handle took the range back.
+  static chunk_result& job_ended(chunk_result& r) {
+    r.code = errc::cancelled;
+    r.what = "the job has ended";
+    return r;
+  }
+
   chunk_result work(const work_chunk& w) {
     chunk_result r;
     r.run = w.run;
@@ -56,11 +62,14 @@ struct producer_state {
     // work() cannot hold up the job's handle). With options::serialize it is copied here first,
     // to go through the wire format.
     batch joined = w.items;
-    if (!w.items.lease() || serialize) {
-      auto own = own_chunk_items(w, r, &scratch);
-      if (!own) return r;
+    if (joined.lease() && serialize) {
+      auto own = joined.owned_slice(0, joined.size());
+      if (!own) return job_ended(r);
+      joined = std::move(*own);
+    }
+    if (!joined.lease()) {
       try {
-        joined = bulk::resolve(*own);  // a large chunk arrives as fragments and a reference
+        joined = bulk::resolve(joined);  // a large chunk arrives as fragments and a reference
         if (serialize) joined = round_trip_batch(joined, "the chunk's inputs");
       } catch (const std::exception& e) {
         r.code = errc::protocol_error;
@@ -83,11 +92,7 @@ struct producer_state {
       r.what = "work chunk holds items of another type than the job's input";
       return r;
     }
-    if (out.revoked) {  // the job ended while this chunk of its caller's range was worked on
-      r.code = errc::cancelled;
-      r.what = "the job has ended";
-      return r;
-    }
+    if (out.revoked) return job_ended(r);  // while this chunk of its caller's range ran
     if (out.failed) {
       r.code = errc::work_error;
       r.failed_index = out.failed_index;

@@ -248,16 +248,6 @@ class scheduler {
 
   /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
   /// job; the outputs of the others are delivered around them.
-  /// Items [from, to) of `items` as a batch of their own; for a part of a caller's range, read
-  /// under its lease: nothing once the job's handle has taken the range back.
-  static std::optional<batch> own_items(const batch& items, std::size_t from, std::size_t to) {
-    auto* lease = items.lease();
-    if (!lease) return items.slice(from, to);
-    if (!lease->acquire()) return std::nullopt;
-    auto out = items.slice(from, to);
-    lease->release();
-    return out;
-  }
   /// How a job whose range its handle took back ends (its cancel is on its way).
   static std::exception_ptr taken_back(std::uint64_t job) {
     return std::make_exception_ptr(

@@ -170,7 +170,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   // A caller's range is lent to local producers only: a node gets a copy (its message is
   // written later, on the network's thread).
   if (!s.local && x.items.lease()) {
-    auto items = own_items(x.items, 0, x.items.size());
+    auto items = x.items.owned_slice(0, x.items.size());
     if (!items) {  // its handle took the range back: the job is being cancelled
       end_job(j.id, taken_back(j.id));
       return;

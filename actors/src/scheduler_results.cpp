@@ -130,7 +130,7 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
       piece again;
       again.first = f.index;
       auto at = static_cast<std::size_t>(f.index - x.first);
-      auto items = own_items(x.items, at, at + 1);
+      auto items = x.items.owned_slice(at, at + 1);
       if (!items) {  // a caller's range its handle took back: the job is being cancelled
         end_job(job, taken_back(job));
         return;

@@ -34,19 +34,15 @@ class scripted_ops final : public producer_ops {
     }
     // The outputs around it, as a producer that goes on after a throw gives them (a part of a
     // caller's range copied first, under its lease).
-    batch own = items;
-    if (auto* lease = items.lease()) {
-      if (!lease->acquire()) {
-        out.revoked = true;
-        return;
-      }
-      own = items.owned();
-      lease->release();
+    auto own = items.owned_slice(0, items.size());
+    if (!own) {
+      out.revoked = true;
+      return;
     }
     auto at = static_cast<std::size_t>(*k - first);
     work_outcome before, after;
-    if (at > 0) inner_->work(own.slice(0, at), first, true, before);
-    if (at + 1 < own.size()) inner_->work(own.slice(at + 1, own.size()), *k + 1, true, after);
+    if (at > 0) inner_->work(own->slice(0, at), first, true, before);
+    if (at + 1 < own->size()) inner_->work(own->slice(at + 1, own->size()), *k + 1, true, after);
     out.wrong_type = before.wrong_type || after.wrong_type;
     out.outputs = before.outputs.concat(after.outputs);
     out.failures = std::move(before.failures);

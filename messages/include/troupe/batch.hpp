@@ -113,10 +113,6 @@ class batch_base {
   [[nodiscard]] virtual range_lease* lease() const noexcept { return nullptr; }
   /// A batch that views items it does not own (batch_view): their first byte, else nullptr.
   [[nodiscard]] virtual const void* view_data() const noexcept { return nullptr; }
-  /// For a view: its items copied into `buffer`, viewed there; else nullptr.
-  [[nodiscard]] virtual std::shared_ptr<batch_base> copy_into(std::vector<std::byte>&) const {
-    return nullptr;
-  }
   [[nodiscard]] virtual std::size_t size() const noexcept = 0;
   [[nodiscard]] virtual const std::type_info& item_type() const noexcept = 0;
   /// The items' size in memory when their type makes it cheap and exact (detail::flat_item),
@@ -226,13 +222,6 @@ class batch_view final : public batch_base {
   caf::error load(caf::deserializer&) override {
     return caf::make_error(caf::sec::state_not_serializable);
   }
-  /// The same items copied into `buffer` (grown as needed, reused by its owner), viewed.
-  [[nodiscard]] std::shared_ptr<batch_base> copy_into(
-      std::vector<std::byte>& buffer) const override {
-    buffer.resize(std::max(buffer.size(), n_ * sizeof(T)));
-    if (n_) std::memcpy(buffer.data(), data_, n_ * sizeof(T));
-    return std::make_shared<batch_view<T>>(reinterpret_cast<const T*>(buffer.data()), n_, nullptr);
-  }
   [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t from, std::size_t to) const override {
     return std::make_shared<batch_of<T>>(std::vector<T>(data_ + from, data_ + to));
   }
@@ -290,13 +279,18 @@ class batch {
   }
   /// A lent range's lease, or nullptr for a batch that owns its items.
   [[nodiscard]] range_lease* lease() const noexcept { return ptr_ ? ptr_->lease() : nullptr; }
-  /// A batch that owns its items: a view copied, any other batch itself.
-  [[nodiscard]] batch owned() const { return ptr_ && ptr_->view_data() ? slice(0, size()) : *this; }
-  /// A view's items copied into `buffer` (which must outlive the result); any other batch
-  /// itself.
-  [[nodiscard]] batch copied_into(std::vector<std::byte>& buffer) const {
-    if (!ptr_ || !ptr_->view_data()) return *this;
-    return batch{ptr_->copy_into(buffer)};
+  /// A copy of items [from, to) that owns them. A part of a caller's range is read under its
+  /// lease: nothing once the lease has been revoked (the job's handle took the range back).
+  [[nodiscard]] std::optional<batch> owned_slice(std::size_t from, std::size_t to) const {
+    auto* l = lease();
+    if (l && !l->acquire()) return std::nullopt;
+    struct releases {
+      range_lease* l;
+      ~releases() {
+        if (l) l->release();
+      }
+    } held{l};
+    return slice(from, to);
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return ptr_ ? ptr_->size() : 0; }

@@ -23,12 +23,6 @@ namespace troupe::detail {
 
 class stream_buffer;
 
-/// The items of `w` for a producer: a part of a caller's range (lent) is copied while the job
-/// still holds the range (into `scratch`, reused, when given), so that user code never sees the
-/// caller's memory; nothing when the job has ended (`r` then says cancelled).
-std::optional<batch> own_chunk_items(const work_chunk& w, chunk_result& r,
-                                     std::vector<std::byte>* scratch = nullptr);
-
 /// Spawns the producer actor of a job on device `d` (detached). It constructs the job's producer
 /// object (`make`) when it receives init_atom, runs chunks, and runs producer::end() on end_atom.
 /// `serialize`: every chunk's inputs and outputs go through the wire format (options::serialize).

@@ -154,15 +154,12 @@ class typed_producer final : public producer_ops {
       return;
     }
     auto outputs = start_outputs(n);
-    std::size_t k = 0;  // outputs written
-    bool went_on = true;
-    if constexpr (raw_items<in>) {
-      if (auto* lease = chunk.lease()) {
-        went_on = work_on_lent(*lease, x, n, first, keep_going, r, outputs, k);
-        return finish_outputs(went_on, std::move(outputs), k, r);
-      }
-    }
-    went_on = work_on(x, n, first, keep_going, r, outputs, k);
+    std::size_t k = 0;            // outputs written
+    auto* lease = chunk.lease();  // only ever for numbers: a caller's contiguous range
+    bool went_on = false;
+    if constexpr (raw_items<in>)
+      if (lease) went_on = work_on_lent(*lease, x, n, first, keep_going, r, outputs, k);
+    if (!lease) went_on = work_on(x, n, first, keep_going, r, outputs, k);
     finish_outputs(went_on, std::move(outputs), k, r);
   }
 
