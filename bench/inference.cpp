@@ -1,0 +1,154 @@
+// Inference on devices (BENCHMARKS.md, "Inference on a GPU"): an MLP over batches of rows.
+// troupe's ordered_runner with one producer per --devices entry (each with its own CUDA stream
+// on a GPU) against the loop a LibTorch user writes for one device, in the same process, on the
+// same model and the same batches:
+//
+//   c10::InferenceMode guard;
+//   for (auto& x : batches) outputs.push_back(model->forward(x.to(device)).to(torch::kCPU));
+//
+// Every configuration checks that its outputs equal the loop's, then reports batches/s and
+// rows/s, the best of --repeat runs.
+//
+//   troupe_inference_bench --devices cuda:0 cuda:0,cuda:0 --batches 400 --rows 256 --width 2048
+//   troupe_inference_bench --devices cpu cpu,cpu --batches 40 --rows 64 --width 256   (no GPU)
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <troupe/torch.hpp>
+#include <troupe/troupe.hpp>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// The model: `layers` Linear+ReLU of `width`, then a Linear to 16 outputs; the same weights
+/// wherever it is built (its own generator, seeded).
+torch::nn::Sequential make_model(std::int64_t width, std::int64_t layers) {
+  static std::mutex rng;  // the global RNG: replicas built concurrently must not interleave
+  std::lock_guard<std::mutex> guard{rng};
+  torch::manual_seed(11);
+  torch::nn::Sequential m;
+  for (std::int64_t i = 0; i < layers; ++i) {
+    m->push_back(torch::nn::Linear(width, width));
+    m->push_back(torch::nn::ReLU());
+  }
+  m->push_back(torch::nn::Linear(width, 16));
+  m->eval();
+  return m;
+}
+
+struct mlp_inference {
+  struct producer {
+    producer(const troupe::device& d, const troupe::config& cfg)
+        : where(d),
+          model(make_model(cfg.get_or<std::int64_t>("width", 256),
+                           cfg.get_or<std::int64_t>("layers", 4))) {
+      if (d.is_cpu()) at::set_num_threads(1);  // CPU producers share the cores
+      model->to(troupe::torch_device(d));
+    }
+    /// A host batch in, a host batch out: what a caller of an inference service gets back.
+    at::Tensor work(const at::Tensor& x) {
+      c10::InferenceMode guard;
+      return troupe::to_host(model->forward(troupe::to_device(x, where)));
+    }
+    troupe::device where;
+    torch::nn::Sequential model;
+  };
+};
+
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+std::vector<troupe::device> parse_devices(const std::string& list) {
+  std::vector<troupe::device> out;
+  std::stringstream in(list);
+  for (std::string spec; std::getline(in, spec, ',');) out.emplace_back(spec);
+  return out;
+}
+
+void report(const char* what, const std::string& devices, double best_s, std::size_t batches,
+            std::int64_t rows, double baseline_s) {
+  std::printf("%-34s %-22s %10.1f batches/s %12.0f rows/s %7.1f %%\n", what, devices.c_str(),
+              static_cast<double>(batches) / best_s,
+              static_cast<double>(batches) * static_cast<double>(rows) / best_s,
+              100.0 * baseline_s / best_s);
+}
+
+}  // namespace
+
+TROUPE_REGISTER_JOB(mlp_inference);
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe_inference_bench: an MLP over batches, troupe against a LibTorch loop"};
+  std::vector<std::string> device_lists{"cpu", "cpu,cpu"};
+  std::size_t batches = 40;
+  std::int64_t rows = 64, width = 256, layers = 4;
+  int repeat = 3;
+  app.add_option("--devices", device_lists, "device lists to run troupe on (each a,b,...)");
+  app.add_option("--batches", batches);
+  app.add_option("--rows", rows, "rows per batch");
+  app.add_option("--width", width, "features and hidden width");
+  app.add_option("--layers", layers, "hidden layers");
+  app.add_option("--repeat", repeat, "runs of each configuration; the best is reported");
+  CLI11_PARSE(app, argc, argv);
+
+  auto first = parse_devices(device_lists.at(0)).at(0);
+  if (auto why = troupe::why_unavailable(first); !why.empty()) {
+    std::printf("skipped: %s\n", why.c_str());
+    return 0;
+  }
+  torch::manual_seed(1);
+  std::vector<at::Tensor> inputs;
+  for (std::size_t i = 0; i < batches; ++i) inputs.push_back(torch::randn({rows, width}));
+
+  // The LibTorch loop on the first device of the first list.
+  auto model = make_model(width, layers);
+  auto dev = troupe::torch_device(first);
+  model->to(dev);
+  std::vector<at::Tensor> expected;
+  double loop_best = 1e30;
+  for (int r = 0; r <= repeat; ++r) {  // run 0 warms up (allocator, kernels)
+    std::vector<at::Tensor> out;
+    auto t = clock_type::now();
+    {
+      c10::InferenceMode guard;
+      for (auto& x : inputs) out.push_back(model->forward(x.to(dev)).to(torch::kCPU));
+    }
+    if (r > 0) loop_best = std::min(loop_best, seconds_since(t));
+    expected = std::move(out);
+  }
+  std::printf("%zu batches of %lld rows, width %lld, %lld hidden layers\n", batches,
+              static_cast<long long>(rows), static_cast<long long>(width),
+              static_cast<long long>(layers));
+  std::printf("%-34s %-22s %10s %19s %9s\n", "configuration", "devices", "", "", "of loop");
+  report("LibTorch loop (inference mode)", first.str(), loop_best, batches, rows, loop_best);
+
+  troupe::config cfg;
+  cfg.set("width", width).set("layers", layers);
+  for (const auto& list : device_lists) {
+    troupe::ordered_runner<mlp_inference> runner{parse_devices(list), cfg};
+    double best = 1e30;
+    for (int r = 0; r <= repeat; ++r) {
+      auto t = clock_type::now();
+      auto out = runner.run(inputs);
+      if (r > 0) best = std::min(best, seconds_since(t));
+      for (std::size_t i = 0; i < out.size(); ++i)
+        if (!torch::allclose(out[i], expected[i], 1e-4, 1e-4)) {
+          std::fprintf(stderr, "batch %zu differs from the LibTorch loop's\n", i);
+          return 1;
+        }
+      if (out.size() != expected.size()) {
+        std::fprintf(stderr, "%zu outputs for %zu batches\n", out.size(), expected.size());
+        return 1;
+      }
+    }
+    report("troupe ordered_runner", list, best, batches, rows, loop_best);
+  }
+  return 0;
+}
