@@ -1,6 +1,7 @@
 // Several machines on loopback (docs/api.md, "Several machines"): real node processes, killed and
 // frozen mid-run.
 #include <arpa/inet.h>
+#include <ftw.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -343,7 +344,14 @@ struct temp_cert_dir {
     std::string cmd = std::string{TROUPE_MAKE_CERTS} + " " + path;
     if (std::system(cmd.c_str()) != 0) throw std::runtime_error("making test certificates failed");
   }
-  ~temp_cert_dir() { std::filesystem::remove_all(path); }
+  // Not std::filesystem::remove_all: the torch 2.11 wheel's libtorch.so exports its own copy,
+  // which the dynamic linker binds here and which jumps to address 0 (seen on the GPU machine).
+  ~temp_cert_dir() {
+    nftw(
+        path.c_str(),
+        [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 8,
+        FTW_DEPTH | FTW_PHYS);
+  }
 };
 
 const std::string& cert_dir() {
