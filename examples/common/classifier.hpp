@@ -103,7 +103,8 @@ inline void init_parameters(torch::nn::Module& m, std::uint64_t seed) {
 
 /// The job: config keys model.features, model.hidden, model.classes, model.seed, sgd.lr,
 /// sgd.momentum; fault.exit_at_shard (a node's replica kills its own process with SIGKILL at
-/// that shard, counting from 1: to test recovery) and fault.sleep_ms (per shard: a slow device).
+/// that shard, counting from 1: to test recovery), fault.sleep_ms (per shard: a slow device) and
+/// fault.local_sleep_ms (per shard, only for replicas in the calling process, not on nodes).
 struct classifier {
   struct replica {
     replica(const troupe::device& d, const troupe::config& cfg)
@@ -114,7 +115,8 @@ struct classifier {
                                      .momentum(cfg.get_or<double>("sgd.momentum", 0.9))),
           where(troupe::torch_device(d)),
           exit_at(cfg.get_or<std::int64_t>("fault.exit_at_shard", 0)),
-          sleep_ms(cfg.get_or<std::int64_t>("fault.sleep_ms", 0)) {
+          sleep_ms(cfg.get_or<std::int64_t>("fault.sleep_ms", 0)),
+          local_sleep_ms(cfg.get_or<std::int64_t>("fault.local_sleep_ms", 0)) {
       init_parameters(*net, static_cast<std::uint64_t>(cfg.get_or<std::int64_t>("model.seed", 7)));
       net->to(where);
     }
@@ -122,6 +124,8 @@ struct classifier {
     double backward(const std::vector<sample>& shard) {
       if (serving() && exit_at > 0 && ++shards_seen == exit_at) std::raise(SIGKILL);
       if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds{sleep_ms});
+      if (!serving() && local_sleep_ms > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds{local_sleep_ms});
       auto [x, y] = stack(shard, features);
       auto loss = torch::nn::functional::cross_entropy(
           net->forward(x.to(where)), y.to(where),
@@ -137,7 +141,7 @@ struct classifier {
     std::shared_ptr<mlp_net> net;
     torch::optim::SGD opt;
     torch::Device where;
-    std::int64_t exit_at, sleep_ms;
+    std::int64_t exit_at, sleep_ms, local_sleep_ms;
     std::int64_t shards_seen = 0;
   };
 };

@@ -1030,9 +1030,10 @@ struct trainer::impl {
       waiting[send(who, std::move(msg))] = pending{who, clock::now(), a, b};
     };
     first_failure failure;
-    auto compute = [&] {
-      for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
-        dispatch(who, range.first, range.second);
+    // Ring mode: the shards whose sum each replica holds (until the all-reduce, a replica's sum
+    // exists only there).
+    std::map<std::size_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> held;
+    auto wait_backward = [&] {
       wait(
           waiting,
           [&](const pending& p, chunk_result& r, train_msg& msg) {
@@ -1054,6 +1055,8 @@ struct trainer::impl {
                 blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
             } else if (red == reduction::local) {
               stepped.push_back(p.member);
+            } else if (red == reduction::ring) {
+              held[p.member].emplace_back(p.a, p.b);
             }
           },
           [&](const pending& p) {
@@ -1068,7 +1071,31 @@ struct trainer::impl {
             for (auto& [who, range] : split(p.a, p.b, rest, false))
               dispatch(who, range.first, range.second);
           });
-      if (failure.result) raise(*failure.result, failure.member);
+    };
+    auto compute = [&] {
+      held.clear();
+      for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
+        dispatch(who, range.first, range.second);
+      // A replica that answered and was lost before the others did took its sum along: its
+      // shards go to the survivors, in the same step, until no such loss is left.
+      for (bool again = true; again;) {
+        again = false;
+        wait_backward();
+        if (failure.result) raise(*failure.result, failure.member);
+        if (red != reduction::ring) break;
+        auto rest = alive();
+        if (rest.empty()) break;
+        for (auto& [who, ranges] : held) {
+          if (members[who].alive || ranges.empty()) continue;
+          for (auto [a, b] : ranges) {
+            stats.recomputed_shards += b - a;
+            for (auto& [to, range] : split(a, b, rest, false))
+              dispatch(to, range.first, range.second);
+          }
+          ranges.clear();
+          again = true;
+        }
+      }
       if (alive().empty()) throw node_error("every replica was lost during the step");
     };
     compute();
