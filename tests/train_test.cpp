@@ -432,6 +432,35 @@ struct zeroing_job {
 
 }  // namespace
 
+namespace {
+
+/// A replica whose destructor takes 200 ms and then counts itself.
+std::atomic<int> slow_teardowns_done{0};
+struct slow_teardown_job {
+  struct replica : zeroing_job::replica {
+    replica(const troupe::device& d, const troupe::config& cfg) : zeroing_job::replica(d, cfg) {}
+    replica(const replica&) = delete;
+    replica& operator=(const replica&) = delete;
+    ~replica() {
+      std::this_thread::sleep_for(std::chrono::milliseconds{200});
+      slow_teardowns_done += 1;
+    }
+  };
+};
+
+}  // namespace
+
+TEST(Train, LocalReplicasAreDestroyedBeforeTheDestructorReturns) {
+  // A program may end right after its data_parallel: a replica freeing its (GPU) tensors on its
+  // own thread after that raced LibTorch's CUDA teardown at exit (a segfault on the GPU machine).
+  slow_teardowns_done = 0;
+  {
+    troupe::data_parallel<slow_teardown_job> dp{{"cpu", "cpu"}, {}, opts(8, false)};
+    dp.step(make_batches(1, 32)[0]);
+  }
+  EXPECT_EQ(slow_teardowns_done.load(), 2);
+}
+
 TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {
   auto batches = make_batches(20, 48);
   troupe::data_parallel<zeroing_job> dp{{"cpu", "cpu"}, {}, opts(8, false)};

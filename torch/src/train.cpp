@@ -178,6 +178,20 @@ struct replica_state {
   std::set<std::string> connected;  ///< nodes this one has a direct connection to
   std::uint64_t failing_sample = 0;
 
+  /// Frees the replica, every tensor held here and then the device binding (idempotent; on
+  /// the replica's thread, or in its actor's cleanup).
+  void release() noexcept {
+    try {
+      ring = ring_run{};
+      early.clear();
+      params.clear();
+      local_grad = sum_buf = shard_buf = applied = partial = at::Tensor{};
+      r.reset();
+    } catch (...) {
+    }
+    binding.reset();
+  }
+
   void init(train_msg& out) {
     binding = bind_device(where);
     r = make(where, cfg);
@@ -603,15 +617,7 @@ struct replica_state {
 };
 
 caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replica_state> st) {
-  self->attach_functor([st] {
-    try {
-      st->params.clear();
-      st->local_grad = at::Tensor{};
-      st->r.reset();
-    } catch (...) {
-    }
-    st->binding.reset();
-  });
+  self->attach_functor([st] { st->release(); });
   return {
       [self, st](const work_chunk& w) {
         mark_internal_thread();
@@ -627,6 +633,11 @@ caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replic
         mark_internal_thread();
         if (auto r = st->ring_start(self, reply_id, id, step, pos, n, right, address))
           self->send(caf::actor_cast<caf::actor>(self->current_sender()), std::move(*r));
+      },
+      [self, st](release_atom) {
+        st->release();
+        self->send(caf::actor_cast<caf::actor>(self->current_sender()), release_atom::value);
+        self->quit();
       },
       [](const bulk::fragment&) {},  // joined while it was deserialized
   };
@@ -767,12 +778,42 @@ struct trainer::impl {
 
   ~impl() {
     if (self) {
+      // Local replicas free their tensors and device state before the destructor returns: a
+      // program that ends right after it must not tear LibTorch's CUDA state down under a
+      // replica thread still freeing them (a segfault at exit, seen on the GPU machine). An idle
+      // replica answers at once; one still busy in your code is waited for at most
+      // release_wait, then left behind on its thread.
+      std::set<caf::actor_addr> releasing;
+      for (auto& m : members) {
+        if (!m.a) continue;
+        if (m.alive && m.d.is_local()) {
+          (*self)->send(m.a, release_atom::value);
+          releasing.insert(m.a.address());
+        } else {
+          (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+        }
+      }
+      auto deadline = clock::now() + release_wait;
+      bool late = false;
+      while (!releasing.empty() && !late) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
+        (*self)->receive(
+            [&](release_atom) {
+              releasing.erase(caf::actor_cast<caf::actor_addr>((*self)->current_sender()));
+            },
+            [&](caf::down_msg& dm) { releasing.erase(dm.source); }, [](chunk_result&) {},
+            [](const bulk::fragment&) {},
+            caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
+      }
       for (auto& m : members)
-        if (m.a) (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+        if (m.a && releasing.count(m.a.address()) > 0)
+          (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
       if (owner) (*self)->send_exit(owner, caf::exit_reason::user_shutdown);
     }
     self.reset();
   }
+  /// How long the destructor waits for local replicas to free what they hold.
+  static constexpr std::chrono::seconds release_wait{5};
 
   std::vector<std::size_t> alive() const {
     std::vector<std::size_t> out;

@@ -62,6 +62,9 @@ using timer_atom = caf::atom_constant<caf::atom("tr_timer")>;
 /// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
 /// size, right neighbour, its node's address or "").
 using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
+/// Training: a local replica frees everything it holds (the replica, its tensors, its device
+/// binding), answers with the same atom and quits.
+using release_atom = caf::atom_constant<caf::atom("tr_release")>;
 
 /// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
 struct work_chunk {
