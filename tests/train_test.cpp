@@ -407,6 +407,22 @@ TEST(Train, AReplicaLostAfterItsAnswerInARingStepHasItsShardsRecomputed) {
   EXPECT_LT(relative_difference(flat(dp.parameters()), expected), 1e-5);
 }
 
+TEST(Train, AReplicaMeasuredSlowStillGetsAShardEveryStep) {
+  // The local replica sleeps 100 ms a shard, the node's takes well under 1 ms: by speed alone
+  // the local one would get no shard after the first step, and never be measured again.
+  auto batches = make_batches(6, 64);
+  auto cfg = small_cfg();
+  cfg.set("fault.local_sleep_ms", 100);
+  node_process a;
+  dp_t dp{{"cpu", a.device()}, cfg, opts(8, false)};
+  for (auto& batch : batches) dp.step(batch);
+  auto s = dp.stats();
+  ASSERT_EQ(s.replicas.size(), 2u);
+  EXPECT_GE(s.replicas[0].shards, batches.size());        // 4 of the first step's 8, then 1 a step
+  EXPECT_GT(s.replicas[1].shards, s.replicas[0].shards);  // and the fast one most of them
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-5);
+}
+
 namespace {
 
 /// A replica whose backward calls the optimizer's zero_grad() itself (LibTorch's default sets

@@ -1003,6 +1003,9 @@ struct trainer::impl {
   }
 
   /// Splits shards [a, b) among `who` in proportion to their speed (even before it is known).
+  /// When there are at least as many shards as replicas, each gets one before the rest is
+  /// split: a replica measured slow once (a hiccup) would otherwise get none, and so never be
+  /// measured again.
   std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> split(
       std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even) {
     std::vector<double> w;
@@ -1017,14 +1020,15 @@ struct trainer::impl {
       total += w.back();
     }
     std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> out;
+    const std::uint64_t each = b - a >= who.size() ? 1 : 0;
+    const auto rest = static_cast<double>(b - a - each * who.size());
     double cum = 0;
     auto lo = a;
     for (std::size_t k = 0; k < who.size(); ++k) {
       cum += w[k];
-      auto hi =
-          k + 1 == who.size()
-              ? b
-              : a + static_cast<std::uint64_t>(static_cast<double>(b - a) * cum / total + 0.5);
+      auto hi = k + 1 == who.size()
+                    ? b
+                    : a + each * (k + 1) + static_cast<std::uint64_t>(rest * cum / total + 0.5);
       hi = std::clamp(hi, lo, b);
       if (hi > lo) out.push_back({who[k], {lo, hi}});
       lo = hi;
