@@ -407,6 +407,34 @@ TEST(Train, AReplicaLostAfterItsAnswerInARingStepHasItsShardsRecomputed) {
   EXPECT_LT(relative_difference(flat(dp.parameters()), expected), 1e-5);
 }
 
+TEST(Train, ANodeFrozenInsideARingPastReplicaTimeoutIsTheOnlyOneDropped) {
+  // With replica_timeout, every member's answer to a ring waits for the whole ring: one frozen
+  // node made them all late at once, and every replica was dropped (node_error). Now the step is
+  // computed again through the coordinator, where only the frozen node's request times out.
+  // (The local replica takes 100 ms a shard; the node answers at once and is frozen 150 ms into
+  // the first step, while the local one computes: before the ring.)
+  auto batches = make_batches(2, 48);
+  auto cfg = small_cfg();
+  cfg.set("model.hidden", 1024);
+  auto expected = plain_result(batches, 1024);
+  cfg.set("fault.local_sleep_ms", 100);
+  auto o = opts(8, false);
+  o.replica_timeout = std::chrono::milliseconds{1000};
+  node_process a;
+  dp_t dp{{"cpu", a.device()}, cfg, o};
+  std::thread freezer{[&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{150});
+    a.kill(SIGSTOP);
+  }};
+  for (auto& batch : batches) EXPECT_NO_THROW(dp.step(batch));
+  freezer.join();
+  auto s = dp.stats();
+  ASSERT_EQ(s.replicas.size(), 2u);
+  EXPECT_FALSE(s.replicas[0].lost);
+  EXPECT_TRUE(s.replicas[1].lost);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), expected), 1e-5);
+}
+
 TEST(Train, AReplicaMeasuredSlowStillGetsAShardEveryStep) {
   // The local replica sleeps 100 ms a shard, the node's takes well under 1 ms: by speed alone
   // the local one would get no shard after the first step, and never be measured again.
@@ -469,12 +497,16 @@ struct slow_teardown_job {
 TEST(Train, LocalReplicasAreDestroyedBeforeTheDestructorReturns) {
   // A program may end right after its data_parallel: a replica freeing its (GPU) tensors on its
   // own thread after that raced LibTorch's CUDA teardown at exit (a segfault on the GPU machine).
+  // A removed replica is destroyed before remove_devices() returns.
   slow_teardowns_done = 0;
   {
-    troupe::data_parallel<slow_teardown_job> dp{{"cpu", "cpu"}, {}, opts(8, false)};
+    troupe::data_parallel<slow_teardown_job> dp{{"cpu", "cpu", "cpu"}, {}, opts(8, false)};
+    dp.step(make_batches(1, 32)[0]);
+    dp.remove_devices({"cpu"});
+    EXPECT_EQ(slow_teardowns_done.load(), 1);
     dp.step(make_batches(1, 32)[0]);
   }
-  EXPECT_EQ(slow_teardowns_done.load(), 2);
+  EXPECT_EQ(slow_teardowns_done.load(), 3);
 }
 
 TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {

@@ -23,6 +23,7 @@
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 
 #include "troupe/detail/network.hpp"
 #include "troupe/device_binding.hpp"
@@ -691,6 +692,8 @@ struct trainer::impl {
     caf::actor a;
     double rate = 0;  ///< shards per second, 0 before the first measurement
     bool alive = true;
+    /// Its actor is gone or given up on (lost, stuck, retired): never waited for again.
+    bool gone = false;
     replica_stats st;
   };
   /// A request on its way: to whom, and (backward) which shards.
@@ -729,6 +732,7 @@ struct trainer::impl {
   train_stats stats;
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
   bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
+  bool ring_timed_out = false;   ///< the last ring went past replica_timeout
   /// Gradients at least this large, with a replica on a node, are all-reduced in a ring.
   static constexpr std::uint64_t ring_min_bytes = std::uint64_t{256} << 10;
 
@@ -742,6 +746,7 @@ struct trainer::impl {
   /// All-reduces the live replicas' partial sums of step `attempt` in a ring. False when a
   /// replica was lost or failed meanwhile (the sums are then unusable).
   bool ring_all_reduce(std::uint64_t attempt) {
+    ring_timed_out = false;
     auto ring = alive();
     if (ring.size() < 2) return false;
     auto id = next_id++;
@@ -770,8 +775,19 @@ struct trainer::impl {
           ok = false;
           lost = true;
           waiting.clear();
+        },
+        [&] {
+          // replica_timeout inside the ring: every member's answer waits for the whole ring,
+          // so lateness names no one. The step is computed again through the coordinator,
+          // where a frozen replica's own request times out and only it is dropped.
+          ok = false;
+          ring_timed_out = true;
+          waiting.clear();
+          log(log_level::warn,
+              "ring all-reduce past replica_timeout; reducing this step "
+              "through the coordinator");
         });
-    if (!ok && !lost) ring_ok = false;
+    if (!ok && !lost && !ring_timed_out) ring_ok = false;
     if (ok) stats.ring_reductions += 1;
     return ok;
   }
@@ -780,34 +796,12 @@ struct trainer::impl {
     if (self) {
       // Local replicas free their tensors and device state before the destructor returns: a
       // program that ends right after it must not tear LibTorch's CUDA state down under a
-      // replica thread still freeing them (a segfault at exit, seen on the GPU machine). An idle
-      // replica answers at once; one still busy in your code is waited for at most
-      // release_wait, then left behind on its thread.
-      std::set<caf::actor_addr> releasing;
-      for (auto& m : members) {
-        if (!m.a) continue;
-        if (m.alive && m.d.is_local()) {
-          (*self)->send(m.a, release_atom::value);
-          releasing.insert(m.a.address());
-        } else {
-          (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
-        }
-      }
-      auto deadline = clock::now() + release_wait;
-      bool late = false;
-      while (!releasing.empty() && !late) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
-        (*self)->receive(
-            [&](release_atom) {
-              releasing.erase(caf::actor_cast<caf::actor_addr>((*self)->current_sender()));
-            },
-            [&](caf::down_msg& dm) { releasing.erase(dm.source); }, [](chunk_result&) {},
-            [](const bulk::fragment&) {},
-            caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
-      }
-      for (auto& m : members)
-        if (m.a && releasing.count(m.a.address()) > 0)
-          (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+      // replica thread still freeing them (a segfault at exit, seen on the GPU machine). Every
+      // replica not given up on is retired: the live ones, and the removed or dropped ones
+      // that were idle (a replica dropped as stuck was told to exit and is not waited for).
+      std::vector<std::size_t> all(members.size());
+      for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+      retire(all);
       if (owner) (*self)->send_exit(owner, caf::exit_reason::user_shutdown);
     }
     self.reset();
@@ -831,20 +825,61 @@ struct trainer::impl {
     return id;
   }
 
-  void drop(std::size_t who) {
+  /// Takes `who` out of the step. Its actor is told to exit (`abandon`: it may be stuck, or is
+  /// gone already), or, a local one that is idle, left to `retire` (which waits for it to free
+  /// its tensors and device).
+  void drop(std::size_t who, bool abandon = true) {
     auto& m = members[who];
     if (!m.alive) return;
     m.alive = false;
     m.st.lost = true;
     stats.lost_replicas += 1;
     (*self)->demonitor(m.a);
-    (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+    if (abandon || !m.d.is_local()) {
+      (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+      m.gone = true;
+    }
+  }
+
+  /// Local replicas among `who` free everything they hold (waited for, at most release_wait
+  /// for one still busy in user code, which is then left behind); the others are told to exit.
+  void retire(const std::vector<std::size_t>& who) {
+    std::set<caf::actor_addr> releasing;
+    for (auto i : who) {
+      auto& m = members[i];
+      if (!m.a || m.gone) continue;
+      m.gone = true;
+      if (m.d.is_local()) {
+        (*self)->send(m.a, release_atom::value);
+        releasing.insert(m.a.address());
+      } else {
+        (*self)->send_exit(m.a, caf::exit_reason::user_shutdown);
+      }
+    }
+    auto deadline = clock::now() + release_wait;
+    bool late = false;
+    while (!releasing.empty() && !late) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
+      (*self)->receive(
+          [&](release_atom) {
+            releasing.erase(caf::actor_cast<caf::actor_addr>((*self)->current_sender()));
+          },
+          [&](caf::down_msg& dm) { releasing.erase(dm.source); }, [](chunk_result&) {},
+          [](const bulk::fragment&) {},
+          caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
+    }
+    for (auto i : who)
+      if (members[i].a && releasing.count(members[i].a.address()) > 0)
+        (*self)->send_exit(members[i].a, caf::exit_reason::user_shutdown);
   }
 
   /// Waits for every request in `waiting`: `on_reply(id, pending, result, msg)` for answers,
   /// `on_lost(pending)` for requests whose replica was lost (dropped first).
-  template <class OnReply, class OnLost>
-  void wait(std::map<std::uint64_t, pending>& waiting, OnReply on_reply, OnLost on_lost) {
+  /// With `replica_timeout`, requests older than it are lost (their replicas dropped), unless
+  /// `on_late` is given: then it is called instead, and decides.
+  template <class OnReply, class OnLost, class OnLate = std::nullptr_t>
+  void wait(std::map<std::uint64_t, pending>& waiting, OnReply on_reply, OnLost on_lost,
+            OnLate on_late = nullptr) {
     auto lose = [&](std::size_t who) {
       drop(who);
       std::vector<pending> gone;
@@ -891,7 +926,9 @@ struct trainer::impl {
         (*self)->receive(
             on_result, on_down, [](const bulk::fragment&) {},
             caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
-        if (late) {
+        if constexpr (!std::is_same_v<OnLate, std::nullptr_t>) {
+          if (late) on_late();
+        } else if (late) {
           auto now = clock::now();
           std::vector<std::size_t> slow;
           for (auto& [id, p] : waiting)
@@ -1148,13 +1185,16 @@ struct trainer::impl {
     bool ringed = red == reduction::ring && ring_all_reduce(attempt);
     if (red == reduction::ring) stats.reduce_seconds += seconds(clock::now() - ring_start);
     if (red == reduction::ring && !ringed) {
-      // A replica lost (or failing) inside the ring: the partial sums are half reduced. The
-      // whole step again, on the survivors, summed by the coordinator.
+      // A replica lost (or failing, or late) inside the ring: the partial sums are half
+      // reduced. The whole step again, on the survivors, summed by the coordinator.
       red = reduction::fast;
       attempt = next_id++;
       std::fill(losses.begin(), losses.end(), 0.0);
       stats.recomputed_shards += shards;
+      auto lost_before = stats.lost_replicas;
       compute();
+      // A ring too slow although every replica answers on its own: no rings from now on.
+      if (ring_timed_out && stats.lost_replicas == lost_before) ring_ok = false;
     }
 
     auto reduce_start = clock::now();
@@ -1193,7 +1233,7 @@ struct trainer::impl {
           if (r.ok()) return;
           // This replica's step() threw after others applied theirs: it no longer matches them.
           if (!apply_failure) apply_failure.emplace(r, p.member);
-          drop(p.member);
+          drop(p.member, /*abandon=*/false);  // idle: retired with the others
         },
         [](const pending&) {});
     auto done = clock::now();
@@ -1332,18 +1372,23 @@ void trainer::add_devices(const std::vector<device>& devices) {
 
 void trainer::remove_devices(const std::vector<device>& devices) {
   auto& p = *impl_;
+  std::vector<std::size_t> removed;
   for (auto& d : devices) {
     bool found = false;
     for (std::size_t i = 0; i < p.members.size() && !found; ++i) {
       if (p.members[i].alive && p.members[i].d == d) {
         p.members[i].alive = false;
         (*p.self)->demonitor(p.members[i].a);
-        (*p.self)->send_exit(p.members[i].a, caf::exit_reason::user_shutdown);
+        removed.push_back(i);
         found = true;
       }
     }
-    if (!found) throw invalid_argument("no replica on " + d.str() + " to remove");
+    if (!found) {
+      p.retire(removed);
+      throw invalid_argument("no replica on " + d.str() + " to remove");
+    }
   }
+  p.retire(removed);  // between steps: idle, so a local one frees its tensors at once
 }
 
 std::vector<device> trainer::devices() const {
