@@ -16,6 +16,7 @@
 
 #include "common/classifier.hpp"
 #include "node_process.hpp"
+#include "test_util.hpp"
 
 TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
 
@@ -507,6 +508,59 @@ TEST(Train, LocalReplicasAreDestroyedBeforeTheDestructorReturns) {
     dp.step(make_batches(1, 32)[0]);
   }
   EXPECT_EQ(slow_teardowns_done.load(), 3);
+}
+
+namespace {
+
+/// The third replica constructed throws; the others take 200 ms to be destroyed.
+std::atomic<int> started_replicas{0};
+struct failing_start_job {
+  struct replica : slow_teardown_job::replica {
+    replica(const troupe::device& d, const troupe::config& cfg)
+        : slow_teardown_job::replica(d, cfg) {
+      if (started_replicas.fetch_add(1) == 2) throw std::runtime_error("no room on this device");
+    }
+  };
+};
+
+}  // namespace
+
+TEST(Train, ReplicasThatStartedAreDestroyedBeforeAFailedStartThrows) {
+  // A program may end on that exception: the replicas that did start must not be freeing their
+  // (GPU) tensors on their threads by then. (The one that threw counts itself too, in its base.)
+  slow_teardowns_done = 0;
+  started_replicas = 0;
+  EXPECT_THROW(
+      (troupe::data_parallel<failing_start_job>{{"cpu", "cpu", "cpu"}, {}, opts(8, false)}),
+      troupe::init_error);
+  EXPECT_EQ(slow_teardowns_done.load(), 3);
+  slow_teardowns_done = 0;
+  started_replicas = 1;  // the second added replica fails
+  {
+    troupe::data_parallel<failing_start_job> dp{{"cpu"}, {}, opts(8, false)};
+    EXPECT_THROW(dp.add_devices({"cpu", "cpu"}), troupe::init_error);
+    EXPECT_EQ(slow_teardowns_done.load(), 2);
+  }
+  EXPECT_EQ(slow_teardowns_done.load(), 3);
+}
+
+TEST(Train, ANodeLostBetweenStepsIsNotHiddenByARemoval) {
+  // remove_devices() waits for the removed replica's answer; the down message of a node lost
+  // before it, waiting in the same mailbox, was taken and thrown away there: the next step then
+  // waited for the dead node forever.
+  auto batches = make_batches(2, 48);
+  node_process a;
+  dp_t dp{{"cpu", "cpu", a.device()}, small_cfg(), opts(8, false)};
+  dp.step(batches[0]);
+  a.kill(SIGKILL);
+  while (!a.ended()) std::this_thread::sleep_for(std::chrono::milliseconds{10});
+  std::this_thread::sleep_for(std::chrono::milliseconds{500});  // its connection closes here
+  test_util::watchdog guard{std::chrono::seconds{60}, "the step after remove_devices"};
+  dp.remove_devices({"cpu"});
+  dp.step(batches[1]);
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_EQ(dp.devices().size(), 1u);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-5);
 }
 
 TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {

@@ -864,8 +864,14 @@ struct trainer::impl {
           [&](release_atom) {
             releasing.erase(caf::actor_cast<caf::actor_addr>((*self)->current_sender()));
           },
-          [&](caf::down_msg& dm) { releasing.erase(dm.source); }, [](chunk_result&) {},
-          [](const bulk::fragment&) {},
+          [&](caf::down_msg& dm) {
+            releasing.erase(dm.source);
+            // A live replica lost meanwhile (a node that died between steps): dropped here,
+            // or the next step would wait for it forever, its down message consumed.
+            for (std::size_t i = 0; i < members.size(); ++i)
+              if (members[i].alive && members[i].a.address() == dm.source) drop(i);
+          },
+          [](chunk_result&) {}, [](const bulk::fragment&) {},
           caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
     }
     for (auto i : who)
@@ -1014,7 +1020,10 @@ struct trainer::impl {
       for (auto& [who, msg] : everyone(fresh, init))
         if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
     } catch (...) {
-      for (auto i : fresh) drop(i);
+      // The replicas that started are idle: freed before the exception leaves (the one that
+      // failed too; one stuck past replica_timeout was given up on already).
+      for (auto i : fresh) drop(i, /*abandon=*/false);
+      retire(fresh);
       throw;
     }
     for (auto i : fresh)
