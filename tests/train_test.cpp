@@ -563,6 +563,81 @@ TEST(Train, ANodeLostBetweenStepsIsNotHiddenByARemoval) {
   EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-5);
 }
 
+namespace {
+
+/// The next save() or load() (whichever replica runs it first) throws once.
+std::atomic<bool> fail_next_save{false}, fail_next_load{false};
+struct fragile_state_job {
+  struct replica : example::classifier::replica {
+    using example::classifier::replica::replica;
+    void save(torch::serialize::OutputArchive& a) {
+      if (fail_next_save.exchange(false)) throw std::runtime_error("disk full");
+      example::classifier::replica::save(a);
+    }
+    void load(torch::serialize::InputArchive& a) {
+      if (fail_next_load.exchange(false)) throw std::runtime_error("bad optimizer state");
+      example::classifier::replica::load(a);
+    }
+  };
+};
+
+}  // namespace
+
+TEST(Train, AFailedLoadOrStateCopyLeavesNoReplicaDifferent) {
+  // A replica whose load() threw holds the new parameters and its old optimizer state: it is
+  // dropped. A replica added whose state could not be copied is not kept either.
+  auto batches = make_batches(3, 48);
+  auto path = ::testing::TempDir() + "troupe_fragile_state.pt";
+  troupe::data_parallel<fragile_state_job> dp{{"cpu", "cpu", "cpu"}, small_cfg(), opts(8, false)};
+  dp.step(batches[0]);
+  dp.save(path);
+  dp.step(batches[1]);
+  fail_next_load = true;
+  EXPECT_THROW(dp.load(path), troupe::work_error);
+  EXPECT_EQ(dp.devices().size(), 2u);
+  dp.step(batches[2]);
+  expect_replicas_identical(dp);
+  fail_next_save = true;
+  EXPECT_THROW(dp.add_devices({"cpu"}), troupe::work_error);
+  EXPECT_EQ(dp.devices().size(), 2u);
+  dp.step(batches[2]);
+  expect_replicas_identical(dp);
+  std::remove(path.c_str());
+}
+
+TEST(Train, AStepAfterLocalStepsStartsFromOneStateOnEveryReplica) {
+  // local_step() lets each optimizer step on its own gradients (momentum differs); the next
+  // step() must still leave every replica bit-identical, averaged first or not.
+  auto batches = make_batches(6, 48);
+  dp_t dp{{"cpu", "cpu", "cpu"}, small_cfg(), opts(8, false)};
+  dp.local_step(batches[0]);
+  dp.local_step(batches[1]);
+  dp.average_parameters();
+  dp.step(batches[2]);
+  expect_replicas_identical(dp);
+  dp.step(batches[3]);
+  expect_replicas_identical(dp);
+  dp.local_step(batches[4]);
+  dp.step(batches[5]);
+  expect_replicas_identical(dp);
+}
+
+TEST(Train, ALocalStepsMeanLossLeavesOutExactlyTheLostSamples) {
+  // 60 samples in shards of 8: the node's half holds the short last shard (4 samples), and it
+  // dies at its first shard. The mean loss is over the local replica's 32 samples.
+  auto batch = make_batches(1, 60)[0];
+  std::vector<sample> first(batch.begin(), batch.begin() + 32);
+  dp_t alone{{"cpu"}, small_cfg(), opts(8, false)};
+  auto expected = alone.local_step(first);
+  auto cfg = small_cfg();
+  cfg.set("fault.exit_at_shard", 1);
+  node_process a;
+  dp_t dp{{"cpu", a.device()}, cfg, opts(8, false)};
+  auto got = dp.local_step(batch);
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_NEAR(got, expected, 1e-6 * std::abs(expected));
+}
+
 TEST(Train, ABackwardThatResetsItsGradsToNoneStillCounts) {
   auto batches = make_batches(20, 48);
   troupe::data_parallel<zeroing_job> dp{{"cpu", "cpu"}, {}, opts(8, false)};

@@ -373,6 +373,12 @@ struct replica_state {
     if (values.size() != params.size())
       throw protocol_error("parameters of another model (" + std::to_string(values.size()) +
                            " tensors, this replica has " + std::to_string(params.size()) + ")");
+    for (std::size_t i = 0; i < params.size(); ++i)  // all checked before any is changed
+      if (!values[i].defined() || values[i].numel() != params[i].numel())
+        throw protocol_error("parameters of another model (tensor " + std::to_string(i) + " has " +
+                             std::to_string(values[i].defined() ? values[i].numel() : 0) +
+                             " elements, this replica's " + std::to_string(params[i].numel()) +
+                             ")");
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params.size(); ++i)
       params[i].copy_(values[i].view(params[i].sizes()));
@@ -733,6 +739,9 @@ struct trainer::impl {
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
   bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
   bool ring_timed_out = false;   ///< the last ring went past replica_timeout
+  /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
+  /// its own gradients. The next step() first copies the first replica's state to the others.
+  bool states_differ = false;
   /// Gradients at least this large, with a replica on a node, are all-reduced in a ring.
   static constexpr std::uint64_t ring_min_bytes = std::uint64_t{256} << 10;
 
@@ -949,18 +958,28 @@ struct trainer::impl {
 
   /// Sends `msg` to each of `who` and waits for all; returns the answers by member. Throws the
   /// first error (after every answer is in); lost members are dropped.
+  /// `drop_failed`: when some (not all) of `who` fail, those are dropped (and retired) before
+  /// the error is thrown, so that the others stay identical (a command that changes state).
   std::map<std::size_t, train_msg> everyone(const std::vector<std::size_t>& who,
-                                            const train_msg& msg) {
+                                            const train_msg& msg, bool drop_failed = false) {
     std::map<std::uint64_t, pending> waiting;
     for (auto w : who) waiting[send(w, msg)] = pending{w, clock::now(), 0, 0};
     std::map<std::size_t, train_msg> out;
     first_failure failure;
+    std::vector<std::size_t> failed;
     wait(
         waiting,
         [&](const pending& p, chunk_result& r, train_msg& m) {
-          if (!failure.failed(p, r)) out[p.member] = std::move(m);
+          if (!failure.failed(p, r))
+            out[p.member] = std::move(m);
+          else
+            failed.push_back(p.member);
         },
         [](const pending&) {});
+    if (drop_failed && !failed.empty() && !out.empty()) {
+      for (auto i : failed) drop(i, /*abandon=*/false);
+      retire(failed);
+    }
     if (failure.result) raise(*failure.result, failure.member);
     return out;
   }
@@ -1088,6 +1107,13 @@ struct trainer::impl {
     if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
     const std::uint64_t ss = o.shard_size;
     const std::uint64_t shards = (n + ss - 1) / ss;
+    if (m == mode::local) {
+      states_differ = true;
+    } else if (states_differ) {
+      auto live = alive();
+      if (live.size() > 1) copy_state(std::vector<std::size_t>(live.begin() + 1, live.end()));
+      states_differ = false;
+    }
     auto red = m == mode::local ? reduction::local
                                 : (o.deterministic ? reduction::deterministic : reduction::fast);
     auto live = alive();
@@ -1098,7 +1124,7 @@ struct trainer::impl {
     std::map<node_key, at::Tensor> blocks;         // deterministic
     std::map<std::uint64_t, pending> waiting;
     std::vector<std::size_t> stepped;  // local: who holds a gradient
-    std::uint64_t lost_shards = 0;
+    std::uint64_t lost_samples = 0;    // local: of replicas lost with their update
     std::uint64_t attempt = next_id++;
 
     auto dispatch = [&](std::size_t who, std::uint64_t a, std::uint64_t b) {
@@ -1153,7 +1179,9 @@ struct trainer::impl {
           [&](const pending& p) {
             if (failure.result) return;
             if (red == reduction::local) {
-              lost_shards += p.b - p.a;  // that replica's own update is gone with it
+              // That replica's own update is gone with it: its samples (the last shard may be
+              // short) leave the mean loss.
+              lost_samples += std::min(p.b * ss, n) - p.a * ss;
               return;
             }
             auto rest = alive();
@@ -1258,8 +1286,7 @@ struct trainer::impl {
     stats.step_seconds += seconds(done - started);
     double sum = 0;
     for (auto l : losses) sum += l;
-    auto counted = n;
-    if (lost_shards > 0) counted = n > lost_shards * ss ? n - lost_shards * ss : 1;
+    auto counted = n > lost_samples ? n - lost_samples : 1;
     return sum / static_cast<double>(counted);
   }
 
@@ -1370,13 +1397,22 @@ void trainer::load(const std::string& path) {
   train_msg set;
   set.code = static_cast<std::uint8_t>(op::set_state);
   set.tensors.push_back(bytes_tensor(bytes));
-  p.everyone(p.alive(), set);
+  // A replica whose load failed may hold the new parameters and its old optimizer state.
+  p.everyone(p.alive(), set, /*drop_failed=*/true);
+  p.states_differ = false;
 }
 
 void trainer::add_devices(const std::vector<device>& devices) {
   auto& p = *impl_;
   auto fresh = p.start(devices);
-  p.copy_state(fresh);
+  try {
+    p.copy_state(fresh);
+  } catch (...) {
+    // The new replicas did not get the others' state: they leave before the exception does.
+    for (auto i : fresh) p.drop(i, /*abandon=*/false);
+    p.retire(fresh);
+    throw;
+  }
 }
 
 void trainer::remove_devices(const std::vector<device>& devices) {
