@@ -105,6 +105,14 @@ class node_process : public test_util::node_process {
   std::string device() const { return address() + "/cpu"; }
 };
 
+/// Sends `sig` to `node` `ms` milliseconds from now, on a thread of its own (join it).
+std::thread signal_after(const node_process& node, int sig, int ms) {
+  return std::thread{[&node, sig, ms] {
+    std::this_thread::sleep_for(std::chrono::milliseconds{ms});
+    node.kill(sig);
+  }};
+}
+
 }  // namespace
 
 TEST(Train, ReplicasAreBitIdenticalAfterEveryStep) {
@@ -264,10 +272,7 @@ TEST(Train, AFrozenNodeIsGivenUpOnAndTrainingGoesOnWithTheSameResult) {
   node_process node;
   dp_t dp{{"cpu", node.device()}, cfg, opts(8, true)};
   dp.step(batches[0]);
-  std::thread freezer{[&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds{30});
-    node.kill(SIGSTOP);
-  }};
+  auto freezer = signal_after(node, SIGSTOP, 30);
   for (std::size_t i = 1; i < batches.size(); ++i) dp.step(batches[i]);
   freezer.join();
   EXPECT_EQ(dp.stats().lost_replicas, 1u);
@@ -297,6 +302,13 @@ namespace {
 troupe::config wide_cfg() {
   auto cfg = small_cfg();
   cfg.set("model.hidden", 256);
+  return cfg;
+}
+
+/// 1024 hidden units: a 4.2 MiB gradient, which replicas on nodes all-reduce in a ring.
+troupe::config ring_cfg() {
+  auto cfg = small_cfg();
+  cfg.set("model.hidden", 1024);
   return cfg;
 }
 
@@ -354,8 +366,7 @@ TEST(Train, ANodeKilledDuringTheRingLeavesTheStepToTheSurvivors) {
   // ring, apply, between steps: four moments), every step completes, the replicas agree, and
   // the result is the plain loop's.
   auto batches = make_batches(8, 48);
-  auto cfg = small_cfg();
-  cfg.set("model.hidden", 1024);
+  auto cfg = ring_cfg();
   auto expected = plain_result(batches, 1024);
   std::vector<int> delays{5, 15, 25, 40};
   if (const char* env = std::getenv("TROUPE_RING_KILL_DELAYS")) {  // exploration: more moments
@@ -366,10 +377,7 @@ TEST(Train, ANodeKilledDuringTheRingLeavesTheStepToTheSurvivors) {
     node_process a, b;
     dp_t dp{{"cpu", a.device(), b.device()}, cfg, opts(8, false)};
     dp.step(batches[0]);
-    std::thread killer{[&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds{delay_ms});
-      b.kill(SIGKILL);
-    }};
+    auto killer = signal_after(b, SIGKILL, delay_ms);
     for (std::size_t i = 1; i < batches.size(); ++i) {
       dp.step(batches[i]);
       expect_replicas_identical(dp);
@@ -388,16 +396,12 @@ TEST(Train, AReplicaLostAfterItsAnswerInARingStepHasItsShardsRecomputed) {
   // local replica sleeps 400 ms a shard; the node answers within milliseconds and is killed
   // 150 ms into the step. Seen on a 16-core machine as a 2.4 % error without the fix.)
   auto batches = make_batches(2, 48);
-  auto cfg = small_cfg();
-  cfg.set("model.hidden", 1024);
+  auto cfg = ring_cfg();
   auto expected = plain_result(batches, 1024);
   cfg.set("fault.local_sleep_ms", 400);
   node_process a, b;
   dp_t dp{{"cpu", a.device(), b.device()}, cfg, opts(8, false)};
-  std::thread killer{[&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds{150});
-    b.kill(SIGKILL);
-  }};
+  auto killer = signal_after(b, SIGKILL, 150);
   dp.step(batches[0]);
   killer.join();
   expect_replicas_identical(dp);
@@ -415,18 +419,14 @@ TEST(Train, ANodeFrozenInsideARingPastReplicaTimeoutIsTheOnlyOneDropped) {
   // (The local replica takes 100 ms a shard; the node answers at once and is frozen 150 ms into
   // the first step, while the local one computes: before the ring.)
   auto batches = make_batches(2, 48);
-  auto cfg = small_cfg();
-  cfg.set("model.hidden", 1024);
+  auto cfg = ring_cfg();
   auto expected = plain_result(batches, 1024);
   cfg.set("fault.local_sleep_ms", 100);
   auto o = opts(8, false);
   o.replica_timeout = std::chrono::milliseconds{1000};
   node_process a;
   dp_t dp{{"cpu", a.device()}, cfg, o};
-  std::thread freezer{[&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds{150});
-    a.kill(SIGSTOP);
-  }};
+  auto freezer = signal_after(a, SIGSTOP, 150);
   for (auto& batch : batches) EXPECT_NO_THROW(dp.step(batch));
   freezer.join();
   auto s = dp.stats();

@@ -850,6 +850,12 @@ struct trainer::impl {
     }
   }
 
+  /// Drops `who`, replicas that are idle (they answered), and retires them.
+  void drop_idle(const std::vector<std::size_t>& who) {
+    for (auto i : who) drop(i, /*abandon=*/false);
+    retire(who);
+  }
+
   /// Local replicas among `who` free everything they hold (waited for, at most release_wait
   /// for one still busy in user code, which is then left behind); the others are told to exit.
   void retire(const std::vector<std::size_t>& who) {
@@ -977,8 +983,7 @@ struct trainer::impl {
         },
         [](const pending&) {});
     if (drop_failed && !failed.empty() && !out.empty()) {
-      for (auto i : failed) drop(i, /*abandon=*/false);
-      retire(failed);
+      drop_idle(failed);
     }
     if (failure.result) raise(*failure.result, failure.member);
     return out;
@@ -1041,8 +1046,7 @@ struct trainer::impl {
     } catch (...) {
       // The replicas that started are idle: freed before the exception leaves (the one that
       // failed too; one stuck past replica_timeout was given up on already).
-      for (auto i : fresh) drop(i, /*abandon=*/false);
-      retire(fresh);
+      drop_idle(fresh);
       throw;
     }
     for (auto i : fresh)
@@ -1409,8 +1413,7 @@ void trainer::add_devices(const std::vector<device>& devices) {
     p.copy_state(fresh);
   } catch (...) {
     // The new replicas did not get the others' state: they leave before the exception does.
-    for (auto i : fresh) p.drop(i, /*abandon=*/false);
-    p.retire(fresh);
+    p.drop_idle(fresh);
     throw;
   }
 }
