@@ -71,6 +71,9 @@ int main(int argc, char** argv) {
   reduce->add_option("--mib", mib);
   reduce->add_option("--iters", iters);
   reduce->add_flag("--nodes", nodes, "replicas on node processes over loopback");
+  bool caf_ring = false;
+  reduce->add_flag("--caf-ring", caf_ring,
+                   "nodes: the ring's data through CAF (train_options::direct_ring off)");
   auto* model = app.add_subcommand("model", "steps per second of the train example's model");
   model->add_option("--replicas", replicas);
   model->add_option("--steps", steps);
@@ -112,6 +115,7 @@ int main(int argc, char** argv) {
       cfg.set("mib", m);
       troupe::train_options o;
       o.shard_size = 1;
+      o.direct_ring = !caf_ring;
       troupe::data_parallel<reduce_probe> dp{devs, cfg, o};
       std::vector<std::int32_t> samples(replicas, 1);  // one shard per replica
       for (int i = 0; i < 3; ++i) dp.step(samples);
@@ -129,7 +133,9 @@ int main(int argc, char** argv) {
           "(of which summing and applying %.3f ms; %s)\n",
           nodes ? "nodes" : "local", replicas, m, med,
           static_cast<double>(m << 20) / (med * 1e-3) / 1e9, median(reduce_ms),
-          dp.stats().ring_reductions > 0 ? "ring" : "through the coordinator");
+          dp.stats().direct_ring_reductions > 0 ? "ring over direct connections"
+          : dp.stats().ring_reductions > 0      ? "ring through CAF"
+                                                : "through the coordinator");
     }
   }
 

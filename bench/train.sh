@@ -11,6 +11,7 @@ for n in 2 4; do
   "$py" bench/train_peers.py allreduce --procs "$n" --mib 1 16 64 --iters 10 || echo "gloo allreduce failed"
   "$bench" reduce --replicas "$n" --mib 1 16 64 --iters 10
   "$bench" reduce --replicas "$n" --mib 1 16 64 --iters 10 --nodes
+  "$bench" reduce --replicas "$n" --mib 1 16 64 --iters 10 --nodes --caf-ring
 done
 for n in 1 2 4; do
   "$py" bench/train_peers.py ddp --procs "$n" --steps 300 --batch 64 --threads 1 || echo "ddp failed"

@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
       std::printf("lost replicas: %llu, shards recomputed: %llu\n",
                   static_cast<unsigned long long>(s.lost_replicas),
                   static_cast<unsigned long long>(s.recomputed_shards));
+    if (s.ring_reductions > 0)
+      std::printf("ring reductions: %llu, over direct connections: %llu\n",
+                  static_cast<unsigned long long>(s.ring_reductions),
+                  static_cast<unsigned long long>(s.direct_ring_reductions));
     auto params = dp.parameters();
     std::printf("params: %s\n", example::params_hash(params).c_str());
     std::printf("result: %.4f\n", example::accuracy(params, data.test, cfg));

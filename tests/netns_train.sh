@@ -3,7 +3,9 @@
 # of its own (created and removed here), linked by veth pairs. examples/train runs with
 # --deterministic on the two nodes' replicas; a second into the run the link to one node is cut
 # (its process keeps running, unreachable). The survivor recomputes its shards; the params line
-# must be the one of a run on one local device. Needs root and iproute2; exits 77 (skipped, with
+# must be the one of a run on one local device. Then a fast-mode run with a wider model (rings
+# over the replicas' direct connections, routed through the coordinator's namespace) with the
+# other link cut mid-training. Needs root and iproute2; exits 77 (skipped, with
 # the reason) where namespaces are not allowed. Nothing here talks to any address outside these
 # namespaces.
 set -euo pipefail
@@ -22,3 +24,18 @@ local_params=$(grep '^params:' "$dir/local")
 [ -n "$local_params" ]
 [ "$local_params" = "$(grep '^params:' "$dir/cut")" ]
 echo "same params with a node's link cut mid-training as on one local device: ok"
+
+# Fast mode with a 1.1 MiB gradient: the nodes all-reduce in a ring over their direct
+# connections, which go through the coordinator's namespace (routed there). Node 2's link is cut
+# mid-training, in the middle of a ring or not: the run goes on with the survivor and learns.
+ip netns exec "${tag}n1" ip link set "${tag}n1" up  # node 1 is back (cut in the first run)
+ip netns exec "$coord" sysctl -qw net.ipv4.ip_forward=1
+ip netns exec "${tag}n1" ip route add "10.232.2.0/24" via "10.232.1.1"
+ip netns exec "${tag}n2" ip route add "10.232.1.0/24" via "10.232.2.1"
+fast=(--epochs 4 --samples 12000 --hidden 512)
+( sleep 1.5; ip netns exec "${tag}n2" ip link set "${tag}n2" down; echo "link to $b cut" ) &
+ip netns exec "$coord" "$bin" --nodes "$a,$b" "${fast[@]}" | tee "$dir/ring"
+grep -q "^lost replicas: 1" "$dir/ring"
+grep -Eq "^ring reductions: [1-9][0-9]*, over direct connections: [1-9]" "$dir/ring"
+awk '/^result:/ { exit !($2 >= 0.8) }' "$dir/ring"
+echo "rings over direct connections between namespaces, one cut mid-training: ok"

@@ -323,21 +323,27 @@ at::Tensor plain_result(const std::vector<std::vector<sample>>& batches, std::in
 TEST(Train, ReplicasOnNodesAllReduceInARingAndMatchAPlainLoop) {
   // 256 hidden units: a 273 KiB gradient, one ring (with a local replica in it); 1024: 4.2 MiB
   // between two nodes, two rings over its halves.
-  for (std::int64_t hidden : {256, 1024}) {
+  // Between nodes only, the ring's data goes over the replicas' direct connections, or
+  // through CAF with direct_ring off.
+  for (auto [hidden, direct] : {std::pair{256, true}, {1024, true}, {1024, false}}) {
     auto batches = make_batches(hidden == 256 ? 20 : 6, 48);
     node_process a, b;
     auto cfg = small_cfg();
-    cfg.set("model.hidden", hidden);
+    cfg.set("model.hidden", std::int64_t{hidden});
     std::vector<troupe::device> devices{a.device(), b.device()};
     if (hidden == 256) devices.insert(devices.begin(), "cpu");
-    dp_t dp{devices, cfg, opts(8, false)};
+    auto o = opts(8, false);
+    o.direct_ring = direct;
+    dp_t dp{devices, cfg, o};
     for (auto& batch : batches) {
       dp.step(batch);
       expect_replicas_identical(dp);
     }
     EXPECT_EQ(dp.stats().ring_reductions, batches.size()) << hidden;
-    EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, hidden)), 1e-5)
+    EXPECT_EQ(dp.stats().direct_ring_reductions, hidden == 1024 && direct ? batches.size() : 0u)
         << hidden;
+    EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, hidden)), 1e-5)
+        << hidden << " " << direct;
   }
 }
 

@@ -315,6 +315,16 @@ caf::actor_system& network_system(const tls& t) {
   return *sys;
 }
 
+namespace {
+std::mutex serve_host_mutex;
+std::string served_plain_host;
+}  // namespace
+
+std::string plain_serve_host() {
+  std::lock_guard<std::mutex> guard{serve_host_mutex};
+  return served_plain_host;
+}
+
 tls tls_for(const std::string& address) {
   std::lock_guard<std::mutex> guard{tls_mutex};
   auto i = remembered_tls().find(address);
@@ -456,6 +466,10 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
     throw node_error("cannot serve on " + host_port + ": " + why);
   }
   p->port = *port;
+  if (!t.enabled()) {
+    std::lock_guard<std::mutex> guard{detail::serve_host_mutex};
+    detail::served_plain_host = hp.host;
+  }
   return node{std::move(p)};
 }
 

@@ -25,6 +25,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "ring_plane.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
@@ -36,6 +37,9 @@ namespace troupe::detail {
 namespace {
 
 using clock = std::chrono::steady_clock;
+/// A replica's ring over the data plane ended (to itself, from the ring's thread): ring id, key,
+/// ok, what went wrong.
+using ring_io_atom = caf::atom_constant<caf::atom("tr_ringio")>;
 
 enum class op : std::uint8_t {
   init,
@@ -173,7 +177,12 @@ struct replica_state {
     std::vector<std::uint32_t> hops;  ///< per piece
     caf::actor right, coordinator;
     at::Tensor buf;
+    std::string key;                      ///< data plane: the ring's key, in hex
+    std::unique_ptr<ring_plane::run> io;  ///< data plane: the ring's thread (joined on reset)
   } ring;
+  /// Where the left neighbour connects for ring data (a CPU replica on a node served without
+  /// TLS), else null: rings then go through CAF.
+  std::unique_ptr<ring_plane::listener> plane;
   /// Chunks that arrived before their turn, by (ring id, piece, hop).
   std::map<std::tuple<std::uint64_t, std::uint32_t, std::uint32_t>, at::Tensor> early;
   std::set<std::string> connected;  ///< nodes this one has a direct connection to
@@ -188,6 +197,7 @@ struct replica_state {
       params.clear();
       local_grad = sum_buf = shard_buf = applied = partial = at::Tensor{};
       r.reset();
+      plane.reset();
     } catch (...) {
     }
     binding.reset();
@@ -212,7 +222,16 @@ struct replica_state {
     out.text = where.str();
     std::uint64_t numel = 0;
     for (auto& p : params) numel += static_cast<std::uint64_t>(p.numel());
-    out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size())};
+    std::uint64_t port = 0;
+    if (auto host = plain_serve_host(); !host.empty() && params[0].is_cpu()) {
+      try {
+        plane = std::make_unique<ring_plane::listener>(host);
+        port = plane->port();
+      } catch (const std::exception& e) {
+        log(log_level::warn, std::string{e.what()} + "; ring data goes through CAF");
+      }
+    }
+    out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size()), port};
   }
 
   // -- gradients as views of one flat tensor (as DDP's gradient_as_bucket_view): backward
@@ -426,10 +445,8 @@ struct replica_state {
   }
 
   at::Tensor chunk(std::uint32_t piece, std::uint32_t k) {
-    auto numel = ring.buf.numel();
-    auto pb = numel * piece / ring.pieces, pe = numel * (piece + 1) / ring.pieces;
-    auto len = pe - pb;
-    return ring.buf.slice(0, pb + len * k / ring.n, pb + len * (k + 1) / ring.n);
+    auto [b, e] = ring_plane::chunk_range(ring.buf.numel(), ring.pieces, ring.n, piece, k);
+    return ring.buf.slice(0, b, e);
   }
 
   void ring_send(caf::event_based_actor* self, std::uint32_t piece, std::uint32_t hop,
@@ -493,7 +510,8 @@ struct replica_state {
   std::optional<chunk_result> ring_start(caf::event_based_actor* self, std::uint64_t reply_id,
                                          std::uint64_t id, std::uint64_t step, std::uint32_t pos,
                                          std::uint32_t n, const caf::actor& right,
-                                         const std::string& address) {
+                                         const std::string& address, const std::string& data,
+                                         const std::string& key) {
     chunk_result res;
     res.run = reply_id;
     try {
@@ -504,6 +522,7 @@ struct replica_state {
         buf_step = step;
       }
       early.erase(early.begin(), early.lower_bound({id, 0, 0}));  // chunks of rings given up
+      if (!data.empty()) return plane_start(self, reply_id, id, pos, n, data, key);
       if (!address.empty() && connected.count(address) == 0) {
         // A direct connection to the neighbour's node: otherwise CAF routes through the
         // coordinator, and the ring would load it as much as a star.
@@ -530,6 +549,59 @@ struct replica_state {
       return res;
     }
     return std::nullopt;
+  }
+
+  /// Starts a ring over the data plane: the bytes move on the ring's thread, which tells this
+  /// actor when it is over (plane_done).
+  std::optional<chunk_result> plane_start(caf::event_based_actor* self, std::uint64_t reply_id,
+                                          std::uint64_t id, std::uint32_t pos, std::uint32_t n,
+                                          const std::string& data, const std::string& key) {
+    if (!plane) throw protocol_error("a ring over the data plane, which this replica has not");
+    auto to = parse_host_port(data);
+    ring = ring_run{};
+    ring.reply_id = reply_id;
+    ring.id = id;
+    ring.pos = pos;
+    ring.n = n;
+    ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
+    ring.buf = partial;
+    ring.pieces =
+        ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
+    ring.key = key;
+    ring_plane::spec sp;
+    sp.id = id;
+    sp.secret = ring_plane::from_hex(key);
+    sp.pos = pos;
+    sp.n = n;
+    sp.pieces = ring.pieces;
+    sp.right_host = to.host;
+    sp.right_port = to.port;
+    sp.buf = partial;
+    caf::actor_addr me = self->address();
+    ring.io = std::make_unique<ring_plane::run>(
+        *plane, std::move(sp), [me, id, key](bool ok, const std::string& what) {
+          if (auto a = caf::actor_cast<caf::actor>(me))
+            caf::anon_send(a, ring_io_atom::value, id, key, ok, what);
+        });
+    return std::nullopt;
+  }
+
+  /// The data plane's ring `id` is over: the answer to the coordinator, or nothing (a ring
+  /// given up on, or a message that does not carry the ring's key).
+  std::optional<chunk_result> plane_done(std::uint64_t id, const std::string& key, bool ok,
+                                         const std::string& what) {
+    if (!ring.io || ring.id != id || ring.key != key) return std::nullopt;
+    ring.io.reset();  // its thread has ended, or is about to
+    chunk_result res;
+    res.run = ring.reply_id;
+    if (ok) {
+      ring.done = ring.pieces;
+      return ring_done(res);
+    }
+    res.code = errc::node_error;
+    res.what = "ring all-reduce: " + what;
+    ring = ring_run{};
+    return res;
   }
 
   /// A ring chunk from the left neighbour (no answer to it; the coordinator hears when the
@@ -636,10 +708,15 @@ caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replic
       },
       [self, st](ring_atom, std::uint64_t reply_id, std::uint64_t id, std::uint64_t step,
                  std::uint32_t pos, std::uint32_t n, const caf::actor& right,
-                 const std::string& address) {
+                 const std::string& address, const std::string& data, const std::string& key) {
         mark_internal_thread();
-        if (auto r = st->ring_start(self, reply_id, id, step, pos, n, right, address))
+        if (auto r = st->ring_start(self, reply_id, id, step, pos, n, right, address, data, key))
           self->send(caf::actor_cast<caf::actor>(self->current_sender()), std::move(*r));
+      },
+      [self, st](ring_io_atom, std::uint64_t id, const std::string& key, bool ok,
+                 const std::string& what) {
+        auto to = st->ring.coordinator;
+        if (auto r = st->plane_done(id, key, ok, what)) self->send(to, std::move(*r));
       },
       [self, st](release_atom) {
         st->release();
@@ -698,6 +775,8 @@ struct trainer::impl {
     caf::actor a;
     double rate = 0;  ///< shards per second, 0 before the first measurement
     bool alive = true;
+    /// The port where it takes its left ring neighbour's data (ring_plane.hpp), 0: none.
+    std::uint16_t data_port = 0;
     /// Its actor is gone or given up on (lost, stuck, retired): never waited for again.
     bool gone = false;
     replica_stats st;
@@ -739,6 +818,10 @@ struct trainer::impl {
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
   bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
   bool ring_timed_out = false;   ///< the last ring went past replica_timeout
+  /// Rings among replicas that all have a data port use it; false once such a ring failed
+  /// while no replica was lost (a port the others cannot reach): CAF's path from then on.
+  bool plane_ok = true;
+  bool plane_failed = false;  ///< the last ring was over the data plane and failed
   /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
   /// its own gradients. The next step() first copies the first replica's state to the others.
   bool states_differ = false;
@@ -756,19 +839,30 @@ struct trainer::impl {
   /// replica was lost or failed meanwhile (the sums are then unusable).
   bool ring_all_reduce(std::uint64_t attempt) {
     ring_timed_out = false;
+    plane_failed = false;
     auto ring = alive();
     if (ring.size() < 2) return false;
     auto id = next_id++;
+    // The data plane when every member has a port (CPU replicas on nodes served without TLS).
+    bool plane = plane_ok && o.direct_ring;
+    for (auto i : ring) plane = plane && !members[i].d.is_local() && members[i].data_port != 0;
+    auto key = plane ? ring_plane::to_hex(ring_plane::random_key()) : std::string{};
     std::map<std::uint64_t, pending> waiting;
     for (std::size_t k = 0; k < ring.size(); ++k) {
       auto& me = members[ring[k]];
       auto& right = members[ring[(k + 1) % ring.size()]];
       std::string address;  // a node-to-node hop needs a direct connection
-      if (!me.d.is_local() && !right.d.is_local() && me.d.node() != right.d.node())
+      if (!plane && !me.d.is_local() && !right.d.is_local() && me.d.node() != right.d.node())
         address = right.d.node();
+      std::string data;
+      if (plane) {
+        auto host = parse_host_port(right.d.node()).host;
+        if (host.find(':') != std::string::npos) host = "[" + host + "]";
+        data = host + ":" + std::to_string(right.data_port);
+      }
       auto reply = next_id++;
       (*self)->send(me.a, ring_atom::value, reply, id, attempt, static_cast<std::uint32_t>(k),
-                    static_cast<std::uint32_t>(ring.size()), right.a, address);
+                    static_cast<std::uint32_t>(ring.size()), right.a, address, data, key);
       waiting[reply] = pending{ring[k], clock::now(), 0, 0};
     }
     bool ok = true, lost = false;
@@ -778,7 +872,14 @@ struct trainer::impl {
           if (r.ok()) return;
           ok = false;
           waiting.clear();  // the others wait for chunks that will not come: give up on them
-          log(log_level::warn, r.what + "; reducing through the coordinator from now on");
+          if (plane) {
+            // Most often a neighbour lost (its connection closed before the coordinator heard
+            // of it): the step's recomputation tells (see step()).
+            plane_failed = true;
+            log(log_level::info, r.what + "; reducing this step through the coordinator");
+          } else {
+            log(log_level::warn, r.what + "; reducing through the coordinator from now on");
+          }
         },
         [&](const pending&) {
           ok = false;
@@ -796,8 +897,9 @@ struct trainer::impl {
               "ring all-reduce past replica_timeout; reducing this step "
               "through the coordinator");
         });
-    if (!ok && !lost && !ring_timed_out) ring_ok = false;
+    if (!ok && !lost && !ring_timed_out && !plane_failed) ring_ok = false;
     if (ok) stats.ring_reductions += 1;
+    if (ok && plane) stats.direct_ring_reductions += 1;
     return ok;
   }
 
@@ -1041,8 +1143,11 @@ struct trainer::impl {
     train_msg init;
     init.code = static_cast<std::uint8_t>(op::init);
     try {
-      for (auto& [who, msg] : everyone(fresh, init))
+      for (auto& [who, msg] : everyone(fresh, init)) {
         if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
+        members[who].data_port =
+            msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
+      }
     } catch (...) {
       // The replicas that started are idle: freed before the exception leaves (the one that
       // failed too; one stuck past replica_timeout was given up on already).
@@ -1236,6 +1341,14 @@ struct trainer::impl {
       compute();
       // A ring too slow although every replica answers on its own: no rings from now on.
       if (ring_timed_out && stats.lost_replicas == lost_before) ring_ok = false;
+      // A ring over the data plane that failed though no replica was lost: CAF's path from now
+      // on (a data port the others cannot reach, say).
+      if (plane_failed && stats.lost_replicas == lost_before) {
+        plane_ok = false;
+        log(log_level::warn,
+            "a ring over the replicas' data ports failed while every replica answered; rings "
+            "go through CAF from now on");
+      }
     }
 
     auto reduce_start = clock::now();

@@ -50,6 +50,13 @@ struct train_options {
   /// bounds a replica that is alive but stuck. A replica that passes it is dropped, and its
   /// shards are recomputed by the others.
   std::chrono::milliseconds replica_timeout{0};
+  /// Rings among replicas on nodes move their data over direct TCP connections between the
+  /// replicas (each listens on a port of its own, chosen by the system, on the host its node
+  /// serves on; a connection must present the ring's random key first). Used when every
+  /// replica of the ring is on a node served without TLS and holds its parameters on a CPU;
+  /// otherwise, or with false here (a firewall that opens only the nodes' ports, say), the
+  /// data goes through CAF's connections (TLS included), at about two thirds of the bandwidth.
+  bool direct_ring = true;
 };
 
 /// One replica's share of the work so far.
@@ -69,6 +76,10 @@ struct train_stats {
   /// replicas on nodes, gradients of at least 256 KiB); the others went through the
   /// coordinator.
   std::uint64_t ring_reductions = 0;
+  /// Of those, the rings whose data went over direct connections between the replicas (every
+  /// replica on a node served without TLS, on a CPU; docs/training.md); the others' went
+  /// through CAF.
+  std::uint64_t direct_ring_reductions = 0;
   /// Summing gradients (on the coordinator, or the ring among replicas) and applying the update;
   /// the partial sums' way to the coordinator counts in the step, not here.
   double reduce_seconds = 0;

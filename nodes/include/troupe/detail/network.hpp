@@ -31,6 +31,11 @@ caf::actor_system& network_system(const tls& t);
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
                         std::chrono::milliseconds deadline, std::vector<std::string>* devices);
 
+/// The host that node::serve last served a node on without TLS in this process, or "" when it
+/// served none (or only with TLS): where training replicas listen for their ring neighbours'
+/// data (torch/src/ring_plane.hpp), which would otherwise bypass TLS.
+std::string plain_serve_host();
+
 /// The TLS settings cluster::connect remembered for `address` (empty when none).
 tls tls_for(const std::string& address);
 

@@ -1,0 +1,91 @@
+// The ring all-reduce's data plane between replicas on nodes: one TCP connection from each
+// replica to the next, the gradient written straight from and read straight into its tensor
+// (CAF's path copies every byte into its buffers on both sides). Membership, the ring's
+// order, recovery and errors stay with the actors (train.cpp); this moves bytes only.
+// Design notes and the measurements behind it: docs/training.md ("The ring's data plane").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace troupe::detail::ring_plane {
+
+/// A ring's secret: 16 random bytes that the coordinator sends each member over the actors'
+/// channel, and which a connection's first bytes must carry.
+using key = std::array<std::uint8_t, 16>;
+key random_key();
+std::string to_hex(const key& k);
+/// Throws std::invalid_argument unless `s` is 32 hex digits.
+key from_hex(const std::string& s);
+
+/// Elements [first, second) of chunk `k` (of `n`) of piece `piece` (of `pieces`) of a buffer
+/// of `numel` elements: the slicing both transports use.
+std::pair<std::int64_t, std::int64_t> chunk_range(std::int64_t numel, std::uint32_t pieces,
+                                                  std::uint32_t n, std::uint32_t piece,
+                                                  std::uint32_t k);
+
+/// A replica's listening socket for its left neighbour's connection, on the host its node
+/// serves on (port chosen by the system). Closed on destruction.
+class listener {
+ public:
+  /// Throws std::runtime_error naming the host and the reason.
+  explicit listener(const std::string& host);
+  ~listener();
+  listener(const listener&) = delete;
+  listener& operator=(const listener&) = delete;
+  [[nodiscard]] std::uint16_t port() const noexcept { return port_; }
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+
+ private:
+  int fd_ = -1;
+  std::uint16_t port_ = 0;
+};
+
+struct spec {
+  std::uint64_t id = 0;  ///< the ring's id (in the hello, with the key)
+  key secret{};
+  std::uint32_t pos = 0, n = 0, pieces = 1;
+  std::string right_host;  ///< the next replica's node host and data port
+  std::uint16_t right_port = 0;
+  at::Tensor buf;  ///< this replica's partial sum (contiguous, CPU); the result replaces it
+  /// No byte moved for this long: the ring fails (a backstop: the coordinator gives up on a
+  /// frozen replica first, and a new command cancels the ring).
+  std::chrono::milliseconds stall{60000};
+  /// At most this many connections waiting for their hello at once (others are closed).
+  std::size_t max_pending = 16;
+  /// A connection whose 32-byte hello is not complete this long after it was accepted is closed.
+  std::chrono::milliseconds hello_deadline{2000};
+};
+
+/// One ring all-reduce (reduce-scatter then all-gather, `pieces` slices pipelined, a fixed
+/// order of messages on each connection, so nothing but the hello travels besides the data),
+/// on a thread of its own. At the end `done(ok, what)` is called on that thread, unless the
+/// run was cancelled first. Destruction cancels (promptly: every wait polls a wake-up fd) and
+/// joins.
+class run {
+ public:
+  run(const listener& l, spec s, std::function<void(bool, const std::string&)> done);
+  ~run();
+  run(const run&) = delete;
+  run& operator=(const run&) = delete;
+
+ private:
+  void body();
+  void loop();
+  const listener& l_;
+  spec s_;
+  std::function<void(bool, const std::string&)> done_;
+  int wake_ = -1;  ///< an eventfd
+  std::atomic<bool> cancelled_{false};
+  std::thread thread_;
+};
+
+}  // namespace troupe::detail::ring_plane
