@@ -2,7 +2,7 @@
 // replica to the next, the gradient written straight from and read straight into its tensor
 // (CAF's path copies every byte into its buffers on both sides). Membership, the ring's
 // order, recovery and errors stay with the actors (train.cpp); this moves bytes only.
-// Design notes and the measurements behind it: docs/training.md ("The ring's data plane").
+// Design notes and the measurements behind it: docs/api.md ("Training: data_parallel": "The ring's data", "How it works").
 #pragma once
 
 #include <ATen/ATen.h>

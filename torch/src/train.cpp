@@ -1,6 +1,7 @@
 // Data-parallel training: replica actors (one thread each, on its device) and the coordinator
 // that assigns shards, reduces gradients once, applies the same update everywhere, and
-// recomputes a lost replica's shards on the survivors. Design notes: docs/training.md.
+// recomputes a lost replica's shards on the survivors. Design notes: docs/api.md, "Training:
+// data_parallel".
 //
 // Replicas speak the runner's producer protocol (work_chunk in, chunk_result out), with one
 // train_msg as the chunk's only item: nodes spawn them through spawn_producer like any job's
@@ -688,6 +689,13 @@ struct replica_state {
       res.code = code == op::init ? errc::init_error : errc::work_error;
       res.failed_index = code == op::backward ? failing_sample : 0;
       res.what = describe_current_exception();
+      // Which call failed, where it is not the step's backward (whose index says the shard).
+      static const std::map<op, const char*> names{{op::apply, "step(): "},
+                                                   {op::get_params, "reading the parameters: "},
+                                                   {op::set_params, "setting the parameters: "},
+                                                   {op::get_state, "saving the state: "},
+                                                   {op::set_state, "loading the state: "}};
+      if (auto it = names.find(code); it != names.end()) res.what = it->second + res.what;
       return res;
     }
     res.outputs = batch::of(std::vector<train_msg>{std::move(out)});

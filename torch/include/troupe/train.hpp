@@ -77,8 +77,8 @@ struct train_stats {
   /// coordinator.
   std::uint64_t ring_reductions = 0;
   /// Of those, the rings whose data went over direct connections between the replicas (every
-  /// replica on a node served without TLS, on a CPU; docs/training.md); the others' went
-  /// through CAF.
+  /// replica on a node served without TLS, on a CPU; docs/api.md, "The ring's data"); the others'
+  /// went through CAF.
   std::uint64_t direct_ring_reductions = 0;
   /// Summing gradients (on the coordinator, or the ring among replicas) and applying the update;
   /// the partial sums' way to the coordinator counts in the step, not here.
