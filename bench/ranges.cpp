@@ -71,6 +71,9 @@ int main(int argc, char** argv) {
   app.add_option("--items", items, "items in the vector");
   app.add_option("--grain", grain, "TBB: items per range");
   app.add_option("--repeat", repeat, "timed runs per side");
+  std::string only;
+  app.add_option("--only", only, "run one side alone (troupe or tbb), for profiling")
+      ->check(CLI::IsMember({"troupe", "tbb"}));
   CLI11_PARSE(app, argc, argv);
 
   std::vector<std::int64_t> xs(items);
@@ -97,11 +100,12 @@ int main(int argc, char** argv) {
     double tbb_best = 0, troupe_best = 0, ignored = 0;
     auto tbb_run = [&] { return tbb_ranges(arena, xs, grain, in_order); };
     auto troupe_run = [&] { return in_order ? ordered.run(xs) : unordered.run(xs); };
-    timed(ignored, tbb_run);
-    timed(ignored, troupe_run);
+    bool tbb_side = only != "troupe", troupe_side = only != "tbb";
+    if (tbb_side) timed(ignored, tbb_run);
+    if (troupe_side) timed(ignored, troupe_run);
     for (int r = 0; r < repeat; ++r) {
-      timed(tbb_best, tbb_run);
-      timed(troupe_best, troupe_run);
+      if (tbb_side) timed(tbb_best, tbb_run);
+      if (troupe_side) timed(troupe_best, troupe_run);
     }
     auto rate = [&](double s) { return static_cast<double>(items) / s / 1e6; };
     std::cout << (in_order ? "ordered  " : "unordered") << " x*x over " << items

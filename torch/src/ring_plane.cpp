@@ -79,6 +79,28 @@ void write_u64(unsigned char* p, std::uint64_t v) {
 
 }  // namespace
 
+void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const {
+  // A plain loop for the usual dtypes (vectorized by the compiler): LibTorch's add_ would start
+  // an OpenMP team for this thread, a new one for every ring's thread.
+  auto sum = [&](auto* d, const auto* s, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) d[i] += s[i];
+  };
+  switch (s_.buf.scalar_type()) {
+    case at::kFloat:
+      return sum(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(src),
+                 bytes / sizeof(float));
+    case at::kDouble:
+      return sum(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(src),
+                 bytes / sizeof(double));
+    default: {
+      auto count =
+          static_cast<std::int64_t>(bytes) / static_cast<std::int64_t>(s_.buf.element_size());
+      at::from_blob(dst, {count}, s_.buf.options())
+          .add_(at::from_blob(const_cast<unsigned char*>(src), {count}, s_.buf.options()));
+    }
+  }
+}
+
 key random_key() {
   std::random_device rd;
   key k{};
@@ -384,9 +406,7 @@ void run::loop() {
         }
         if (recv_off < len) continue;
         if (h < n - 1 && len > 0) {
-          auto [b, e] = chunk_range(numel, pieces, n, piece_of(recvd), recv_chunk(h));
-          auto dst = s_.buf.slice(0, b, e);
-          dst.add_(at::from_blob(scratch.data(), {e - b}, s_.buf.options()));
+          add_into(p, scratch.data(), len);
         }
         ++recvd;
         recv_off = 0;

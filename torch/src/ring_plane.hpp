@@ -2,7 +2,8 @@
 // replica to the next, the gradient written straight from and read straight into its tensor
 // (CAF's path copies every byte into its buffers on both sides). Membership, the ring's
 // order, recovery and errors stay with the actors (train.cpp); this moves bytes only.
-// Design notes and the measurements behind it: docs/api.md ("Training: data_parallel": "The ring's data", "How it works").
+// Design notes and the measurements behind it: docs/api.md ("Training: data_parallel": "The ring's
+// data", "How it works").
 #pragma once
 
 #include <ATen/ATen.h>
@@ -80,6 +81,8 @@ class run {
  private:
   void body();
   void loop();
+  /// dst[i] += src[i] over `bytes` of the buffer's dtype.
+  void add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const;
   const listener& l_;
   spec s_;
   std::function<void(bool, const std::string&)> done_;
