@@ -238,29 +238,35 @@ void run::loop() {
     for (std::uint32_t k = 0; k < n; ++k) largest = std::max(largest, bytes_of(p, k).second);
   std::vector<unsigned char> scratch(largest);
 
-  // The connection to the right neighbour: non-blocking connect, then the hello.
+  // The connection to the right neighbour: non-blocking connect to each of the host's addresses
+  // in turn (a name such as "localhost" may resolve to ::1 and 127.0.0.1), then the hello.
   fd_guard out;
-  {
-    auto ai = resolve(s_.right_host, s_.right_port, false);
-    int err = ECONNREFUSED;
-    for (auto* a = ai.head; a != nullptr && out.fd < 0; a = a->ai_next) {
+  auto addresses = resolve(s_.right_host, s_.right_port, false);
+  const addrinfo* next_address = addresses.head;
+  int connect_err = ECONNREFUSED;
+  auto connect_next = [&] {  // starts connecting to the next address; throws when none is left
+    out.reset();
+    for (; next_address != nullptr && out.fd < 0; next_address = next_address->ai_next) {
+      auto* a = next_address;
       fd_guard s{::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
       if (s.fd < 0) {
-        err = errno;
+        connect_err = errno;
         continue;
       }
       if (::connect(s.fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
-        err = errno;
+        connect_err = errno;
         continue;
       }
       out = std::move(s);
     }
     if (out.fd < 0)
       throw std::runtime_error("cannot connect to the next replica's data port " + s_.right_host +
-                               ":" + std::to_string(s_.right_port) + ": " + errno_text(err));
+                               ":" + std::to_string(s_.right_port) + ": " +
+                               errno_text(connect_err));
     int one = 1;
     ::setsockopt(out.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  }
+  };
+  connect_next();
   bool connecting = true;
   unsigned char hello[hello_size];
   std::memcpy(hello, magic, 8);
@@ -355,10 +361,11 @@ void run::loop() {
         int err = 0;
         socklen_t len = sizeof err;
         ::getsockopt(out.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0)
-          throw std::runtime_error("cannot connect to the next replica's data port " +
-                                   s_.right_host + ":" + std::to_string(s_.right_port) + ": " +
-                                   errno_text(err));
+        if (err != 0) {
+          connect_err = err;
+          connect_next();  // the host's next address, or the error
+          continue;
+        }
         connecting = false;
       }
       if ((fds[1].revents & (POLLERR | POLLHUP)) && sent < messages)
