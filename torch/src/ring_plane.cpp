@@ -153,7 +153,7 @@ listener::listener(const std::string& host) {
       err = errno;
       continue;
     }
-    if (::bind(s.fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd, 64) != 0) {
+    if (::bind(s.fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd, SOMAXCONN) != 0) {
       err = errno;
       continue;
     }
@@ -172,12 +172,39 @@ listener::listener(const std::string& host) {
 }
 
 listener::~listener() {
+  for (auto& p : parked_) ::close(p.fd);
   if (fd_ >= 0) ::close(fd_);
+}
+
+void listener::park(int fd, const hello& h, std::uint64_t id) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  if (parked_.size() >= 4) {
+    ::close(parked_.front().fd);
+    parked_.erase(parked_.begin());
+  }
+  parked_.push_back(parked{fd, h, id});
+}
+
+int listener::take_parked(const hello& h, std::uint64_t id) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  int found = -1;
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (found < 0 && it->h == h) {
+      found = it->fd;
+    } else if (it->id > id) {
+      ++it;
+      continue;
+    } else {
+      ::close(it->fd);
+    }
+    it = parked_.erase(it);
+  }
+  return found;
 }
 
 // -- run ----------------------------------------------------------------------------------------
 
-run::run(const listener& l, spec s, std::function<void(bool, const std::string&)> done)
+run::run(listener& l, spec s, std::function<void(bool, const std::string&)> done)
     : l_(l), s_(std::move(s)), done_(std::move(done)) {
   if (s_.n < 2 || s_.pos >= s_.n || s_.pieces == 0) throw std::invalid_argument("a malformed ring");
   if (!s_.buf.defined() || !s_.buf.is_cpu() || !s_.buf.is_contiguous())
@@ -268,10 +295,10 @@ void run::loop() {
   };
   connect_next();
   bool connecting = true;
-  unsigned char hello[hello_size];
-  std::memcpy(hello, magic, 8);
-  std::memcpy(hello + 8, s_.secret.data(), 16);
-  write_u64(hello + 24, s_.id);
+  listener::hello hello{};
+  std::memcpy(hello.data(), magic, 8);
+  std::memcpy(hello.data() + 8, s_.secret.data(), 16);
+  write_u64(hello.data() + 24, s_.id);
   std::size_t hello_sent = 0;
 
   // Connections accepted, waiting for their hello; the left neighbour's once it checked out.
@@ -282,7 +309,8 @@ void run::loop() {
     clock::time_point deadline;
   };
   std::vector<pending> waiting;
-  fd_guard in;
+  fd_guard in{l_.take_parked(hello, s_.id)};  // it came while the last ring still ran here
+  const auto connect_until = clock::now() + s_.connect_deadline;
 
   std::size_t sent = 0, send_off = 0;  // messages sent, bytes of the next one
   std::size_t recvd = 0, recv_off = 0;
@@ -301,12 +329,11 @@ void run::loop() {
     // A connection with nothing left to do is left out (its hang-up would wake every poll).
     fds.push_back({sent < messages || hello_sent < hello_size ? out.fd : -1, out_events, 0});
     fds.push_back({recvd < messages ? in.fd : -1, POLLIN, 0});
-    if (in.fd < 0) {
-      fds.push_back({l_.fd(), POLLIN, 0});
-      for (auto& p : waiting) fds.push_back({p.fd.fd, POLLIN, 0});
-    }
+    fds.push_back({l_.fd(), POLLIN, 0});
+    for (auto& p : waiting) fds.push_back({p.fd.fd, POLLIN, 0});
     auto now = clock::now();
     auto until = stall_until;
+    if (connecting || in.fd < 0) until = std::min(until, connect_until);
     for (auto& p : waiting) until = std::min(until, p.deadline);
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1;
     int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, ms)));
@@ -315,39 +342,42 @@ void run::loop() {
     now = clock::now();
     bool moved = false;
 
-    // New connections and hellos (before the left neighbour's connection is known). A hello
-    // is read as soon as its connection is accepted: a flood of silent connections only evicts
-    // the oldest silent ones, never a neighbour whose hello has arrived.
-    if (in.fd < 0) {
+    // New connections and their hellos, for as long as the ring lasts: the left neighbour's is
+    // taken, one for a later ring (the neighbour already on it) is parked for that ring's run,
+    // the others are closed at once (a flood can then fill the backlog only between rings). A
+    // hello is read as soon as its connection is accepted, and more than max_pending silent
+    // ones evict the oldest, never a connection whose hello has arrived.
+    {
       auto read_hello = [&](pending& p) {  // true: p is the neighbour; p.fd reset: drop it
         auto r = ::recv(p.fd.fd, p.got + p.n, hello_size - p.n, 0);
         if (r > 0) p.n += static_cast<std::size_t>(r);
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) p.fd.reset();
-        if (p.fd.fd >= 0 && p.n == hello_size) {
-          if (std::memcmp(p.got, hello, hello_size) == 0) return true;
-          p.fd.reset();  // another ring's (given up on) or a stranger's
-        }
+        if (p.fd.fd < 0 || p.n < hello_size) return false;
+        listener::hello h;
+        std::memcpy(h.data(), p.got, hello_size);
+        if (h == hello && in.fd < 0) return true;
+        std::uint64_t id = 0;
+        for (int i = 7; i >= 0; --i) id = (id << 8) | p.got[24 + i];
+        if (std::memcmp(p.got, magic, 8) == 0 && id > s_.id)
+          l_.park(std::exchange(p.fd.fd, -1), h, id);
+        p.fd.reset();  // a ring given up on, or a stranger
         return false;
       };
       auto take = [&](pending& p) {
         in = std::move(p.fd);
-        waiting.clear();
         moved = true;
       };
-      for (auto it = waiting.begin(); it != waiting.end() && in.fd < 0;) {
-        if (now < it->deadline && read_hello(*it)) {
-          take(*it);
-          break;
-        }
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (now < it->deadline && read_hello(*it)) take(*it);
         it = it->fd.fd < 0 || now >= it->deadline ? waiting.erase(it) : it + 1;
       }
-      while (in.fd < 0) {
+      for (;;) {
         int c = ::accept4(l_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0) break;
         pending p{fd_guard{c}, {}, 0, now + s_.hello_deadline};
         if (read_hello(p)) {
           take(p);
-          break;
+          continue;
         }
         if (p.fd.fd < 0) continue;
         if (waiting.size() >= s_.max_pending) waiting.erase(waiting.begin());  // the oldest
@@ -371,7 +401,7 @@ void run::loop() {
       if ((fds[1].revents & (POLLERR | POLLHUP)) && sent < messages)
         throw std::runtime_error("the next replica's connection failed");
       while (hello_sent < hello_size) {
-        auto w = ::send(out.fd, hello + hello_sent, hello_size - hello_sent, MSG_NOSIGNAL);
+        auto w = ::send(out.fd, hello.data() + hello_sent, hello_size - hello_sent, MSG_NOSIGNAL);
         if (w <= 0) break;
         hello_sent += static_cast<std::size_t>(w);
         moved = true;
@@ -420,10 +450,14 @@ void run::loop() {
       }
     }
     if (moved) stall_until = now + s_.stall;
+    if (now >= connect_until && (connecting || in.fd < 0))
+      throw std::runtime_error((connecting ? "could not connect to the next replica's data port " +
+                                                 s_.right_host + ":" + std::to_string(s_.right_port)
+                                           : std::string{"the previous replica did not connect"}) +
+                               " within " + std::to_string(s_.connect_deadline.count()) + " ms");
     if (now >= stall_until)
-      throw std::runtime_error(in.fd < 0 ? "the previous replica never connected"
-                                         : "no ring data moved for " +
-                                               std::to_string(s_.stall.count()) + " ms");
+      throw std::runtime_error("no ring data moved for " + std::to_string(s_.stall.count()) +
+                               " ms");
   }
 }
 

@@ -13,9 +13,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace troupe::detail::ring_plane {
 
@@ -34,7 +36,9 @@ std::pair<std::int64_t, std::int64_t> chunk_range(std::int64_t numel, std::uint3
                                                   std::uint32_t k);
 
 /// A replica's listening socket for its left neighbour's connection, on the host its node
-/// serves on (port chosen by the system). Closed on destruction.
+/// serves on (port chosen by the system). Closed on destruction. Its runs (one at a time) accept
+/// on it for as long as they last, closing strangers' connections at once, so that a flood
+/// between rings can only fill the system's backlog (SOMAXCONN).
 class listener {
  public:
   /// Throws std::runtime_error naming the host and the reason.
@@ -45,9 +49,25 @@ class listener {
   [[nodiscard]] std::uint16_t port() const noexcept { return port_; }
   [[nodiscard]] int fd() const noexcept { return fd_; }
 
+  /// The first 32 bytes of a ring connection: magic, key, ring id.
+  using hello = std::array<unsigned char, 32>;
+  /// Keeps a connection whose hello names ring `id`, later than the ring that accepted it (the
+  /// left neighbour already on the next ring), for that ring's run. At most 4 are kept.
+  void park(int fd, const hello& h, std::uint64_t id);
+  /// The connection parked with hello `h` (-1: none); parked ones of rings up to `id` that do
+  /// not match are closed.
+  int take_parked(const hello& h, std::uint64_t id);
+
  private:
   int fd_ = -1;
   std::uint16_t port_ = 0;
+  struct parked {
+    int fd;
+    hello h;
+    std::uint64_t id;
+  };
+  std::mutex mtx_;
+  std::vector<parked> parked_;
 };
 
 struct spec {
@@ -57,6 +77,9 @@ struct spec {
   std::string right_host;  ///< the next replica's node host and data port
   std::uint16_t right_port = 0;
   at::Tensor buf;  ///< this replica's partial sum (contiguous, CPU); the result replaces it
+  /// Both connections (to the right neighbour, from the left one) not there this long after the
+  /// start: the ring fails (a port the others cannot reach, a firewall dropping packets).
+  std::chrono::milliseconds connect_deadline{5000};
   /// No byte moved for this long: the ring fails (a backstop: the coordinator gives up on a
   /// frozen replica first, and a new command cancels the ring).
   std::chrono::milliseconds stall{60000};
@@ -73,7 +96,7 @@ struct spec {
 /// joins.
 class run {
  public:
-  run(const listener& l, spec s, std::function<void(bool, const std::string&)> done);
+  run(listener& l, spec s, std::function<void(bool, const std::string&)> done);
   ~run();
   run(const run&) = delete;
   run& operator=(const run&) = delete;
@@ -83,7 +106,7 @@ class run {
   void loop();
   /// dst[i] += src[i] over `bytes` of the buffer's dtype.
   void add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const;
-  const listener& l_;
+  listener& l_;
   spec s_;
   std::function<void(bool, const std::string&)> done_;
   int wake_ = -1;  ///< an eventfd

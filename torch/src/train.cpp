@@ -517,6 +517,7 @@ struct replica_state {
     res.run = reply_id;
     try {
       if (n < 2 || pos >= n || !right) throw protocol_error("a malformed ring");
+      ring = ring_run{};  // the last ring's thread is gone before its buffer is touched
       if (partial_step != step || !partial.defined()) {  // no shard of this step came here
         partial = flat_buffer(&sum_buf).zero_();
         partial_step = step;
@@ -826,6 +827,10 @@ struct trainer::impl {
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
   bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
   bool ring_timed_out = false;   ///< the last ring went past replica_timeout
+  /// A ring that timed out while every replica answered on its own (a pause, a flood): the next
+  /// ring_pause steps reduce through the coordinator; the pause doubles with every such ring
+  /// (up to 256 steps) and is back to 1 after a ring that completes.
+  std::uint64_t ring_pause = 1, ring_paused_until = 0;
   /// Rings among replicas that all have a data port use it; false once such a ring failed
   /// while no replica was lost (a port the others cannot reach): CAF's path from then on.
   bool plane_ok = true;
@@ -838,6 +843,7 @@ struct trainer::impl {
 
   bool use_ring(const std::vector<std::size_t>& live) const {
     if (!ring_ok || live.size() < 2 || grad_bytes < ring_min_bytes) return false;
+    if (stats.steps < ring_paused_until) return false;
     for (auto i : live)
       if (!members[i].d.is_local()) return true;
     return false;
@@ -906,7 +912,10 @@ struct trainer::impl {
               "through the coordinator");
         });
     if (!ok && !lost && !ring_timed_out && !plane_failed) ring_ok = false;
-    if (ok) stats.ring_reductions += 1;
+    if (ok) {
+      stats.ring_reductions += 1;
+      ring_pause = 1;
+    }
     if (ok && plane) stats.direct_ring_reductions += 1;
     return ok;
   }
@@ -1347,8 +1356,13 @@ struct trainer::impl {
       stats.recomputed_shards += shards;
       auto lost_before = stats.lost_replicas;
       compute();
-      // A ring too slow although every replica answers on its own: no rings from now on.
-      if (ring_timed_out && stats.lost_replicas == lost_before) ring_ok = false;
+      // A ring too slow although every replica answers on its own: a pause from rings.
+      if (ring_timed_out && stats.lost_replicas == lost_before) {
+        ring_paused_until = stats.steps + 1 + ring_pause;
+        log(log_level::warn, "the next " + std::to_string(ring_pause) +
+                                 " steps reduce through the coordinator");
+        ring_pause = std::min<std::uint64_t>(ring_pause * 2, 256);
+      }
       // A ring over the data plane that failed though no replica was lost: CAF's path from now
       // on (a data port the others cannot reach, say).
       if (plane_failed && stats.lost_replicas == lost_before) {
