@@ -29,12 +29,21 @@ echo "same params with a node's link cut mid-training as on one local device: ok
 # connections, which go through the coordinator's namespace (routed there). Node 2's link is cut
 # mid-training, in the middle of a ring or not: the run goes on with the survivor and learns.
 ip netns exec "${tag}n1" ip link set "${tag}n1" up  # node 1 is back (cut in the first run)
+# ... once the coordinator's namespace reaches it again (a neighbour entry that failed while the
+# link was down would refuse the first connections).
+ip netns exec "$coord" ip neigh flush all
+for _ in $(seq 100); do
+  ip netns exec "$coord" timeout 1 bash -c "exec 3<>/dev/tcp/${a%:*}/${a##*:}" 2>/dev/null && break
+  sleep 0.1
+done
 ip netns exec "$coord" sysctl -qw net.ipv4.ip_forward=1
 ip netns exec "${tag}n1" ip route add "10.232.2.0/24" via "10.232.1.1"
 ip netns exec "${tag}n2" ip route add "10.232.1.0/24" via "10.232.2.1"
-fast=(--epochs 4 --samples 12000 --hidden 512)
-( sleep 1.5; ip netns exec "${tag}n2" ip link set "${tag}n2" down; echo "link to $b cut" ) &
+fast=(--epochs 6 --samples 12000 --hidden 512)
+( sleep 1; ip netns exec "${tag}n2" ip link set "${tag}n2" down; echo "link to $b cut" ) &
+cutter=$!
 ip netns exec "$coord" "$bin" --nodes "$a,$b" "${fast[@]}" | tee "$dir/ring"
+wait "$cutter"
 grep -q "^lost replicas: 1" "$dir/ring"
 grep -Eq "^ring reductions: [1-9][0-9]*, over direct connections: [1-9]" "$dir/ring"
 awk '/^result:/ { exit !($2 >= 0.8) }' "$dir/ring"
