@@ -263,7 +263,7 @@ void run::loop() {
   std::size_t largest = 0;
   for (std::uint32_t p = 0; p < pieces; ++p)
     for (std::uint32_t k = 0; k < n; ++k) largest = std::max(largest, bytes_of(p, k).second);
-  std::vector<unsigned char> scratch(largest);
+  auto* scratch = l_.scratch(largest);
 
   // The connection to the right neighbour: non-blocking connect to each of the host's addresses
   // in turn (a name such as "localhost" may resolve to ::1 and 127.0.0.1), then the hello.
@@ -429,7 +429,7 @@ void run::loop() {
       while (recvd < messages) {
         auto h = hop_of(recvd);
         auto [p, len] = bytes_of(piece_of(recvd), recv_chunk(h));
-        auto* into = h < n - 1 ? scratch.data() : p;
+        auto* into = h < n - 1 ? scratch : p;
         if (len > recv_off) {
           auto r = ::recv(in.fd, into + recv_off, len - recv_off, 0);
           if (r == 0) throw std::runtime_error("the previous replica closed its connection");
@@ -443,7 +443,7 @@ void run::loop() {
         }
         if (recv_off < len) continue;
         if (h < n - 1 && len > 0) {
-          add_into(p, scratch.data(), len);
+          add_into(p, scratch, len);
         }
         ++recvd;
         recv_off = 0;

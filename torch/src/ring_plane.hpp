@@ -57,6 +57,12 @@ class listener {
   /// The connection parked with hello `h` (-1: none); parked ones of rings up to `id` that do
   /// not match are closed.
   int take_parked(const hello& h, std::uint64_t id);
+  /// The reduce-scatter's receive buffer, at least `bytes` long: kept from ring to ring (a fresh
+  /// one of a few MiB would pay its page faults every step). Only the running ring uses it.
+  unsigned char* scratch(std::size_t bytes) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_.data();
+  }
 
  private:
   int fd_ = -1;
@@ -68,6 +74,7 @@ class listener {
   };
   std::mutex mtx_;
   std::vector<parked> parked_;
+  std::vector<unsigned char> scratch_;
 };
 
 struct spec {
