@@ -132,6 +132,15 @@ TEST(RingPlane, AConnectionForTheNextRingThatArrivesDuringThisOneIsKeptForIt) {
   int early = dial(a.port());
   auto h11 = hello(k11, 11);
   send_all(early, h11.data(), h11.size());
+  // Strangers behind it, with the magic and later ring ids (huge, or a little later): their keys
+  // cannot be checked before their ring, but they must not push ring 11's connection out.
+  std::vector<int> strangers;
+  for (std::uint64_t id : {~std::uint64_t{0}, ~std::uint64_t{0} - 1, std::uint64_t{12},
+                           std::uint64_t{13}, std::uint64_t{14}, std::uint64_t{1} << 40}) {
+    strangers.push_back(dial(a.port()));
+    auto h = hello(rp::random_key(), id);
+    send_all(strangers.back(), h.data(), h.size());
+  }
   auto xa = at::ones({1 << 18}), xb = at::full({1 << 18}, 2.0f);
   outcome ra, rb;
   {
@@ -151,6 +160,7 @@ TEST(RingPlane, AConnectionForTheNextRingThatArrivesDuringThisOneIsKeptForIt) {
   EXPECT_EQ(std::string(got, 4), "ping");
   ::close(kept);
   ::close(early);
+  for (int fd : strangers) ::close(fd);
 }
 
 /// A ring of two in which the test plays the other member with raw sockets: `left` connects

@@ -176,11 +176,21 @@ listener::~listener() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void listener::park(int fd, const hello& h, std::uint64_t id) {
+void listener::park(int fd, const hello& h, std::uint64_t id, std::uint64_t current) {
   std::lock_guard<std::mutex> guard{mtx_};
+  if (id <= current || id - current > (std::uint64_t{1} << 20)) {
+    ::close(fd);
+    return;
+  }
   if (parked_.size() >= 4) {
-    ::close(parked_.front().fd);
-    parked_.erase(parked_.begin());
+    auto farthest = std::max_element(parked_.begin(), parked_.end(),
+                                     [](const parked& a, const parked& b) { return a.id < b.id; });
+    if (farthest->id <= id) {
+      ::close(fd);
+      return;
+    }
+    ::close(farthest->fd);
+    parked_.erase(farthest);
   }
   parked_.push_back(parked{fd, h, id});
 }
@@ -359,7 +369,7 @@ void run::loop() {
         std::uint64_t id = 0;
         for (int i = 7; i >= 0; --i) id = (id << 8) | p.got[24 + i];
         if (std::memcmp(p.got, magic, 8) == 0 && id > s_.id)
-          l_.park(std::exchange(p.fd.fd, -1), h, id);
+          l_.park(std::exchange(p.fd.fd, -1), h, id, s_.id);
         p.fd.reset();  // a ring given up on, or a stranger
         return false;
       };

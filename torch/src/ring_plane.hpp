@@ -51,9 +51,12 @@ class listener {
 
   /// The first 32 bytes of a ring connection: magic, key, ring id.
   using hello = std::array<unsigned char, 32>;
-  /// Keeps a connection whose hello names ring `id`, later than the ring that accepted it (the
-  /// left neighbour already on the next ring), for that ring's run. At most 4 are kept.
-  void park(int fd, const hello& h, std::uint64_t id);
+  /// Keeps a connection whose hello names ring `id`, later than ring `current` that accepted it
+  /// (the left neighbour already on the next ring), for that ring's run; its key can only be
+  /// checked then. Only ids less than 2^20 ahead are kept (ring ids count up by a few per step),
+  /// at most 4, the nearest ones: a stranger's hello with a later id never pushes out the next
+  /// ring's. The connection is closed when it is not kept.
+  void park(int fd, const hello& h, std::uint64_t id, std::uint64_t current);
   /// The connection parked with hello `h` (-1: none); parked ones of rings up to `id` that do
   /// not match are closed.
   int take_parked(const hello& h, std::uint64_t id);
