@@ -1359,8 +1359,8 @@ struct trainer::impl {
       // A ring too slow although every replica answers on its own: a pause from rings.
       if (ring_timed_out && stats.lost_replicas == lost_before) {
         ring_paused_until = stats.steps + 1 + ring_pause;
-        log(log_level::warn, "the next " + std::to_string(ring_pause) +
-                                 " steps reduce through the coordinator");
+        log(log_level::warn,
+            "the next " + std::to_string(ring_pause) + " steps reduce through the coordinator");
         ring_pause = std::min<std::uint64_t>(ring_pause * 2, 256);
       }
       // A ring over the data plane that failed though no replica was lost: CAF's path from now
