@@ -12,10 +12,12 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <troupe/node.hpp>
 #include <vector>
 
 #include "common/classifier.hpp"
 #include "node_process.hpp"
+#include "ring_plane.hpp"
 #include "test_util.hpp"
 
 TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
@@ -345,6 +347,32 @@ TEST(Train, ReplicasOnNodesAllReduceInARingAndMatchAPlainLoop) {
     EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, hidden)), 1e-5)
         << hidden << " " << direct;
   }
+}
+
+TEST(Train, ARingLatePastReplicaTimeoutWithNoLossPausesRingsForAStepOnly) {
+  // Two replicas on a node served by this process (so that the test can make its rings late):
+  // the second step's ring outlasts replica_timeout although both replicas answer; that step is
+  // reduced through the coordinator, the third step too (a pause of one step), and from the
+  // fourth on the replicas all-reduce in a ring again. Before, rings stayed off for good.
+  test_util::watchdog dog{std::chrono::seconds{120}, "a late ring"};
+  auto node = troupe::node::serve("127.0.0.1:0", {"cpu", "cpu"});
+  auto at = node.address();
+  auto batches = make_batches(6, 48);
+  auto o = opts(8, false);
+  o.replica_timeout = std::chrono::milliseconds{1000};  // a ring takes ~10 ms, ASan's ~100
+  dp_t dp{{troupe::device{at + "/cpu"}, troupe::device{at + "/cpu"}}, ring_cfg(), o};
+  std::vector<std::uint64_t> rings;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    troupe::detail::ring_plane::test_delay_ms = i == 1 ? 5000 : 0;  // cancelled before
+    dp.step(batches[i]);
+    rings.push_back(dp.stats().ring_reductions);
+    expect_replicas_identical(dp);
+  }
+  troupe::detail::ring_plane::test_delay_ms = 0;
+  EXPECT_EQ(rings, (std::vector<std::uint64_t>{1, 1, 1, 2, 3, 4}));
+  EXPECT_EQ(dp.stats().lost_replicas, 0u);
+  EXPECT_EQ(dp.stats().direct_ring_reductions, 4u);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 1024)), 1e-5);
 }
 
 TEST(Train, AReplicaLostInFastModeIsRecomputedIntoTheSameSums) {

@@ -101,6 +101,8 @@ void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t byt
   }
 }
 
+std::atomic<int> test_delay_ms{0};
+
 key random_key() {
   std::random_device rd;
   key k{};
@@ -274,6 +276,12 @@ void run::loop() {
   for (std::uint32_t p = 0; p < pieces; ++p)
     for (std::uint32_t k = 0; k < n; ++k) largest = std::max(largest, bytes_of(p, k).second);
   auto* scratch = l_.scratch(largest);
+
+  if (int delay = test_delay_ms.load(); delay > 0) {
+    pollfd w{wake_, POLLIN, 0};
+    ::poll(&w, 1, delay);
+    if (cancelled_.load()) return;
+  }
 
   // The connection to the right neighbour: non-blocking connect to each of the host's addresses
   // in turn (a name such as "localhost" may resolve to ::1 and 127.0.0.1), then the hello.

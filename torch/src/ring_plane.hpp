@@ -99,6 +99,10 @@ struct spec {
   std::chrono::milliseconds hello_deadline{2000};
 };
 
+/// Tests only: every run waits this long before it connects (its cancel still ends the wait at
+/// once), to make a ring late on purpose. 0, the default: no wait.
+extern std::atomic<int> test_delay_ms;
+
 /// One ring all-reduce (reduce-scatter then all-gather, `pieces` slices pipelined, a fixed
 /// order of messages on each connection, so nothing but the hello travels besides the data),
 /// on a thread of its own. At the end `done(ok, what)` is called on that thread, unless the
