@@ -626,23 +626,22 @@ TEST(Train, AFailedLoadOrStateCopyLeavesNoReplicaDifferent) {
   dp.step(batches[0]);
   dp.save(path);
   dp.step(batches[1]);
+  // work_error names the call that failed.
+  auto expect_work_error = [](auto&& call, const std::string& starts_with) {
+    try {
+      call();
+      ADD_FAILURE() << "no work_error";
+    } catch (const troupe::work_error& e) {
+      EXPECT_EQ(std::string{e.what()}.rfind(starts_with, 0), 0u) << e.what();
+    }
+  };
   fail_next_load = true;
-  try {
-    dp.load(path);
-    ADD_FAILURE() << "load() did not throw";
-  } catch (const troupe::work_error& e) {
-    EXPECT_EQ(std::string{e.what()}.rfind("loading the state: ", 0), 0u) << e.what();
-  }
+  expect_work_error([&] { dp.load(path); }, "loading the state: ");
   EXPECT_EQ(dp.devices().size(), 2u);
   dp.step(batches[2]);
   expect_replicas_identical(dp);
   fail_next_save = true;
-  try {
-    dp.add_devices({"cpu"});
-    ADD_FAILURE() << "add_devices() did not throw";
-  } catch (const troupe::work_error& e) {
-    EXPECT_EQ(std::string{e.what()}.rfind("saving the state: ", 0), 0u) << e.what();
-  }
+  expect_work_error([&] { dp.add_devices({"cpu"}); }, "saving the state: ");
   EXPECT_EQ(dp.devices().size(), 2u);
   dp.step(batches[2]);
   expect_replicas_identical(dp);

@@ -77,6 +77,12 @@ void write_u64(unsigned char* p, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
+std::uint64_t read_u64(const unsigned char* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
 }  // namespace
 
 void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const {
@@ -374,10 +380,8 @@ void run::loop() {
         listener::hello h;
         std::memcpy(h.data(), p.got, hello_size);
         if (h == hello && in.fd < 0) return true;
-        std::uint64_t id = 0;
-        for (int i = 7; i >= 0; --i) id = (id << 8) | p.got[24 + i];
-        if (std::memcmp(p.got, magic, 8) == 0 && id > s_.id)
-          l_.park(std::exchange(p.fd.fd, -1), h, id, s_.id);
+        if (std::memcmp(p.got, magic, 8) == 0)  // kept only when it names a ring just ahead
+          l_.park(std::exchange(p.fd.fd, -1), h, read_u64(p.got + 24), s_.id);
         p.fd.reset();  // a ring given up on, or a stranger
         return false;
       };

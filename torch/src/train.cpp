@@ -524,23 +524,25 @@ struct replica_state {
         buf_step = step;
       }
       early.erase(early.begin(), early.lower_bound({id, 0, 0}));  // chunks of rings given up
-      if (!data.empty()) return plane_start(self, reply_id, id, pos, n, data, key);
+      ring.reply_id = reply_id;
+      ring.id = id;
+      ring.pos = pos;
+      ring.n = n;
+      ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
+      ring.buf = partial;
+      ring.pieces =
+          ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
+      if (!data.empty()) {
+        plane_start(self, data, key);
+        return std::nullopt;
+      }
       if (!address.empty() && connected.count(address) == 0) {
         // A direct connection to the neighbour's node: otherwise CAF routes through the
         // coordinator, and the ring would load it as much as a star.
         connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
         connected.insert(address);
       }
-      ring = ring_run{};
-      ring.reply_id = reply_id;
-      ring.id = id;
-      ring.pos = pos;
-      ring.n = n;
       ring.right = right;
-      ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
-      ring.buf = partial;
-      ring.pieces =
-          ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
       ring.hops.assign(ring.pieces, 0);
       for (std::uint32_t p = 0; p < ring.pieces; ++p) ring_send(self, p, 0, pos);
       if (ring_drain(self)) return ring_done(res);
@@ -553,39 +555,28 @@ struct replica_state {
     return std::nullopt;
   }
 
-  /// Starts a ring over the data plane: the bytes move on the ring's thread, which tells this
-  /// actor when it is over (plane_done).
-  std::optional<chunk_result> plane_start(caf::event_based_actor* self, std::uint64_t reply_id,
-                                          std::uint64_t id, std::uint32_t pos, std::uint32_t n,
-                                          const std::string& data, const std::string& key) {
+  /// Runs the ring that ring_start set up over the data plane: the bytes move on the ring's
+  /// thread, which tells this actor when it is over (plane_done).
+  void plane_start(caf::event_based_actor* self, const std::string& data, const std::string& key) {
     if (!plane) throw protocol_error("a ring over the data plane, which this replica has not");
     auto to = parse_host_port(data);
-    ring = ring_run{};
-    ring.reply_id = reply_id;
-    ring.id = id;
-    ring.pos = pos;
-    ring.n = n;
-    ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
-    ring.buf = partial;
-    ring.pieces =
-        ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
     ring.key = key;
     ring_plane::spec sp;
-    sp.id = id;
+    sp.id = ring.id;
     sp.secret = ring_plane::from_hex(key);
-    sp.pos = pos;
-    sp.n = n;
+    sp.pos = ring.pos;
+    sp.n = ring.n;
     sp.pieces = ring.pieces;
     sp.right_host = to.host;
     sp.right_port = to.port;
-    sp.buf = partial;
+    sp.buf = ring.buf;
     caf::actor_addr me = self->address();
+    auto id = ring.id;
     ring.io = std::make_unique<ring_plane::run>(
         *plane, std::move(sp), [me, id, key](bool ok, const std::string& what) {
           if (auto a = caf::actor_cast<caf::actor>(me))
             caf::anon_send(a, ring_io_atom::value, id, key, ok, what);
         });
-    return std::nullopt;
   }
 
   /// The data plane's ring `id` is over: the answer to the coordinator, or nothing (a ring
