@@ -13,3 +13,15 @@ struct squares {
     std::int64_t sum = 0;
   };
 };
+
+/// squares whose consumer can merge another's sum: local producers fold their chunks' outputs
+/// into consumers of their own (docs/api.md, "Folding on the producers").
+struct folded_squares {
+  using producer = squares::producer;
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    void merge(consumer&& other) { sum += other.sum; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <iostream>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <troupe/troupe.hpp>
 #include <utility>
@@ -119,9 +120,12 @@ int main(int argc, char** argv) {
   app.add_option("--items", items, "items in the vector");
   app.add_option("--grain", grain, "TBB: items per range");
   app.add_option("--repeat", repeat, "timed runs per side");
+  int pause_ms = 20;
+  app.add_option("--pause-ms", pause_ms,
+                 "pause after every run (0: back to back, threads never go idle)");
   std::string only;
-  app.add_option("--only", only, "run one side alone (troupe or tbb), for profiling")
-      ->check(CLI::IsMember({"troupe", "tbb"}));
+  app.add_option("--only", only, "run one side alone (troupe, fold or tbb), for profiling")
+      ->check(CLI::IsMember({"troupe", "fold", "tbb"}));
   CLI11_PARSE(app, argc, argv);
 
   std::vector<std::int64_t> xs(items);
@@ -130,6 +134,8 @@ int main(int argc, char** argv) {
   tbb::task_arena arena{2};
   troupe::ordered_runner<squares> ordered{2};
   troupe::unordered_runner<squares> unordered{2};
+  troupe::ordered_runner<folded_squares> ordered_fold{2};
+  troupe::unordered_runner<folded_squares> unordered_fold{2};
   std::int64_t expect = 0;
   for (auto x : xs) expect += x * x;
 
@@ -142,24 +148,30 @@ int main(int argc, char** argv) {
       std::exit(1);
     }
     if (best == 0 || t < best) best = t;
-    std::this_thread::sleep_for(std::chrono::milliseconds{20});
+    std::this_thread::sleep_for(std::chrono::milliseconds{pause_ms});
   };
   for (bool in_order : {false, true}) {
-    double tbb_best = 0, troupe_best = 0, ignored = 0;
+    double tbb_best = 0, troupe_best = 0, fold_best = 0, ignored = 0;
     auto tbb_run = [&] { return tbb_ranges(arena, xs, grain, in_order); };
     auto troupe_run = [&] { return in_order ? ordered.run(xs) : unordered.run(xs); };
-    bool tbb_side = only != "troupe", troupe_side = only != "tbb";
+    auto fold_run = [&] { return in_order ? ordered_fold.run(xs) : unordered_fold.run(xs); };
+    bool tbb_side = only != "troupe" && only != "fold", troupe_side = only != "tbb";
+    bool plain_side = troupe_side && only != "fold", fold_side = troupe_side && only != "troupe";
     if (tbb_side) timed(ignored, tbb_run);
-    if (troupe_side) timed(ignored, troupe_run);
+    if (plain_side) timed(ignored, troupe_run);
+    if (fold_side) timed(ignored, fold_run);
     for (int r = 0; r < repeat; ++r) {
       if (tbb_side) timed(tbb_best, tbb_run);
-      if (troupe_side) timed(troupe_best, troupe_run);
+      if (plain_side) timed(troupe_best, troupe_run);
+      if (fold_side) timed(fold_best, fold_run);
     }
     auto rate = [&](double s) { return static_cast<double>(items) / s / 1e6; };
+    auto pct = [&](double s) { return tbb_best > 0 && s > 0 ? 100 * tbb_best / s : 0.0; };
     std::cout << (in_order ? "ordered  " : "unordered") << " x*x over " << items
               << " items in memory: TBB ranges " << rate(tbb_best) << " M items/s, troupe "
-              << rate(troupe_best) << " M items/s = " << 100 * tbb_best / troupe_best
-              << " % of TBB\n";
+              << rate(troupe_best) << " M items/s = " << pct(troupe_best)
+              << " % of TBB, troupe with consumer::merge (folded on the producers) "
+              << rate(fold_best) << " M items/s = " << pct(fold_best) << " % of TBB\n";
   }
   if (only.empty()) {
     auto [tbb_ns, troupe_ns] = per_item_costs(xs, grain);

@@ -1,6 +1,7 @@
 // sum_of_squares: the seed's first example: producers square numbers, the consumer sums them.
 //
 //   inputs 0..N-1 ──▶ producer::work(x) = x*x (one per device) ──▶ consumer: sum ──▶ result
+//   (with merge(): each local producer sums its chunk, and the consumer adds the partial sums)
 #include <cstdint>
 #include <iostream>
 
@@ -18,6 +19,9 @@ struct sum_of_squares {
   };
   struct consumer {
     void work(std::int64_t y) { sum += y; }
+    // Optional: local producers then fold their chunks' squares into consumers of their own,
+    // and this one merges those (nodes' producers send their squares as before).
+    void merge(consumer&& other) { sum += other.sum; }
     std::int64_t end() { return sum; }
     std::int64_t sum = 0;
   };

@@ -110,7 +110,7 @@ struct consumer_state {
       if (!consumer->work(c.items, *gate))
         return make_error(errc::protocol_error, "output chunk of another type");
     } catch (...) {
-      return fail("work");
+      return fail(consumer->member());
     }
     if (!c.last) return consume_ack{c.run};
     auto r = end(c.run);

@@ -86,10 +86,17 @@ struct producer_state {
     if (last_end != std::chrono::steady_clock::time_point{})
       r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
     work_outcome out;
-    producer->work(joined, w.first, w.keep_going, out);
+    // Folding is for outputs that stay in this process (never with options::serialize, which
+    // makes a local run behave as over a network).
+    producer->work(joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out);
     if (out.wrong_type) {
       r.code = errc::protocol_error;
       r.what = "work chunk holds items of another type than the job's input";
+      return r;
+    }
+    if (out.consumer_failed) {
+      r.code = errc::consumer_error;
+      r.what = std::move(out.what);
       return r;
     }
     if (out.revoked) return job_ended(r);  // while this chunk of its caller's range ran

@@ -263,7 +263,7 @@ troupe::stats runtime::stats() const {
 
 std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
                                           const consumer_spawner& spawn, bool ordered,
-                                          job_options o) {
+                                          job_options o, bool fold) {
   validate(o);
   {
     std::lock_guard<std::mutex> guard{mtx_};
@@ -295,6 +295,7 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
   spec->consumer = std::move(consumer);
   spec->ordered = ordered;
   spec->opts = std::move(o);
+  spec->fold = fold;
   // Sent under the lock: close() sends close_atom under it too, so the scheduler always sees
   // this job before it closes (and ends it with runner_closed).
   caf::anon_send(scheduler_, std::move(spec));
@@ -319,14 +320,15 @@ runtime& runtime_handle::checked() const {
 }
 
 std::shared_ptr<job_core> runtime_handle::submit(std::shared_ptr<input_source> source,
-                                                 consumer_maker make, bool ordered, job_options o) {
+                                                 consumer_maker make, bool ordered, job_options o,
+                                                 bool fold) {
   auto& rt = checked();
   return rt.submit(
       std::move(source),
       [&make, &rt](caf::actor_system& sys, const std::shared_ptr<job_gate>& gate) {
         return spawn_consumer_actor(sys, std::move(make), rt.job_config(), gate);
       },
-      ordered, std::move(o));
+      ordered, std::move(o), fold);
 }
 
 std::shared_ptr<job_core> runtime_handle::submit_stream(std::shared_ptr<input_source> source,

@@ -37,6 +37,7 @@ struct job_spec {
   caf::actor consumer;
   bool ordered = false;
   job_options opts;
+  bool fold = false;  ///< its consumer has merge() (job_traits::folds)
 };
 
 /// How errors name entry `i` of a runner's devices: "cpu (producer 2)".
@@ -94,9 +95,10 @@ class runtime {
 
   /// Starts a job: `source` through the producers into a fresh consumer (spawned here), next
   /// to the jobs already running. Throws runner_closed after close(), invalid_argument for bad
-  /// options.
+  /// options. `fold`: local producers may fold the outputs for the consumer's merge().
   std::shared_ptr<job_core> submit(std::shared_ptr<input_source> source,
-                                   const consumer_spawner& spawn, bool ordered, job_options o);
+                                   const consumer_spawner& spawn, bool ordered, job_options o,
+                                   bool fold = false);
   /// Ends every job (runner_closed), then the producers. From troupe's own threads
   /// (on_progress, a job's code) it only starts closing and returns.
   void close() noexcept;

@@ -84,6 +84,7 @@ struct job_state {
   std::shared_ptr<input_source> source;
   bool ordered = false;
   job_options opts;
+  bool fold = false;            ///< work_chunk::fold for its chunks
   std::uint64_t next_item = 0;  ///< index of the next item to pull
   std::uint64_t consumed = 0;
   bool exhausted = false;
@@ -141,8 +142,10 @@ class scheduler {
   // -- events ------------------------------------------------------------------------------
 
   /// A job arrives (its consumer is the shell's business).
+  /// `fold`: its consumer has merge(), so local producers may fold its chunks' outputs when it
+  /// fails at its first error (work_chunk::fold).
   void start(std::shared_ptr<job_core> core, std::shared_ptr<input_source> source, bool ordered,
-             job_options opts);
+             job_options opts, bool fold = false);
 
   /// job_handle::cancel(): nothing more of the job reaches a producer; answered when done.
   /// A cancel that comes after consumer::end() has begun loses: end()'s value is the result.
@@ -194,6 +197,13 @@ class scheduler {
   bool window_open(const job_state& j) const;
 
   std::size_t chunk_limit(const producer_slot& s) const { return s.chunk_limit(settings_); }
+  /// A chunk of a caller's lent range for a job that folds (job_state::fold) on a local
+  /// producer holds neither items nor outputs (a view in, a consumer object out): only time
+  /// bounds it, not max_chunk_items or max_chunk_bytes. About target_chunk_time of the
+  /// producer's time, at most half of each live producer's share of the items left (the last
+  /// chunks smaller, so the producers finish together: guided self-scheduling), at least a 40th
+  /// of target_chunk_time (or chunk_limit(s) when that is smaller).
+  std::size_t folded_chunk_limit(const job_state& j, const producer_slot& s) const;
 
   bool has_room(const producer_slot& s) const { return s.has_room(settings_); }
 

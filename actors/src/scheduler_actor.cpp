@@ -45,8 +45,8 @@ class scheduler_shell final : public scheduler_io {
   void start(std::shared_ptr<job_spec>& spec) {
     consumers_[spec->core->id()] = std::move(spec->consumer);
     if (auto* c = core())
-      c->start(std::move(spec->core), std::move(spec->source), spec->ordered,
-               std::move(spec->opts));
+      c->start(std::move(spec->core), std::move(spec->source), spec->ordered, std::move(spec->opts),
+               spec->fold);
   }
 
   // -- the core's commands ----------------------------------------------------------------

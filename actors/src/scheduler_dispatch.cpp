@@ -146,7 +146,11 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   auto& s = producers_[p];
   piece x;
   try {
-    x.items = j.source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
+    if (s.local && j.fold && j.source->lease())
+      x.items = j.source->pull(folded_chunk_limit(j, s), std::numeric_limits<std::size_t>::max(),
+                               opts_.target_chunk_time);
+    else
+      x.items = j.source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
   } catch (...) {
     j.exhausted = true;
     end_job(j.id, std::current_exception());
@@ -162,6 +166,26 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   j.report.items = j.next_item;
   send(p, j, j.pieces.add(std::move(x)));
   return true;
+}
+
+std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slot& s) const {
+  auto base = chunk_limit(s);
+  if (settings_.chunk_size || settings_.max_in_flight || s.ns_per_item <= 0) return base;
+  auto items_in = [&](double ns) {
+    return static_cast<std::size_t>(std::max(1.0, ns / s.ns_per_item));
+  };
+  auto target = static_cast<double>(settings_.target_chunk_time.count());
+  auto want = items_in(target);
+  if (auto total = j.source->total()) {
+    std::uint64_t alive = 0;
+    for (auto& q : producers_) alive += q.alive ? 1 : 0;
+    auto left = *total > j.next_item ? *total - j.next_item : 0;
+    auto share = (left + 2 * alive - 1) / std::max<std::uint64_t>(1, 2 * alive);
+    want = static_cast<std::size_t>(std::min<std::uint64_t>(want, share));
+  }
+  // Not below a 40th of the target (50 us by default): smaller chunks cost more in messages
+  // than they gain in balance.
+  return std::max(want, std::min(base, items_in(target / 40)));
 }
 
 void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
@@ -193,7 +217,9 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   touch(j);
   auto gen = s.gen;
   auto job = j.id;
-  io_.send_chunk(p, gen, id, work_chunk{job, x.first, x.items, !j.opts.on_error.fails_fast()});
+  work_chunk w{job, x.first, x.items, !j.opts.on_error.fails_fast(), nullptr};
+  if (j.fold) w.fold = j.gate;
+  io_.send_chunk(p, gen, id, std::move(w));
 }
 
 void scheduler::wake_at(clock_type::time_point t) {

@@ -18,7 +18,7 @@ scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts
 }
 
 void scheduler::start(std::shared_ptr<job_core> core, std::shared_ptr<input_source> source,
-                      bool ordered, job_options opts) {
+                      bool ordered, job_options opts, bool fold) {
   if (closing_) {
     io_.forget_job(core->id());
     core->finish(
@@ -31,6 +31,7 @@ void scheduler::start(std::shared_ptr<job_core> core, std::shared_ptr<input_sour
   j->source = std::move(source);
   j->ordered = ordered;
   j->opts = std::move(opts);
+  j->fold = fold && j->opts.on_error.fails_fast();
   j->started = clock_now();  // last_progress: never, so the first ack reports at once
   j->gate = j->core->gate();
   auto id = j->id;

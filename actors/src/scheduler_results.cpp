@@ -40,6 +40,10 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
                          r.failed_index, s.where.str())));
       else if (r.code == errc::cancelled)  // its handle took the caller's range back
         end_job(job, taken_back(job));
+      else if (r.code == errc::consumer_error)  // a consumer folding the chunk on a producer
+        end_job(job,
+                std::make_exception_ptr(consumer_error(r.what + " (on " + s.where.str() +
+                                                       ", producer " + std::to_string(p) + ")")));
       else
         end_job(job, std::make_exception_ptr(protocol_error(r.what)));
     } else if (auto bad = malformed(*x, r)) {

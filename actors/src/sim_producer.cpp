@@ -18,10 +18,11 @@ class scripted_ops final : public producer_ops {
   scripted_ops(std::unique_ptr<producer_ops> inner, const sim_state& sim, std::size_t index)
       : inner_(std::move(inner)), sim_(sim), index_(index) {}
 
-  void work(const batch& items, std::uint64_t first, bool keep_going, work_outcome& out) override {
+  void work(const batch& items, std::uint64_t first, bool keep_going, job_gate* fold,
+            work_outcome& out) override {
     auto k = scripted_throw(first, items.size());
     if (!k) {
-      inner_->work(items, first, keep_going, out);
+      inner_->work(items, first, keep_going, fold, out);
       return;
     }
     auto what =
@@ -41,8 +42,9 @@ class scripted_ops final : public producer_ops {
     }
     auto at = static_cast<std::size_t>(*k - first);
     work_outcome before, after;
-    if (at > 0) inner_->work(own->slice(0, at), first, true, before);
-    if (at + 1 < own->size()) inner_->work(own->slice(at + 1, own->size()), *k + 1, true, after);
+    if (at > 0) inner_->work(own->slice(0, at), first, true, nullptr, before);
+    if (at + 1 < own->size())
+      inner_->work(own->slice(at + 1, own->size()), *k + 1, true, nullptr, after);
     out.wrong_type = before.wrong_type || after.wrong_type;
     out.outputs = before.outputs.concat(after.outputs);
     out.failures = std::move(before.failures);

@@ -72,6 +72,13 @@ struct has_end : std::false_type {};
 template <class T>
 struct has_end<T, std::void_t<decltype(std::declval<T&>().end())>> : std::true_type {};
 
+/// A consumer that can take in another consumer's results: `void merge(consumer&& other)`.
+template <class T, class = void>
+struct has_merge : std::false_type {};
+template <class T>
+struct has_merge<T, std::void_t<decltype(std::declval<T&>().merge(std::declval<T&&>()))>>
+    : std::true_type {};
+
 /// The consumer of a job that has none: collects outputs into a vector.
 template <class Out>
 struct collecting_consumer {
@@ -150,6 +157,10 @@ struct job_traits {
       std::is_constructible<consumer_type, const config&>::value ||
           std::is_default_constructible<consumer_type>::value,
       "troupe: Job::consumer needs a constructor taking (const troupe::config&) or nothing");
+  /// The job's consumer has merge(): local producers fold their chunks' outputs into consumers
+  /// of their own, which the job's consumer merges (docs/api.md, "Folding on the producers").
+  static constexpr bool folds = has_job_consumer && has_merge<consumer_type>::value &&
+                                !std::is_same<output_type, bool>::value;
 };
 
 /// Constructs a producer from what it accepts of (device, config, index in the runner).

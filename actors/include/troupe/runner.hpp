@@ -52,7 +52,7 @@ class basic_runner {
     auto slot = std::make_shared<std::optional<result_type>>();
     auto core = rt_.submit(detail::make_job_source<input_type>(std::forward<InputRange>(inputs)),
                            detail::make_consumer_maker<Job>(slot), Order == ordering::ordered,
-                           std::move(o));
+                           std::move(o), traits::folds);
     return job_handle<result_type>{std::move(core), std::move(slot)};
   }
   job_handle<result_type> submit(std::initializer_list<input_type> inputs, job_options o = {}) {

@@ -34,6 +34,7 @@
 #include <caf/make_message.hpp>
 #include <caf/meta/type_name.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,10 @@
 #include "troupe/error.hpp"
 
 namespace troupe {
+
+namespace detail {
+class job_gate;
+}  // namespace detail
 
 using init_atom = caf::atom_constant<caf::atom("tr_init")>;
 using end_atom = caf::atom_constant<caf::atom("tr_end")>;
@@ -74,6 +79,10 @@ struct work_chunk {
   /// Go on after an item throws (the job has an error policy other than fail()): the answer
   /// then holds the outputs of the items that worked and lists the ones that threw.
   bool keep_going = false;
+  /// Local only (never written to the wire): the job's consumer has merge() and the job fails
+  /// at its first error, so a producer in this process folds the chunk's outputs into a
+  /// consumer of its own, looking at this gate as the job's consumer does; null otherwise.
+  std::shared_ptr<detail::job_gate> fold{};
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.

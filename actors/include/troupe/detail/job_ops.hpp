@@ -36,8 +36,10 @@ std::string describe_current_exception();
 class producer_ops {
  public:
   virtual ~producer_ops() = default;
-  /// Runs producer::work on every item of `items` (item i has index `first + i`).
-  virtual void work(const batch& items, std::uint64_t first, bool keep_going,
+  /// Runs producer::work on every item of `items` (item i has index `first + i`). `fold`
+  /// (work_chunk::fold, never with keep_going): the outputs go into a consumer of the job's
+  /// own, made for this chunk, handed back as a folded_chunk for the job's consumer to merge.
+  virtual void work(const batch& items, std::uint64_t first, bool keep_going, job_gate* fold,
                     work_outcome& out) = 0;
   /// producer::end(), if the job has one.
   virtual void end() = 0;
@@ -55,6 +57,8 @@ class consumer_ops {
   virtual bool work(batch& outputs, job_gate& gate) = 0;
   /// consumer::end(): its value is kept for job_handle::get().
   virtual void end() = 0;
+  /// The consumer member work() was calling when it threw: "work", or "merge".
+  [[nodiscard]] virtual const char* member() const noexcept { return "work"; }
   /// Destroys the job's consumer object; its destructor may throw.
   virtual void destroy() = 0;
 };
@@ -130,6 +134,72 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool<T>> {
   std::vector<std::vector<T>> free_;
 };
 
+/// consumer::work on outputs [xs, xs + m), counted into `taken` (also when one throws).
+template <class C, class Out>
+void take(C& c, Out* __restrict xs, std::size_t m, std::size_t& taken) {
+  std::size_t j = 0;
+  try {
+    for (; j < m; ++j) c.work(std::move(xs[j]));
+  } catch (...) {
+    taken += j;
+    throw;
+  }
+  taken += j;
+}
+
+/// consumer::work on outputs [xs, xs + size), counted into `taken` (also when one throws).
+/// Looks at the job's gate before every item, so that nothing of an ended job runs after the
+/// consumer's current item; for a consumer whose previous run took under 100 ns per item
+/// (`fast`, updated here), before every block of 64 items instead (under ~6 us of them), so
+/// that its loop stays tight. The outputs are the caller's own (restrict): a consumer that sums
+/// numbers into a member keeps the sum in a register and the loop is vectorized.
+template <class C, class Out>
+void consume_checked(C& c, Out* xs, std::size_t size, const job_gate& gate, bool& fast,
+                     std::uint64_t& taken) {
+  using steady = std::chrono::steady_clock;
+  auto t0 = steady::now();
+  std::size_t step = fast ? 64 : 1;
+  std::size_t n = 0;
+  struct count {  // also when work() throws: what it took before counts
+    std::uint64_t& taken;
+    std::size_t& n;
+    ~count() { taken += n; }
+  } counted{taken, n};
+  while (n < size && !gate.stopped()) take(c, xs + n, std::min(step, size - n), n);
+  if (size >= 64)
+    fast = steady::now() - t0 < std::chrono::nanoseconds{100} * static_cast<std::int64_t>(size);
+}
+
+/// A chunk's outputs folded on its producer (work_chunk::fold): a consumer of the job's own
+/// that took them, for the job's consumer to merge(). Never crosses the network.
+template <class C>
+class folded_chunk final : public batch_base {
+ public:
+  folded_chunk(std::unique_ptr<C> part, std::size_t n) : part_(std::move(part)), n_(n) {}
+  /// The consumer that took the chunk's outputs (merged once, by the job's consumer).
+  [[nodiscard]] C& part() const noexcept { return *part_; }
+  [[nodiscard]] std::size_t size() const noexcept override { return n_; }
+  [[nodiscard]] const std::type_info& item_type() const noexcept override {
+    return typeid(folded_chunk<C>);
+  }
+  [[nodiscard]] std::optional<std::size_t> flat_bytes() const noexcept override {
+    return sizeof(C);
+  }
+  caf::error save(caf::serializer&) const override {
+    return caf::make_error(caf::sec::state_not_serializable);
+  }
+  caf::error load(caf::deserializer&) override {
+    return caf::make_error(caf::sec::state_not_serializable);
+  }
+  [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t, std::size_t) const override {
+    throw std::logic_error("a folded chunk's outputs cannot be sliced");
+  }
+
+ private:
+  throwing_owner<C> part_;  ///< its destructor may throw: ignored (a chunk dropped anywhere)
+  std::size_t n_;
+};
+
 template <class Job>
 class typed_producer final : public producer_ops {
  public:
@@ -138,9 +208,10 @@ class typed_producer final : public producer_ops {
   using out = typename traits::output_type;
 
   typed_producer(const device& d, const config& cfg, std::size_t index)
-      : p_(make_producer<typename traits::producer_type>(d, cfg, index)) {}
+      : p_(make_producer<typename traits::producer_type>(d, cfg, index)), cfg_(cfg) {}
 
-  void work(const batch& chunk, std::uint64_t first, bool keep_going, work_outcome& r) override {
+  void work(const batch& chunk, std::uint64_t first, bool keep_going, job_gate* fold,
+            work_outcome& r) override {
     const in* x = nullptr;
     std::size_t n = 0;
     if constexpr (raw_items<in>) {
@@ -153,9 +224,15 @@ class typed_producer final : public producer_ops {
       r.wrong_type = true;
       return;
     }
-    auto outputs = start_outputs(n);
-    std::size_t k = 0;            // outputs written
     auto* lease = chunk.lease();  // only ever for numbers: a caller's contiguous range
+    if constexpr (traits::folds) {
+      if (fold != nullptr && !keep_going) {
+        work_folded(*fold, lease, x, n, first, r);
+        return;
+      }
+    }
+    auto outputs = start_outputs(n);
+    std::size_t k = 0;  // outputs written
     bool went_on = false;
     if constexpr (raw_items<in>)
       if (lease) went_on = work_on_lent(*lease, x, n, first, keep_going, r, outputs, k);
@@ -208,9 +285,110 @@ class typed_producer final : public producer_ops {
       }
       std::memcpy(block_.data(), x + at, m * sizeof(in));
       lease.release();
+      prefetch(x + at + m, std::min(block, n - at - m));  // the next block, as work_folded
       if (!work_on(block_.data(), m, first + at, keep_going, r, outputs, k)) return false;
     }
     return true;
+  }
+
+  /// The chunk's outputs into a consumer of the job's own (work_chunk::fold): each output goes
+  /// from producer::work straight to that consumer's work(), never stored (a part of a caller's
+  /// range is copied first, a block at a time, under its lease). What it hands back is that
+  /// consumer (folded_chunk), or the first failure; nothing once the job has ended (its gate is
+  /// looked at as the job's consumer looks at it) or its handle took the range back.
+  void work_folded(job_gate& gate, range_lease* lease, const in* x, std::size_t n,
+                   std::uint64_t first, work_outcome& r) {
+    using consumer_type = typename traits::consumer_type;
+    std::unique_ptr<consumer_type> part;
+    try {
+      part = make_with<consumer_type>(cfg_);
+    } catch (...) {
+      r.consumer_failed = true;
+      r.what =
+          "consumer::consumer (constructor) threw on a producer folding a chunk for "
+          "consumer::merge: " +
+          describe_current_exception();
+      return;
+    }
+    constexpr std::size_t block =
+        raw_items<in> ? std::max<std::size_t>(1, 16384 / sizeof(in)) : std::size_t{256};
+    // The gate before every item, or every 64 when the last chunk took under 100 ns per item.
+    using steady = std::chrono::steady_clock;
+    auto t0 = steady::now();
+    std::size_t step = fold_fast_ ? 64 : 1;
+    for (std::size_t at = 0; at < n; at += block) {
+      auto m = std::min(block, n - at);
+      const in* src = x + at;
+      if constexpr (raw_items<in>) {
+        if (lease) {
+          if (block_.empty()) block_.resize(block);
+          if (!lease->acquire()) {
+            r.revoked = true;
+            return;
+          }
+          std::memcpy(block_.data(), src, m * sizeof(in));
+          lease->release();
+          src = block_.data();
+        }
+      }
+      if (lease) prefetch(x + at + m, std::min(block, n - at - m));  // the next block
+      for (std::size_t b = 0; b < m; b += step) {
+        if (gate.stopped()) {  // the job has ended
+          r.revoked = true;
+          return;
+        }
+        auto k = std::min(step, m - b);
+        std::size_t j = 0;
+        bool consuming = false;  // which of the two threw
+        try {
+          fold(*part, *p_, src + b, k, j, consuming);
+        } catch (...) {
+          auto index = first + at + b + j;
+          if (consuming) {
+            r.consumer_failed = true;
+            r.what =
+                "consumer::work threw on a producer folding a chunk for consumer::merge "
+                "(item " +
+                std::to_string(index) + "): " + describe_current_exception();
+          } else {
+            r.failed = true;
+            r.failed_index = index;
+            r.what = describe_current_exception();
+          }
+          return;
+        }
+      }
+    }
+    if (n >= 64)
+      fold_fast_ =
+          steady::now() - t0 < std::chrono::nanoseconds{100} * static_cast<std::int64_t>(n);
+    r.outputs = batch{std::make_shared<folded_chunk<consumer_type>>(std::move(part), n)};
+  }
+
+  /// consumer::work(producer::work(x)) for items [x, x + m), counting them in `j`; `consuming`
+  /// says whose call was under way when one threw. The items are this producer's own copy
+  /// (restrict): a consumer that sums numbers into a member keeps the sum in a register.
+  static void fold(typename traits::consumer_type& c, typename traits::producer_type& p,
+                   const in* __restrict x, std::size_t m, std::size_t& j, bool& consuming) {
+    for (; j < m; ++j) {
+      if constexpr (std::is_rvalue_reference<typename traits::work_arg>::value) {
+        auto y = p.work(in(x[j]));
+        consuming = true;
+        c.work(std::move(y));
+      } else {
+        auto y = p.work(x[j]);
+        consuming = true;
+        c.work(std::move(y));
+      }
+      consuming = false;
+    }
+  }
+
+  /// Asks items [x, x + n) of a caller's range into the cache (a prefetch reads nothing: it
+  /// never faults, and the lease does not cover it).
+  static void prefetch(const in* x, std::size_t n) noexcept {
+    auto* p = reinterpret_cast<const char*>(x);
+    for (std::size_t o = 0; o < n * sizeof(in); o += 64) __builtin_prefetch(p + o);
   }
 
   /// producer::work on items [x, x + n) (the first one has index `first`), outputs from
@@ -255,7 +433,9 @@ class typed_producer final : public producer_ops {
   }
 
   throwing_owner<typename traits::producer_type> p_;
-  std::vector<in> block_;  ///< work_on_lent: the block of a caller's range being worked on
+  config cfg_;              ///< for the consumers that fold chunks (work_folded)
+  std::vector<in> block_;   ///< work_on_lent: the block of a caller's range being worked on
+  bool fold_fast_ = false;  ///< work_folded: the last chunk took under 100 ns per item
   std::shared_ptr<buffer_pool<out>> pool_ = std::make_shared<buffer_pool<out>>();
 };
 
@@ -296,6 +476,20 @@ class typed_consumer final : public consumer_ops {
       : c_(make_with<typename traits::consumer_type>(cfg)), slot_(std::move(slot)) {}
 
   bool work(batch& outputs, job_gate& gate) override {
+    auto& c = *c_;
+    if constexpr (traits::folds) {
+      if (outputs.get() != nullptr &&
+          outputs.get()->item_type() == typeid(folded_chunk<consumer_type>)) {
+        // A chunk folded on its producer: its consumer merged in, as one step.
+        auto& folded = *static_cast<const folded_chunk<consumer_type>*>(outputs.get());
+        if (gate.stopped()) return true;
+        member_ = "merge";
+        c.merge(std::move(folded.part()));
+        member_ = "work";
+        gate.add_delivered(folded.size());
+        return true;
+      }
+    }
     auto* items = outputs.as<out>();
     if (items == nullptr) return false;
     std::uint64_t n = 0;
@@ -304,48 +498,25 @@ class typed_consumer final : public consumer_ops {
       std::uint64_t& n;
       ~count() { g.add_delivered(n); }
     } counted{gate, n};
-    auto& c = *c_;
     auto& xs = items->items;
-    auto size = xs.size();
-    // A look at the gate before every item, so that nothing of an ended job runs after the
-    // consumer's current item; for a consumer whose previous chunk took under 100 ns per item,
-    // before every block of 64 items instead (under ~6 us of them), so that its loop stays tight.
-    using steady = std::chrono::steady_clock;
-    auto t0 = steady::now();
-    std::size_t step = fast_ ? 64 : 1;
-    while (n < size && !gate.stopped()) {
-      if constexpr (std::is_same<out, bool>::value) {  // std::vector<bool>: no data()
-        for (auto stop = std::min(size, n + step); n < stop; ++n) c.work(bool(xs[n]));
-      } else {
-        take(c, xs.data() + n, std::min(step, size - n), n);
-      }
+    if constexpr (std::is_same<out, bool>::value) {  // std::vector<bool>: no data()
+      for (; n < xs.size() && !gate.stopped(); ++n) c.work(bool(xs[n]));
+    } else {
+      consume_checked(c, xs.data(), xs.size(), gate, fast_, n);
     }
-    if (size >= 64)
-      fast_ = steady::now() - t0 < std::chrono::nanoseconds{100} * static_cast<std::int64_t>(size);
     return true;
   }
   void end() override { slot_->emplace(c_->end()); }
   void destroy() override { c_.reset(); }
+  [[nodiscard]] const char* member() const noexcept override { return member_; }
 
  private:
-  /// consumer::work on outputs [xs, xs + m), counted into `taken` (also when one throws). The
-  /// outputs are this batch's own (restrict): a consumer that sums numbers into a member keeps
-  /// the sum in a register and the loop is vectorized.
-  static void take(typename traits::consumer_type& c, out* __restrict xs, std::size_t m,
-                   std::uint64_t& taken) {
-    std::size_t j = 0;
-    try {
-      for (; j < m; ++j) c.work(std::move(xs[j]));
-    } catch (...) {
-      taken += j;
-      throw;
-    }
-    taken += j;
-  }
+  using consumer_type = typename traits::consumer_type;
 
   throwing_owner<typename traits::consumer_type> c_;
   result_slot<typename traits::result_type> slot_;
-  bool fast_ = false;  ///< the last chunk of 64 items or more took under 100 ns per item
+  bool fast_ = false;            ///< the last chunk of 64 items or more took under 100 ns per item
+  const char* member_ = "work";  ///< the member work() calls: "merge" for a folded chunk
 };
 
 template <class Job>

@@ -50,9 +50,9 @@ class runtime_handle {
 
   /// Starts a job: `source` through the producers into a fresh consumer made by `make`, next to
   /// the jobs already running. Throws runner_closed after close() (or when moved from),
-  /// invalid_argument for bad options.
+  /// invalid_argument for bad options. `fold`: the consumer has merge() (job_traits::folds).
   std::shared_ptr<job_core> submit(std::shared_ptr<input_source> source, consumer_maker make,
-                                   bool ordered, job_options o);
+                                   bool ordered, job_options o, bool fold = false);
   /// The same with a stream's bounded buffer in place of a consumer.
   std::shared_ptr<job_core> submit_stream(std::shared_ptr<input_source> source,
                                           std::shared_ptr<stream_buffer> buf, bool ordered,

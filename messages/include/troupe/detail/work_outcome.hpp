@@ -24,6 +24,9 @@ struct work_outcome {
   bool failed = false;               ///< an item threw and the chunk ended there
   bool wrong_type = false;           ///< the chunk holds items of another type than the job's
   bool revoked = false;  ///< a part of a caller's range whose job ended: the chunk was given up
+  /// Folding (work_chunk::fold): a member of the producer's own consumer threw (`what` says
+  /// which and why); the job ends with consumer_error.
+  bool consumer_failed = false;
   std::uint64_t failed_index = 0;  ///< failed: the item's index in the job's input
   std::string what;                ///< failed: its message
 };
