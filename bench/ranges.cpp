@@ -5,10 +5,14 @@
 // (the squares summed there, no copy of any item), and a serial final filter that adds the
 // partial sums (serial_in_order for the ordered line, serial_out_of_order for the other).
 // 2 TBB threads in all (global_control + task_arena) against 2 troupe producers;
-// troupe's side is the job of bench_jobs.hpp (producer: x*x; consumer: sum) run with
-// runner.run(xs) on the same vector: a contiguous range of numbers the caller keeps alive.
+// troupe's side is run with runner.run(xs) on the same vector (a contiguous range of numbers
+// the caller keeps alive), twice: the job of bench_jobs.hpp (producer: x*x; consumer: sum),
+// and the same job with consumer::merge (folded_squares: each producer sums its chunks, the
+// consumer adds the partial sums, as TBB's filters do).
 // The sides take turns, one untimed warm-up run each, then --repeat rounds; best run reported.
-// Usage: troupe_ranges_bench [--items N] [--grain N] [--repeat R]
+// --pause-ms (default 20) sleeps after every run; 0 runs back to back (no thread goes idle).
+// Usage: troupe_ranges_bench [--items N] [--grain N] [--repeat R] [--pause-ms P]
+//                            [--only troupe|fold|tbb]
 #include <tbb/global_control.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
@@ -64,11 +68,15 @@ std::int64_t tbb_ranges(tbb::task_arena& arena, const std::vector<std::int64_t>&
 }
 
 /// Per-item CPU cost on the calling thread alone, no threads or messages (best of 20 passes over
-/// the vector, in ns per item): TBB's range filter (x*x summed over each range), and the path an
-/// item takes through troupe's job (its producer copies the lent range 16 KiB at a time, stores
-/// x*x into the chunk's output buffer; the consumer sums the outputs). Their ratio is about the
-/// most troupe can reach against TBB on the same cores (both CPU-bound), whatever its scheduling.
-std::pair<double, double> per_item_costs(const std::vector<std::int64_t>& xs, std::size_t grain) {
+/// the vector, in ns per item): TBB's range filter (x*x summed over each range); the path an item
+/// takes through troupe's job (its producer copies the lent range 16 KiB at a time, stores x*x
+/// into the chunk's output buffer; the consumer sums the outputs); and the folded path (the block
+/// copy, the next block prefetched, x*x summed straight away). Their ratios are about the most
+/// troupe can reach against TBB on the same cores (all CPU-bound), whatever its scheduling.
+struct item_costs {
+  double tbb = 0, troupe = 0, folded = 0;
+};
+item_costs per_item_costs(const std::vector<std::int64_t>& xs, std::size_t grain) {
   auto best_of = [&](auto&& pass) {
     double best = 0;
     for (int r = 0; r < 20; ++r) {
@@ -80,7 +88,8 @@ std::pair<double, double> per_item_costs(const std::vector<std::int64_t>& xs, st
     return best * 1e9 / static_cast<double>(xs.size());
   };
   volatile std::int64_t sink = 0;
-  auto tbb_like = best_of([&] {
+  item_costs c;
+  c.tbb = best_of([&] {
     std::int64_t total = 0;
     for (std::size_t at = 0; at < xs.size(); at += grain) {
       std::int64_t part = 0;
@@ -92,7 +101,7 @@ std::pair<double, double> per_item_costs(const std::vector<std::int64_t>& xs, st
   });
   constexpr std::size_t block = 16384 / sizeof(std::int64_t);
   std::vector<std::int64_t> copy(block), out(grain);
-  auto troupe_like = best_of([&] {
+  c.troupe = best_of([&] {
     std::int64_t total = 0;
     for (std::size_t at = 0; at < xs.size(); at += grain) {
       auto n = std::min(grain, xs.size() - at);
@@ -106,8 +115,21 @@ std::pair<double, double> per_item_costs(const std::vector<std::int64_t>& xs, st
     }
     sink = total;
   });
+  c.folded = best_of([&] {
+    std::int64_t total = 0;
+    for (std::size_t b = 0; b < xs.size(); b += block) {
+      auto m = std::min(block, xs.size() - b);
+      std::memcpy(copy.data(), xs.data() + b, m * sizeof(std::int64_t));
+      auto* next = reinterpret_cast<const char*>(xs.data() + b + m);
+      for (std::size_t o = 0; o < std::min(block, xs.size() - b - m) * 8; o += 64)
+        __builtin_prefetch(next + o);
+      asm volatile("" : : "r"(copy.data()) : "memory");
+      for (std::size_t j = 0; j < m; ++j) total += copy[j] * copy[j];
+    }
+    sink = total;
+  });
   (void)sink;
-  return {tbb_like, troupe_like};
+  return c;
 }
 
 }  // namespace
@@ -174,12 +196,12 @@ int main(int argc, char** argv) {
               << rate(fold_best) << " M items/s = " << pct(fold_best) << " % of TBB\n";
   }
   if (only.empty()) {
-    auto [tbb_ns, troupe_ns] = per_item_costs(xs, grain);
-    std::cout << "per item on one thread, no threads or messages: TBB's range loop " << tbb_ns
-              << " ns, troupe's item path (block copy, x*x stored, outputs summed) " << troupe_ns
-              << " ns: " << troupe_ns / tbb_ns << "x the work per item, so about "
-              << 100 * tbb_ns / troupe_ns
-              << " % of TBB is the most troupe can reach on the same cores, whatever the "
-                 "scheduling\n";
+    auto c = per_item_costs(xs, grain);
+    std::cout << "per item on one thread, no threads or messages: TBB's range loop " << c.tbb
+              << " ns, troupe's item path (block copy, x*x stored, outputs summed) " << c.troupe
+              << " ns, folded (block copy, next block prefetched, x*x summed) " << c.folded
+              << " ns: the most troupe can reach on the same cores, whatever the scheduling, is "
+                 "about "
+              << 100 * c.tbb / c.troupe << " % of TBB, folded " << 100 * c.tbb / c.folded << " %\n";
   }
 }
