@@ -2,6 +2,7 @@
 // scripted faults, virtual time, the usual runner API; explore() over many seeds.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -86,6 +87,32 @@ TEST(Simulation, ANodeKilledAtItsThirdChunkAndOneFrozenStillGiveTheExactResult) 
     EXPECT_EQ(trace.find("b:1/cpu#2 answered", trace.find("freeze b:1")), std::string::npos);
     EXPECT_LT(sim.now(), 1500ms);
   }
+}
+
+/// squares whose consumer can merge: nodes' producers never fold (work_chunk::fold does not
+/// travel), and a simulated cluster must not either.
+struct squares_with_merge {
+  static inline std::atomic<int> merges{0};
+  using producer = squares::producer;
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    void merge(consumer&& other) {
+      ++merges;
+      sum += other.sum;
+    }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Simulation, SimulatedNodesDoNotFoldLikeRealOnes) {
+  simulation sim{7};
+  four_nodes(sim);
+  auto xs = iota(2000);
+  squares_with_merge::merges = 0;
+  auto r = sim.ordered_runner<squares_with_merge>(sim.devices());
+  EXPECT_EQ(r.run(xs), sum_of_squares(2000));
+  EXPECT_EQ(squares_with_merge::merges, 0);
 }
 
 TEST(Simulation, TheSameSeedGivesTheSameTraceAndAnotherSeedAnother) {

@@ -92,7 +92,9 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_pro
                      std::to_string(w.first + w.items.size());
         if (!sim.chunk_arrived(st->node)) return caf::delegated<chunk_result>{};  // died with it
         sim.record(slot_name(*st) + " got " + range);
-        auto r = st->real.work(w);
+        // A node's producer gets its chunks over the network: it never folds (work_chunk::fold
+        // does not travel), so a simulated one does not either.
+        auto r = st->real.work(work_chunk{w.run, w.first, w.items, w.keep_going, nullptr});
         // Its time is virtual: the chunk's cost, from when the producer could start it.
         auto& n = sim.node_of(*st);
         auto now = sim.clock_now();

@@ -35,6 +35,11 @@ class job_gate {
   [[nodiscard]] bool ending() const noexcept {
     return state_.load(std::memory_order_acquire) == state_ending;
   }
+  /// Neither ended nor ending: its outputs are still wanted (a producer folding a chunk for
+  /// it goes on; once end() has begun, what is still being folded is a copy that lost).
+  [[nodiscard]] bool open() const noexcept {
+    return state_.load(std::memory_order_relaxed) == state_open;
+  }
   [[nodiscard]] bool stopped() const noexcept {
     return state_.load(std::memory_order_relaxed) == state_stopped;
   }

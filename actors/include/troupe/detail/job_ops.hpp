@@ -178,6 +178,13 @@ class folded_chunk final : public batch_base {
   folded_chunk(std::unique_ptr<C> part, std::size_t n) : part_(std::move(part)), n_(n) {}
   /// The consumer that took the chunk's outputs (merged once, by the job's consumer).
   [[nodiscard]] C& part() const noexcept { return *part_; }
+  /// Destroys that consumer now (once merged); a throw from its destructor is ignored.
+  void dispose() const noexcept {
+    try {
+      part_.reset();
+    } catch (...) {
+    }
+  }
   [[nodiscard]] std::size_t size() const noexcept override { return n_; }
   [[nodiscard]] const std::type_info& item_type() const noexcept override {
     return typeid(folded_chunk<C>);
@@ -196,7 +203,7 @@ class folded_chunk final : public batch_base {
   }
 
  private:
-  throwing_owner<C> part_;  ///< its destructor may throw: ignored (a chunk dropped anywhere)
+  mutable throwing_owner<C> part_;  ///< its destructor may throw: ignored
   std::size_t n_;
 };
 
@@ -294,14 +301,20 @@ class typed_producer final : public producer_ops {
   /// The chunk's outputs into a consumer of the job's own (work_chunk::fold): each output goes
   /// from producer::work straight to that consumer's work(), never stored (a part of a caller's
   /// range is copied first, a block at a time, under its lease). What it hands back is that
-  /// consumer (folded_chunk), or the first failure; nothing once the job has ended (its gate is
-  /// looked at as the job's consumer looks at it) or its handle took the range back.
+  /// consumer (folded_chunk), or the first failure. Nothing once the job's outputs are no longer
+  /// wanted (its gate is no longer open: it ended, or consumer::end() began, so this chunk is a
+  /// speculative copy that lost) or its handle took the range back; the consumer is then
+  /// destroyed here (a throw from its destructor ignored).
   void work_folded(job_gate& gate, range_lease* lease, const in* x, std::size_t n,
                    std::uint64_t first, work_outcome& r) {
     using consumer_type = typename traits::consumer_type;
-    std::unique_ptr<consumer_type> part;
+    if (!gate.open()) {
+      r.revoked = true;
+      return;
+    }
+    std::shared_ptr<folded_chunk<consumer_type>> folded;
     try {
-      part = make_with<consumer_type>(cfg_);
+      folded = std::make_shared<folded_chunk<consumer_type>>(make_with<consumer_type>(cfg_), n);
     } catch (...) {
       r.consumer_failed = true;
       r.what =
@@ -310,12 +323,15 @@ class typed_producer final : public producer_ops {
           describe_current_exception();
       return;
     }
+    auto& part = folded->part();
     constexpr std::size_t block =
         raw_items<in> ? std::max<std::size_t>(1, 16384 / sizeof(in)) : std::size_t{256};
-    // The gate before every item, or every 64 when the last chunk took under 100 ns per item.
+    // The gate before every item; every 64 once items take under 100 ns each (measured over
+    // the chunk's first 64 items, then every 16384, one at a time again once they are slower).
     using steady = std::chrono::steady_clock;
-    auto t0 = steady::now();
-    std::size_t step = fold_fast_ ? 64 : 1;
+    constexpr std::size_t fast_step = 64;
+    std::size_t step = 1, done = 0, probe_at = fast_step, probe_from = 0;
+    auto probe_start = steady::now();
     for (std::size_t at = 0; at < n; at += block) {
       auto m = std::min(block, n - at);
       const in* src = x + at;
@@ -332,16 +348,16 @@ class typed_producer final : public producer_ops {
         }
       }
       if (lease) prefetch(x + at + m, std::min(block, n - at - m));  // the next block
-      for (std::size_t b = 0; b < m; b += step) {
-        if (gate.stopped()) {  // the job has ended
+      for (std::size_t b = 0, k = 0; b < m; b += k) {
+        if (!gate.open()) {  // no longer wanted
           r.revoked = true;
           return;
         }
-        auto k = std::min(step, m - b);
+        k = std::min(step, m - b);
         std::size_t j = 0;
         bool consuming = false;  // which of the two threw
         try {
-          fold(*part, *p_, src + b, k, j, consuming);
+          fold(part, *p_, src + b, k, j, consuming);
         } catch (...) {
           auto index = first + at + b + j;
           if (consuming) {
@@ -357,12 +373,23 @@ class typed_producer final : public producer_ops {
           }
           return;
         }
+        done += k;
+        if (done >= probe_at) {
+          auto now = steady::now();
+          auto items = static_cast<std::int64_t>(done - probe_from);
+          bool fast = now - probe_start < std::chrono::nanoseconds{100} * items;
+          step = fast ? fast_step : 1;
+          probe_start = now;
+          probe_from = done;
+          probe_at = done + (fast ? 16384 : fast_step);
+        }
       }
     }
-    if (n >= 64)
-      fold_fast_ =
-          steady::now() - t0 < std::chrono::nanoseconds{100} * static_cast<std::int64_t>(n);
-    r.outputs = batch{std::make_shared<folded_chunk<consumer_type>>(std::move(part), n)};
+    if (!gate.open()) {  // not wanted any more: destroyed here, not wherever the answer is dropped
+      r.revoked = true;
+      return;
+    }
+    r.outputs = batch{std::move(folded)};
   }
 
   /// consumer::work(producer::work(x)) for items [x, x + m), counting them in `j`; `consuming`
@@ -433,9 +460,8 @@ class typed_producer final : public producer_ops {
   }
 
   throwing_owner<typename traits::producer_type> p_;
-  config cfg_;              ///< for the consumers that fold chunks (work_folded)
-  std::vector<in> block_;   ///< work_on_lent: the block of a caller's range being worked on
-  bool fold_fast_ = false;  ///< work_folded: the last chunk took under 100 ns per item
+  config cfg_;             ///< for the consumers that fold chunks (work_folded)
+  std::vector<in> block_;  ///< work_on_lent: the block of a caller's range being worked on
   std::shared_ptr<buffer_pool<out>> pool_ = std::make_shared<buffer_pool<out>>();
 };
 
@@ -487,6 +513,7 @@ class typed_consumer final : public consumer_ops {
         c.merge(std::move(folded.part()));
         member_ = "work";
         gate.add_delivered(folded.size());
+        folded.dispose();  // here, before the job can end: not wherever the message goes
         return true;
       }
     }
