@@ -375,6 +375,32 @@ TEST(Train, ARingLatePastReplicaTimeoutWithNoLossPausesRingsForAStepOnly) {
   EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 1024)), 1e-5);
 }
 
+TEST(Train, RingsThatFailWithNoLossGoThroughCafThenThroughTheCoordinator) {
+  // Two replicas on a node served by this process, so that the test can make rings fail while
+  // both replicas answer (as a data port nobody can reach would): the second step's ring over
+  // the data plane fails, so that step is reduced through the coordinator and the next rings go
+  // through CAF; the fourth step's ring through CAF fails too, and the coordinator sums from
+  // then on. No replica is lost, and the result is the plain loop's.
+  test_util::watchdog dog{std::chrono::seconds{120}, "rings that fail with no loss"};
+  auto node = troupe::node::serve("127.0.0.1:0", {"cpu", "cpu"});
+  auto at = node.address();
+  auto batches = make_batches(7, 48);
+  dp_t dp{{troupe::device{at + "/cpu"}, troupe::device{at + "/cpu"}}, ring_cfg(), opts(8, false)};
+  std::vector<std::uint64_t> rings, direct;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    troupe::detail::ring_plane::test_fail_rings = i == 1 || i == 3 ? 1 : 0;
+    dp.step(batches[i]);
+    rings.push_back(dp.stats().ring_reductions);
+    direct.push_back(dp.stats().direct_ring_reductions);
+    expect_replicas_identical(dp);
+  }
+  troupe::detail::ring_plane::test_fail_rings = 0;
+  EXPECT_EQ(rings, (std::vector<std::uint64_t>{1, 1, 2, 2, 2, 2, 2}));
+  EXPECT_EQ(direct, (std::vector<std::uint64_t>{1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(dp.stats().lost_replicas, 0u);
+  EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 1024)), 1e-5);
+}
+
 TEST(Train, AReplicaLostInFastModeIsRecomputedIntoTheSameSums) {
   // The node dies inside its 5th backward: the survivor gets a second run of shards in the same
   // step, summed beside its first (through the coordinator, and in a ring).

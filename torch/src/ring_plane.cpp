@@ -108,6 +108,14 @@ void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t byt
 }
 
 std::atomic<int> test_delay_ms{0};
+std::atomic<int> test_fail_rings{0};
+
+bool take_test_failure() noexcept {
+  int left = test_fail_rings.load();
+  while (left > 0 && !test_fail_rings.compare_exchange_weak(left, left - 1)) {
+  }
+  return left > 0;
+}
 
 key random_key() {
   std::random_device rd;

@@ -103,6 +103,14 @@ struct spec {
 /// once), to make a ring late on purpose. 0, the default: no wait.
 extern std::atomic<int> test_delay_ms;
 
+/// Tests only: the next this many rings started by replicas of this process (over the data
+/// plane or through CAF) fail at once, as one whose neighbour cannot be reached fails; for
+/// testing the coordinator's fallbacks. 0, the default: none.
+extern std::atomic<int> test_fail_rings;
+
+/// Takes one of test_fail_rings: true when this ring is to fail.
+bool take_test_failure() noexcept;
+
 /// One ring all-reduce (reduce-scatter then all-gather, `pieces` slices pipelined, a fixed
 /// order of messages on each connection, so nothing but the hello travels besides the data),
 /// on a thread of its own. At the end `done(ok, what)` is called on that thread, unless the

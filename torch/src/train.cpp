@@ -517,6 +517,9 @@ struct replica_state {
     res.run = reply_id;
     try {
       if (n < 2 || pos >= n || !right) throw protocol_error("a malformed ring");
+      if (ring_plane::take_test_failure())
+        throw protocol_error(std::string{"a ring made to fail by a test ("} +
+                             (data.empty() ? "through CAF" : "over the data plane") + ")");
       ring = ring_run{};  // the last ring's thread is gone before its buffer is touched
       if (partial_step != step || !partial.defined()) {  // no shard of this step came here
         partial = flat_buffer(&sum_buf).zero_();
