@@ -716,7 +716,8 @@ TEST(Callers, AHandleDestroyedWhileEndRunsTakesItsRangeBackFromASlowOriginal) {
   slow_original::finish = &finish;
   slow_original::held = false;
   troupe::options opts;
-  opts.max_chunk_items = 4096;  // the held item is in the first of its chunk's two blocks
+  opts.chunk_size = 4096;  // chunks of 4096 (whatever the pace): the held item is in the first
+                           // of its chunk's two blocks
   troupe::unordered_runner<slow_original> runner{2, {}, opts};
   auto xs = iota(8 * 4096);
   {
