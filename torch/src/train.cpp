@@ -20,6 +20,7 @@
 #include <chrono>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -206,7 +207,13 @@ struct replica_state {
 
   void init(train_msg& out) {
     binding = bind_device(where);
-    r = make(where, cfg);
+    {
+      // The coordinator starts one replica per process at a time; this lock also covers
+      // replicas of several data_parallel objects (or coordinators) started at once.
+      static std::mutex constructing;
+      std::lock_guard<std::mutex> lock{constructing};
+      r = make(where, cfg);
+    }
     params = r->parameters();
     if (params.empty()) throw invalid_argument("replica::parameters() returned no tensor");
     for (auto& p : params) {
@@ -1115,6 +1122,19 @@ struct trainer::impl {
     return a;
   }
 
+  /// `fresh` in rounds that hold at most one replica per process (the caller's, or a node's):
+  /// the k-th round holds the k-th replica of each process, in member order.
+  std::vector<std::vector<std::size_t>> construction_rounds(const std::vector<std::size_t>& fresh) {
+    std::map<std::string, std::size_t> seen;  // process ("" = this one) -> replicas so far
+    std::vector<std::vector<std::size_t>> rounds;
+    for (auto i : fresh) {
+      auto k = seen[members[i].d.is_local() ? std::string{} : members[i].d.node()]++;
+      if (rounds.size() <= k) rounds.resize(k + 1);
+      rounds[k].push_back(i);
+    }
+    return rounds;
+  }
+
   /// Spawns and starts replicas on `devices`; returns their member indexes.
   std::vector<std::size_t> start(const std::vector<device>& devices) {
     std::vector<std::size_t> fresh;
@@ -1154,11 +1174,17 @@ struct trainer::impl {
     train_msg init;
     init.code = static_cast<std::uint8_t>(op::init);
     try {
-      for (auto& [who, msg] : everyone(fresh, init)) {
-        if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
-        members[who].data_port =
-            msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
-      }
+      // The replicas' constructors run one at a time in each process, in member order (replica
+      // 0 first): a constructor that seeds torch's global generator and builds its model
+      // (torch::manual_seed(s); net = Net();) must not have its draws interleaved with another
+      // replica's. Processes differ in their generators, so each round starts the next replica
+      // of every process at once.
+      for (auto& round : construction_rounds(fresh))
+        for (auto& [who, msg] : everyone(round, init)) {
+          if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
+          members[who].data_port =
+              msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
+        }
     } catch (...) {
       // The replicas that started are idle: freed before the exception leaves (the one that
       // failed too; one stuck past replica_timeout was given up on already).
