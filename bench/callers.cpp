@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
       } catch (const troupe::deadline_exceeded&) {
       }
       deadline_ms.push_back(ms_since(t0));
-      auto h = runner.submit(xs);
+      auto h = runner.submit(troupe::lend(xs));
       std::this_thread::sleep_for(50ms);
       h.cancel();
       auto t1 = clock_type::now();

@@ -32,13 +32,17 @@ int main(int argc, char** argv) {
     torch::manual_seed(1);
     auto inputs = torch::randn({rows, example::mlp_features});
     std::int64_t next = 0;
-    troupe::ordered_runner<batched_inference> runner{f.device_list(), {}, f.options()};
+    auto progress = f.make_progress("batches");  // on stderr (common/progress.hpp)
+    troupe::ordered_runner<batched_inference> runner{f.device_list(), {}, f.options(progress)};
+    auto watching = progress.watch(runner);
+    if (batch > 0) progress.expect(static_cast<std::uint64_t>((rows + batch - 1) / batch));
     auto outputs = runner.run(troupe::generate([&]() -> std::optional<at::Tensor> {
       if (next >= rows) return std::nullopt;
       auto b = inputs.slice(0, next, std::min(next + batch, rows));
       next += batch;
       return b;
     }));
+    progress.finish();
     example::check_and_report(outputs, inputs);
   });
 }

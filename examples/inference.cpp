@@ -29,7 +29,11 @@ int main(int argc, char** argv) {
     torch::manual_seed(1);
     auto inputs = torch::randn({static_cast<std::int64_t>(f.items), example::mlp_features});
     std::vector<at::Tensor> rows = inputs.unbind(0);
-    troupe::ordered_runner<inference> runner{f.device_list(), {}, f.options()};
-    example::check_and_report(runner.run(rows), inputs);
+    auto progress = f.make_progress();  // on stderr (common/progress.hpp)
+    troupe::ordered_runner<inference> runner{f.device_list(), {}, f.options(progress)};
+    auto watching = progress.watch(runner);
+    auto outputs = runner.run(rows);
+    progress.finish();
+    example::check_and_report(outputs, inputs);
   });
 }

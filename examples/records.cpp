@@ -60,7 +60,11 @@ int main(int argc, char** argv) {
     std::vector<app::record> rs;
     for (std::size_t i = 0; i < f.items; ++i)  // record i holds 0, 1, ..., i % 5
       rs.push_back({"record-" + std::to_string(i), at::arange(static_cast<double>(i % 5 + 1))});
-    troupe::ordered_runner<app::records> runner{f.device_list(), {}, f.options()};
-    std::cout << "result: " << runner.run(rs) << "\n";
+    auto progress = f.make_progress();  // on stderr (common/progress.hpp)
+    troupe::ordered_runner<app::records> runner{f.device_list(), {}, f.options(progress)};
+    auto watching = progress.watch(runner);
+    auto total = runner.run(rs);
+    progress.finish();
+    std::cout << "result: " << total << "\n";
   });
 }

@@ -54,7 +54,7 @@ std::string describe(const troupe::job_report& r) {
 }
 
 template <class Runner>
-int serve_requests(Runner& runner, std::int64_t items) {
+int serve_requests(Runner& runner, std::int64_t items, example::progress_display& progress) {
   std::mutex mtx;
   std::vector<std::pair<int, std::string>> lines;
   auto say = [&](int order, const std::string& s) {
@@ -64,8 +64,13 @@ int serve_requests(Runner& runner, std::int64_t items) {
   std::int64_t big = 0, urgent = 0, skipped_sum = 0;
   std::atomic<bool> big_started{false};
   std::vector<std::thread> callers;
+  // Progress on stderr shows the big job (options::on_progress would mix every job's reports).
+  auto watching = progress.watch(runner);
+  progress.expect(static_cast<std::uint64_t>(items * 10));
   callers.emplace_back([&] {
-    auto h = runner.submit(range(items * 10));
+    troupe::job_options o;
+    o.on_progress = progress.callback();
+    auto h = runner.submit(range(items * 10), o);
     big_started = true;
     big = h.get();
     say(0, "big: " + std::to_string(big) + " (" + describe(h.report()) + ")");
@@ -119,6 +124,7 @@ int serve_requests(Runner& runner, std::int64_t items) {
     say(4, s);
   });
   for (auto& t : callers) t.join();
+  progress.finish();
   std::sort(lines.begin(), lines.end());
   for (auto& [order, s] : lines) std::cout << s << "\n";
   auto st = runner.stats();
@@ -141,12 +147,13 @@ int main(int argc, char** argv) {
     troupe::config cfg;
     cfg.set("work_ms", f.work_ms);
     auto n = static_cast<std::int64_t>(f.items);
+    auto progress = f.make_progress();  // on stderr (common/progress.hpp)
     if (f.ordered) {
       troupe::ordered_runner<squares_service> runner{f.device_list(), cfg, f.options()};
-      serve_requests(runner, n);
+      serve_requests(runner, n, progress);
     } else {
       troupe::unordered_runner<squares_service> runner{f.device_list(), cfg, f.options()};
-      serve_requests(runner, n);
+      serve_requests(runner, n, progress);
     }
   });
 }

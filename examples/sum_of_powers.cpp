@@ -42,11 +42,17 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> inputs(f.items);
     for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = static_cast<std::int64_t>(i);
     std::int64_t result = 0;
-    if (f.ordered)
-      result = troupe::ordered_runner<sum_of_powers>{f.device_list(), cfg, f.options()}.run(inputs);
-    else
-      result =
-          troupe::unordered_runner<sum_of_powers>{f.device_list(), cfg, f.options()}.run(inputs);
+    auto progress = f.make_progress();  // on stderr (common/progress.hpp)
+    if (f.ordered) {
+      troupe::ordered_runner<sum_of_powers> runner{f.device_list(), cfg, f.options(progress)};
+      auto watching = progress.watch(runner);
+      result = runner.run(inputs);
+    } else {
+      troupe::unordered_runner<sum_of_powers> runner{f.device_list(), cfg, f.options(progress)};
+      auto watching = progress.watch(runner);
+      result = runner.run(inputs);
+    }
+    progress.finish();
     std::cout << "result: " << result << "\n";
   });
 }

@@ -29,12 +29,16 @@ struct sum_of_squares {
 TROUPE_REGISTER_JOB(sum_of_squares);
 
 template <class Runner>
-std::int64_t run_all(Runner& runner, std::size_t n) {
+std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& progress) {
+  auto watching = progress.watch(runner);  // per-producer shares on the progress bar
+  progress.expect(n);                      // the generator's length, for the bar and the ETA
   std::int64_t i = 0;
-  return runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+  auto sum = runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
     if (i >= static_cast<std::int64_t>(n)) return std::nullopt;
     return i++;
   }));
+  progress.finish();  // the summary line, on stderr
+  return sum;
 }
 
 int main(int argc, char** argv) {
@@ -47,12 +51,13 @@ int main(int argc, char** argv) {
     troupe::config cfg;
     cfg.set("work_ms", f.work_ms);
     std::int64_t result = 0;
+    auto progress = f.make_progress();
     if (f.ordered) {
-      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options()};
-      result = run_all(runner, f.items);
+      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options(progress)};
+      result = run_all(runner, f.items, progress);
     } else {
-      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options()};
-      result = run_all(runner, f.items);
+      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options(progress)};
+      result = run_all(runner, f.items, progress);
     }
     std::cout << "result: " << result << "\n";
   });

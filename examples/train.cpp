@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <numeric>
 
@@ -71,6 +72,25 @@ int main(int argc, char** argv) {
     std::iota(order.begin(), order.end(), 0);
     std::vector<example::sample> batch;
     std::size_t local_steps = 0;
+    // Steps on stderr (common/progress.hpp), each replica's share counted in shards.
+    auto progress = f.make_progress("steps", "replicas");
+    const auto started = std::chrono::steady_clock::now();
+    troupe::progress done;
+    done.total = epochs * ((order.size() + batch_size - 1) / std::max<std::size_t>(1, batch_size));
+    auto report_step = [&] {
+      if (!progress.enabled()) return;
+      ++done.done;
+      done.elapsed_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      done.items_per_second = static_cast<double>(done.done) / std::max(1e-9, done.elapsed_seconds);
+      example::producer_shares shares;
+      auto st = dp.stats();
+      for (std::size_t i = 0; i < st.replicas.size(); ++i) {
+        shares.items.emplace_back(i, st.replicas[i].shards);
+        if (st.replicas[i].lost) ++shares.lost;
+      }
+      progress.update(done, std::move(shares));
+    };
     for (std::size_t epoch = 1; epoch <= epochs; ++epoch) {
       std::shuffle(order.begin(), order.end(), rng);
       double loss = 0;
@@ -86,12 +106,17 @@ int main(int argc, char** argv) {
           loss += dp.step(batch);
         }
         ++steps;
+        report_step();
       }
       if (average_every > 0 && local_steps % average_every != 0) dp.average_parameters();
-      std::printf("epoch %zu: loss %.4f (%zu steps on %zu replicas)\n", epoch,
-                  loss / static_cast<double>(std::max<std::size_t>(1, steps)), steps,
-                  dp.devices().size());
+      progress.print_above([&] {
+        std::printf("epoch %zu: loss %.4f (%zu steps on %zu replicas)\n", epoch,
+                    loss / static_cast<double>(std::max<std::size_t>(1, steps)), steps,
+                    dp.devices().size());
+        std::fflush(stdout);
+      });
     }
+    progress.finish();
     auto s = dp.stats();
     if (s.lost_replicas > 0)
       std::printf("lost replicas: %llu, shards recomputed: %llu\n",

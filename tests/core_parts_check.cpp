@@ -5,6 +5,7 @@
 #include "producer_model.hpp"
 #include "scheduler_parts.hpp"
 #include "stats_box.hpp"
+#include "trace.hpp"
 
 namespace {
 struct payload {

@@ -68,7 +68,7 @@ TEST(Fold, AnOrderedRunnerMergesEveryChunkInInputOrder) {
   troupe::ordered_runner<keeps_order> runner{3, {}, fixed_chunks(1000)};
   auto xs = iota(100'000);
   keeps_order::reset();
-  auto h = runner.submit(xs);  // an lvalue: lent, read in blocks under its lease
+  auto h = runner.submit(troupe::lend(xs));  // read in place, in blocks under its lease
   EXPECT_EQ(h.get(), tripled(100'000));
   EXPECT_EQ(keeps_order::merges, 100) << "one merge per chunk of 1000";
   EXPECT_EQ(keeps_order::made, 101) << "the job's consumer and one per chunk";
@@ -297,7 +297,7 @@ void cancel_while_folding(bool fast_before) {
   slow_folding::slow = true;
   slow_folding::calls = 0;
   slow_folding::merged = 0;
-  auto h = runner.submit(xs);
+  auto h = runner.submit(troupe::lend(xs));
   while (slow_folding::calls < 500) std::this_thread::sleep_for(1ms);
   h.cancel();
   EXPECT_THROW(h.get(), troupe::cancelled);
@@ -346,7 +346,7 @@ TEST(Fold, ALentRangeTakenBackIsNotReadByFoldingProducers) {
   for (int i = 0; i < 30; ++i) {
     auto ys = iota(4'000'000);
     {
-      auto h = runner.submit(ys);
+      auto h = runner.submit(troupe::lend(ys));
       std::this_thread::sleep_for(std::chrono::microseconds{100 * (i % 5)});
     }  // destroyed mid-run: cancelled, and the range taken back
     std::fill(ys.begin(), ys.end(), folds_and_watches::poison);

@@ -3,10 +3,12 @@
 // events (a test that would hang is caught by CTest's timeout).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -482,6 +484,108 @@ TEST(Jobs, ASmallJobIsNotQueuedBehindABigOne) {
   EXPECT_FALSE(big.done());
   EXPECT_LT(big.progress().done, 100'000u);
   big.cancel();
+}
+
+}  // namespace
+
+namespace {
+
+// Batch producers (docs/api.md, "Batch producers"): work(troupe::span<const In>) is called
+// once per chunk with its items; a batch that throws is split in halves down to the items that
+// fail alone.
+struct batch_squares {
+  static inline std::atomic<int> calls{0};
+  static inline std::atomic<int> items{0};
+  static inline std::atomic<int> wrong_size_at{-1};  // an input that makes work() return too few
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      ++calls;
+      items += static_cast<int>(xs.size());
+      std::vector<std::int64_t> ys;
+      ys.reserve(xs.size());
+      for (auto x : xs) {
+        if (x < 0) throw std::runtime_error("negative " + std::to_string(x));
+        if (x == wrong_size_at) return ys;
+        ys.push_back(x * x);
+      }
+      return ys;
+    }
+  };
+};
+
+std::vector<std::int64_t> batch_inputs(std::int64_t n, std::vector<std::int64_t> bad = {}) {
+  std::vector<std::int64_t> xs(static_cast<std::size_t>(n));
+  std::iota(xs.begin(), xs.end(), 0);
+  for (auto b : bad) xs[static_cast<std::size_t>(b)] = -b;
+  return xs;
+}
+
+troupe::options fixed_batches(std::size_t chunk) {
+  troupe::options o;
+  o.chunk_size = chunk;
+  o.speculative = false;  // copies would add calls: this test counts them
+  return o;
+}
+
+TEST(Batch, AProducerTakesAChunkPerCallAndEveryOutputComesBackInOrder) {
+  batch_squares::calls = 0;
+  batch_squares::items = 0;
+  troupe::ordered_runner<batch_squares> runner{3, {}, fixed_batches(100)};
+  auto ys = runner.run(batch_inputs(1000));
+  ASSERT_EQ(ys.size(), 1000u);
+  for (std::int64_t i = 0; i < 1000; ++i) EXPECT_EQ(ys[static_cast<std::size_t>(i)], i * i);
+  EXPECT_EQ(batch_squares::calls, 10) << "one call per chunk of 100";
+  EXPECT_EQ(batch_squares::items, 1000);
+  EXPECT_EQ(runner.stats().split_calls, 0u);
+  // Unordered, adaptive chunks: every output once.
+  troupe::unordered_runner<batch_squares> adaptive{2};
+  auto zs = adaptive.run(batch_inputs(5000));
+  std::sort(zs.begin(), zs.end());
+  for (std::int64_t i = 0; i < 5000; ++i) EXPECT_EQ(zs[static_cast<std::size_t>(i)], i * i);
+}
+
+TEST(Batch, AThrowingBatchIsSplitUntilOnlyTheItemsThatFailAloneFail) {
+  batch_squares::calls = 0;
+  troupe::ordered_runner<batch_squares> runner{1, {}, fixed_batches(128)};
+  troupe::job_options skip;
+  skip.on_error = troupe::error_policy::skip();
+  auto h = runner.submit(batch_inputs(128, {37, 80}), skip);
+  auto ys = h.get();
+  ASSERT_EQ(ys.size(), 126u);
+  std::vector<std::int64_t> want;
+  for (std::int64_t i = 0; i < 128; ++i)
+    if (i != 37 && i != 80) want.push_back(i * i);
+  EXPECT_EQ(ys, want);
+  auto report = h.report();
+  ASSERT_EQ(report.failures.size(), 2u);
+  EXPECT_EQ(report.failures[0].index, 37u);
+  EXPECT_EQ(report.failures[1].index, 80u);
+  EXPECT_NE(report.failures[0].what.find("negative -37"), std::string::npos);
+  // One call for the whole chunk, then halves of every batch that throws: 128, and the halves
+  // holding a bad item down to 2 items (64, 32, 16, 8, 4, 2 for each): 13 splits, 2 calls each.
+  EXPECT_EQ(runner.stats().split_calls, 26u);
+  EXPECT_EQ(batch_squares::calls, 1 + 26);
+  // Without a policy the job fails with the first item that fails alone, and its index.
+  try {
+    runner.run(batch_inputs(128, {90}));
+    ADD_FAILURE() << "no work_error";
+  } catch (const troupe::work_error& e) {
+    EXPECT_EQ(e.index(), 90u);
+  }
+}
+
+TEST(Batch, AProducerThatReturnsTheWrongNumberOfOutputsIsAnError) {
+  batch_squares::wrong_size_at = 5;
+  troupe::ordered_runner<batch_squares> runner{1, {}, fixed_batches(10)};
+  try {
+    runner.run(batch_inputs(20));
+    ADD_FAILURE() << "no work_error";
+  } catch (const troupe::work_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("returned 5 outputs for 10 items"), std::string::npos)
+        << e.what();
+  }
+  batch_squares::wrong_size_at = -1;
+  EXPECT_EQ(runner.run(batch_inputs(20)).size(), 20u);
 }
 
 }  // namespace

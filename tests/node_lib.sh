@@ -47,3 +47,24 @@ netns_cleanup() {
   for ns in "$coord" "${tag}n1" "${tag}n2"; do ip netns del "$ns" 2>/dev/null || true; done
   rm -rf "$dir"
 }
+
+# loopback_two_nodes: two nodes of "$bin" on loopback (--serve 127.0.0.1:0 --devices cpu,cpu),
+# their output in $dir/node1 and $dir/node2. Sets dir, pids, a and b (their HOST:PORT); they
+# are SIGKILLed and $dir removed on exit.
+loopback_two_nodes() {
+  dir=$(mktemp -d)
+  pids=()
+  trap loopback_cleanup EXIT
+  local i
+  for i in 1 2; do
+    "$bin" --serve 127.0.0.1:0 --devices cpu,cpu > "$dir/node$i" &
+    pids+=($!)
+  done
+  a=$(served_address "$dir/node1")
+  b=$(served_address "$dir/node2")
+}
+
+loopback_cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$dir"
+}

@@ -66,10 +66,11 @@ class node_process {
   }
   /// True once the process has ended (it is reaped then); `signal` gets the signal that ended
   /// it (0: none).
-  bool ended(int* signal = nullptr) {
+  bool ended(int* signal = nullptr, int* code = nullptr) {
     int status = 0;
     if (pid_ <= 0 || waitpid(pid_, &status, WNOHANG) != pid_) return false;
     if (signal) *signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    if (code) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     pid_ = -1;
     return true;
   }

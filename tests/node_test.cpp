@@ -186,6 +186,40 @@ TEST(Nodes, SigkillOfOneNodeMidRunStillGivesTheExactResult) {
   EXPECT_EQ(*lost, (std::vector<std::size_t>{0, 1}));  // node a's two producers, once each
 }
 
+TEST(Nodes, ASigtermedNodeDrainsItsProducersAndTheJobLosesNothing) {
+  // An operator's rolling restart: SIGTERM to a node mid-job. The node tells the coordinator
+  // its producers are leaving; they take no new work, finish their chunks, run end() and are
+  // reported removed (never lost); the node then exits 0. Nothing is lost or counted twice.
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()});
+  troupe::options opts;
+  opts.speculative = false;
+  signal_after(a, opts, SIGTERM, 300);
+  auto events = std::make_shared<std::vector<troupe::producer_event>>();
+  opts.on_event = [events](const troupe::producer_event& e) { events->push_back(e); };
+  troupe::unordered_runner<remote_squares> runner{c.devices(), slow(1000), opts};
+  EXPECT_EQ(runner.run(iota(3000)), sum_of_squares(3000));
+  test_util::watchdog dog{std::chrono::seconds{60}, "the drained node's exit"};
+  int sig = -1, code = -1;
+  while (!a.ended(&sig, &code)) std::this_thread::sleep_for(std::chrono::milliseconds{10});
+  EXPECT_EQ(sig, 0) << "the node died of a signal instead of draining";
+  EXPECT_EQ(code, 0);
+  auto s = runner.stats();
+  EXPECT_TRUE(s.producers[0].removed);
+  EXPECT_TRUE(s.producers[1].removed);
+  EXPECT_TRUE(s.producers[2].alive);
+  EXPECT_TRUE(s.producers[3].alive);
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100)) << "the runner goes on with node b";
+  runner.close();  // no more events
+  std::vector<std::size_t> removed;
+  for (auto& e : *events) {
+    EXPECT_NE(e.what, troupe::producer_event::kind::lost) << "a graceful leave reported lost";
+    if (e.what == troupe::producer_event::kind::removed) removed.push_back(e.producer);
+  }
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<std::size_t>{0, 1}));
+}
+
 TEST(Nodes, AProducerOnANodeGetsItsIndexInTheCoordinatorsList) {
   node_process a{"cpu,cpu"};
   auto c = troupe::cluster::connect({a.address()});

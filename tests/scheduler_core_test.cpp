@@ -301,7 +301,7 @@ TEST(SchedulerCore, ARangeTakenBackIsNotReadByTheSchedulerEither) {
   for (bool remote : {false, true}) {
     core_fixture f{{remote ? "h:1/cpu" : "cpu"}, opts};
     auto xs = test_util::iota(64);
-    auto source = troupe::detail::make_job_source<std::int64_t>(xs);  // an lvalue: lent
+    auto source = troupe::detail::make_job_source<std::int64_t>(troupe::lend(xs));  // lent
     auto lease = source->lease();
     ASSERT_NE(lease, nullptr);
     if (remote) lease->revoke_and_wait();  // before the first chunk goes to the node

@@ -493,7 +493,7 @@ TEST(Simulation, AfterAHangTheCallersRangeIsNeverReadAgain) {
   sim.time_limit(50ms);
   auto xs = std::make_unique<std::vector<std::int64_t>>(iota(2000));
   auto r = sim.unordered_runner<squares>(sim.devices());
-  auto h = r.submit(*xs);
+  auto h = r.submit(troupe::lend(*xs));
   EXPECT_FALSE(sim.run_until_idle());
   EXPECT_THROW(h.get(), troupe::testing::hang);
   xs.reset();  // the caller frees its range: ASan reports any read after this

@@ -189,8 +189,7 @@ TEST(Train, ReplicasThatSeedTheGlobalGeneratorInTheirConstructorGiveTheSameModel
   // (whose parameters every replica starts from) was a different model from run to run.
   auto batches = make_batches(20, 48);  // 20 steps, 6 shards of 8
   auto train = [&](std::size_t replicas) {
-    troupe::data_parallel<seeded_classifier> dp{troupe::cpus(replicas), small_cfg(),
-                                                opts(8, true)};
+    troupe::data_parallel<seeded_classifier> dp{troupe::cpus(replicas), small_cfg(), opts(8, true)};
     for (auto& b : batches) dp.step(b);
     return flat(dp.parameters());
   };
@@ -638,7 +637,7 @@ TEST(Train, ReplicasThatStartedAreDestroyedBeforeAFailedStartThrows) {
       troupe::init_error);
   EXPECT_EQ(slow_teardowns_done.load(), 3);
   slow_teardowns_done = 0;
-  started_replicas = 1;  // the second added replica fails
+  started_replicas = 0;  // the second added replica fails (constructed one at a time, in order)
   {
     troupe::data_parallel<failing_start_job> dp{{"cpu"}, {}, opts(8, false)};
     EXPECT_THROW(dp.add_devices({"cpu", "cpu"}), troupe::init_error);

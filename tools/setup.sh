@@ -12,7 +12,8 @@ VENV=${TROUPE_VENV:-/opt/troupe-venv}
 # No libcaf-dev: troupe builds against its patched CAF (its build needs cmake, g++, libssl-dev,
 # and dpkg-dev for apt-get source).
 packages=(build-essential cmake git python3 python3-venv dpkg-dev libcli11-dev libgtest-dev
-          libgmock-dev libbenchmark-dev libtbb-dev libssl-dev openssl iproute2)
+          libgmock-dev libbenchmark-dev libtbb-dev libssl-dev openssl iproute2 prometheus-cpp-dev
+          libcpp-httplib-dev pkg-config)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -20,6 +21,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
   apt-get install -y -q "${missing[@]}"
+fi
+
+# promtool (checks the metrics' text in the tests) from Debian's prometheus package, unpacked
+# into /opt/troupe-promtool rather than installed: installing it would start a Prometheus server.
+if ! command -v promtool >/dev/null && [ ! -x /opt/troupe-promtool/usr/bin/promtool ]; then
+  echo "setup: unpacking promtool from Debian's prometheus package into /opt/troupe-promtool"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q prometheus >/dev/null) || { apt-get update -q && (cd "$tmp" && apt-get download -q prometheus >/dev/null); }
+  dpkg-deb -x "$tmp"/prometheus_*.deb /opt/troupe-promtool
+  rm -rf "$tmp"
 fi
 
 echo "setup: CAF with troupe's patches in $("$(dirname "$0")/build_caf.sh" | tail -n 1)"

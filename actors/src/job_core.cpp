@@ -43,7 +43,8 @@ void job_core::finish(std::exception_ptr e) {
     finished_ = true;
     ended_.store(true, std::memory_order_release);
     error_ = std::move(e);
-    wake = on_finish_;
+    wake = std::move(on_finish_);  // runs once; what it holds (a then()'s handle) goes with it
+    on_finish_ = nullptr;
   }
   cv_.notify_all();
   if (wake) wake();
@@ -55,7 +56,12 @@ void job_core::set_progress(const progress& p) {
 }
 
 void job_core::on_finish(std::function<void()> f) {
-  std::lock_guard<std::mutex> guard{mtx_};
+  std::unique_lock<std::mutex> lock{mtx_};
+  if (finished_) {  // it has ended already: now, on the caller's thread
+    lock.unlock();
+    f();
+    return;
+  }
   if (!on_finish_) {
     on_finish_ = std::move(f);
     return;

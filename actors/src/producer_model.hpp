@@ -49,8 +49,10 @@ class producer_model {
     if (s.chunk_size) chunk_items = s.chunk_size;
   }
 
-  bool local = true;                   ///< in this process: answers within microseconds
-  bool alive = true;                   ///< takes work
+  bool local = true;      ///< in this process: answers within microseconds
+  bool alive = true;      ///< takes work
+  bool draining = false;  ///< remove_devices: takes no new work; ends once its chunks are in
+  bool retired = false;   ///< removed (drained): never takes work again; its slot is not reused
   std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
   std::size_t items = 0;               ///< items outstanding
   double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
@@ -68,7 +70,7 @@ class producer_model {
 
   /// Whether it may take another chunk now.
   [[nodiscard]] bool has_room(const model_settings& s) const {
-    if (!alive || outstanding.size() >= depth) return false;
+    if (!alive || draining || outstanding.size() >= depth) return false;
     return !(s.max_in_flight && !outstanding.empty() && items + chunk_limit(s) > s.max_in_flight);
   }
 
@@ -140,7 +142,9 @@ std::size_t reorder_window_chunks(const std::vector<Model>& producers, const mod
     auto ratio = p.ns_per_item > 0 ? std::min(64.0, std::ceil(slowest / own)) : 1.0;
     chunks += p.depth * static_cast<std::size_t>(ratio);
   }
-  auto floor = 4 * producers.size();
+  std::size_t present = 0;  // slots of removed producers are kept, but not counted
+  for (const producer_model& p : producers) present += p.retired ? 0 : 1;
+  auto floor = 4 * std::max<std::size_t>(1, present);
   return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
 }
 

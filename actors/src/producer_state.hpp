@@ -89,6 +89,7 @@ struct producer_state {
     // Folding is for outputs that stay in this process (never with options::serialize, which
     // makes a local run behave as over a network).
     producer->work(joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out);
+    r.extra_calls = out.extra_calls;
     if (out.wrong_type) {
       r.code = errc::protocol_error;
       r.what = "work chunk holds items of another type than the job's input";

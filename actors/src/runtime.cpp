@@ -6,6 +6,7 @@
 #include <caf/scoped_actor.hpp>
 #include <caf/sec.hpp>
 #include <caf/send.hpp>
+#include <fstream>
 #include <map>
 
 #include "runtime_impl.hpp"
@@ -28,6 +29,8 @@ void validate(const options& o) {
         "options::speculation_after must be at least 1 (a multiple of a chunk's expected time)");
   if (o.close_timeout.count() < 0 || o.work_timeout.count() < 0)
     throw invalid_argument("options: close_timeout and work_timeout must not be negative");
+  if (!o.trace_file.empty() && !std::ofstream(o.trace_file, std::ios::out | std::ios::app))
+    throw invalid_argument("options::trace_file: cannot write " + o.trace_file);
 }
 
 /// Every check of a job's options.
@@ -40,6 +43,19 @@ namespace {
 thread_local bool internal_thread = false;
 
 constexpr auto remote_reply_timeout = std::chrono::seconds{120};  // a remote producer's init
+
+/// The owner of a runner's producers on nodes: they live as long as it does (the nodes monitor
+/// it). A draining node tells it which of them are leaving; it passes that to the scheduler.
+caf::behavior anchor_actor(caf::event_based_actor* self, int) {
+  auto scheduler = std::make_shared<caf::actor>();
+  return {
+      [](int) {},
+      [scheduler](caf::actor& s) { *scheduler = std::move(s); },
+      [self, scheduler](leaving_atom, std::vector<caf::actor>& producers) {
+        if (*scheduler) self->send(*scheduler, leaving_atom::value, std::move(producers));
+      },
+  };
+}
 
 bool any_remote(const std::vector<device>& devices) {
   return std::any_of(devices.begin(), devices.end(), [](auto& d) { return !d.is_local(); });
@@ -68,7 +84,7 @@ caf::actor_system& local_system() {
 }
 
 runtime::runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-                 producer_maker make)
+                 producer_maker make, caf::actor_system* app)
     : devices_(std::move(devices)),
       cfg_(std::move(cfg)),
       opts_(std::move(opts)),
@@ -88,44 +104,26 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
   tls settings;
   for (auto& d : devices_)
     if (!d.is_local()) settings = tls_for(d.node());
-  sys_ = network ? &network_system(settings) : &local_system();
+  job_ = job;
+  tls_ = settings;
+  network_ = network;
+  if (app) {
+    if (network && !app->has_middleman())
+      throw invalid_argument(
+          "a runner over nodes' devices on an application's actor system needs CAF's "
+          "middleman: call troupe::add_to(cfg) before constructing the actor_system");
+    sys_ = app;
+  } else {
+    sys_ = network ? &network_system(settings) : &local_system();
+  }
   auto spawned = spawn_all(job, settings);  // ends what it started when it throws
-  std::vector<caf::actor> started;
-  std::string failure;
-  errc failure_code = errc::none;
-  {
-    caf::scoped_actor self{*sys_};
-    // Every producer constructs its job object concurrently, on its own thread.
-    std::vector<decltype(self->request(spawned[0], caf::infinite, init_atom::value))> replies;
-    for (std::size_t i = 0; i < spawned.size(); ++i)
-      replies.push_back(devices_[i].is_local()
-                            ? self->request(spawned[i], caf::infinite, init_atom::value)
-                            : self->request(spawned[i], remote_reply_timeout, init_atom::value));
-    for (std::size_t i = 0; i < replies.size(); ++i) {
-      replies[i].receive([&](const init_done&) { started.push_back(spawned[i]); },
-                         [&](const caf::error& err) {
-                           if (failure_code == errc::none) {
-                             failure_code = error_code(err);
-                             failure = error_text(err);
-                             if (failure_code != errc::device_unavailable)
-                               failure = "producer " + entry_name(devices_, i) + ": " + failure;
-                           }
-                         });
-    }
-    if (failure_code != errc::none) {
-      for (auto& p : spawned)
-        if (std::find(started.begin(), started.end(), p) == started.end())
-          self->send_exit(p, caf::exit_reason::user_shutdown);
-    }
-  }
-  if (failure_code != errc::none) {
-    abandon(started);
-    if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
-    if (failure_code == errc::node_error) throw node_error(failure);
-    throw init_error(failure + "; the producers that did start were ended");
-  }
-  scheduler_ = spawn_scheduler(*sys_, std::move(started), devices_, opts_, stats_, spawn_, cfg_);
+  init_all(spawned, devices_, 0, false);    // ends them all when one fails
+  scheduler_ = spawn_scheduler(*sys_, spawned, devices_, opts_, stats_, spawn_, cfg_);
+  if (anchor_) caf::anon_send(anchor_, scheduler_);  // where a draining node's notice goes
+  publish();
   open_ = true;
+  gate_->rt = this;
+  enlist();
   log(log_level::debug, "runner started with " + std::to_string(devices_.size()) + " producer(s)");
 }
 
@@ -143,49 +141,95 @@ void runtime::check_and_count() {
   }
 }
 
-std::vector<caf::actor> runtime::spawn_all(const std::string& job, const tls& settings) {
+std::vector<caf::actor> runtime::spawn_all(const std::string&, const tls&) {
   std::vector<caf::actor> spawned;
-  std::map<std::string, caf::actor> nodes;
   caf::scoped_actor self{*sys_};
-  auto stop_spawned = [&] {
-    for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
-    if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
-  };
   for (std::size_t i = 0; i < devices_.size(); ++i) {
     auto& d = devices_[i];
-    if (d.is_local()) {
-      spawned.push_back(spawn_(*sys_, d, cfg_, i));
-      continue;
-    }
-    if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
-      anchor_ = sys_->spawn(
-          [](caf::event_based_actor*, int) -> caf::behavior { return {[](int) {}}; }, 0);
-    auto& node = nodes[d.node()];
     try {
-      if (!node) node = connect_node(*sys_, d.node(), settings, std::chrono::seconds{5}, nullptr);
+      spawned.push_back(d.is_local() ? spawn_(*sys_, d, cfg_, i) : spawn_remote(self, d, i));
     } catch (...) {
-      stop_spawned();
+      for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
+      if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
+      anchor_ = nullptr;
       throw;
     }
-    caf::error failed;
-    caf::actor producer;
-    self->request(node, remote_reply_timeout,
-                  spawn_producer{job, find_job(job).signature, d.local().str(), cfg_, i}, anchor_)
-        .receive([&](caf::actor& p) { producer = std::move(p); },
-                 [&](caf::error& err) { failed = std::move(err); });
-    if (failed) {
-      stop_spawned();
-      auto why = "node " + d.node() + " cannot start a producer on " + d.local().str() + ": " +
-                 error_text(failed);
-      if (error_code(failed) == errc::device_unavailable) throw device_unavailable(why);
-      throw node_error(why);
-    }
-    spawned.push_back(std::move(producer));
   }
   return spawned;
 }
 
-void runtime::abandon(const std::vector<caf::actor>& started) noexcept {
+caf::actor runtime::spawn_remote(caf::scoped_actor& self, const device& d, std::size_t i) {
+  if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
+    anchor_ = sys_->spawn(anchor_actor, 0);
+  auto& node = nodes_[d.node()];
+  if (!node) node = connect_node(*sys_, d.node(), tls_, std::chrono::seconds{5}, nullptr);
+  caf::error failed;
+  caf::actor producer;
+  self->request(node, remote_reply_timeout,
+                spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i}, anchor_)
+      .receive([&](caf::actor& p) { producer = std::move(p); },
+               [&](caf::error& err) { failed = std::move(err); });
+  if (failed) {
+    nodes_.erase(d.node());  // connected anew next time (a node restarted, say)
+    auto why = "node " + d.node() + " cannot start a producer on " + d.local().str() + ": " +
+               error_text(failed);
+    if (error_code(failed) == errc::device_unavailable) throw device_unavailable(why);
+    throw node_error(why);
+  }
+  return producer;
+}
+
+void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,
+                       std::size_t first, bool keep_anchor) {
+  std::vector<caf::actor> started;
+  std::string failure;
+  errc failure_code = errc::none;
+  {
+    caf::scoped_actor self{*sys_};
+    // Every producer constructs its job object concurrently, on its own thread.
+    std::vector<decltype(self->request(spawned[0], caf::infinite, init_atom::value))> replies;
+    for (std::size_t i = 0; i < spawned.size(); ++i)
+      replies.push_back(ds[i].is_local()
+                            ? self->request(spawned[i], caf::infinite, init_atom::value)
+                            : self->request(spawned[i], remote_reply_timeout, init_atom::value));
+    for (std::size_t i = 0; i < replies.size(); ++i) {
+      replies[i].receive([&](const init_done&) { started.push_back(spawned[i]); },
+                         [&](const caf::error& err) {
+                           if (failure_code == errc::none) {
+                             failure_code = error_code(err);
+                             failure = error_text(err);
+                             if (failure_code != errc::device_unavailable)
+                               failure = "producer " + ds[i].str() + " (producer " +
+                                         std::to_string(first + i) + "): " + failure;
+                           }
+                         });
+    }
+    if (failure_code != errc::none) {
+      for (auto& p : spawned)
+        if (std::find(started.begin(), started.end(), p) == started.end())
+          self->send_exit(p, caf::exit_reason::user_shutdown);
+    }
+  }
+  if (failure_code == errc::none) return;
+  abandon(started, keep_anchor);
+  if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
+  if (failure_code == errc::node_error) throw node_error(failure);
+  throw init_error(failure + "; the producers that did start were ended");
+}
+
+void runtime::publish() {
+  std::vector<device> now;
+  if (slots_.empty()) {  // at construction
+    slots_ = devices_;
+    present_.assign(devices_.size(), true);
+  }
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (present_[i]) now.push_back(slots_[i]);
+  published_.push_back(std::move(now));
+  current_.store(&published_.back());
+}
+
+void runtime::abandon(const std::vector<caf::actor>& started, bool keep_anchor) noexcept {
   // A runner that failed to start: end what did start, within close_timeout in all.
   try {
     caf::scoped_actor self{*sys_};
@@ -200,18 +244,83 @@ void runtime::abandon(const std::vector<caf::actor>& started) noexcept {
                   log(log_level::warn, "ending a started producer failed: " + error_text(err));
                 });
     for (auto& p : started) self->send_exit(p, caf::exit_reason::user_shutdown);
-    if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
+    if (anchor_ && !keep_anchor) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
   } catch (const std::exception& e) {
     log(log_level::error, std::string{"ending the started producers failed: "} + e.what());
   }
-  anchor_ = nullptr;
+  if (!keep_anchor) anchor_ = nullptr;
+}
+
+namespace {
+
+/// The runners alive in this process (never destroyed: runners may outlive static objects).
+struct runner_list {
+  std::mutex mtx;
+  std::vector<const runtime*> live;
+  std::uint64_t next_id = 1;
+};
+runner_list& runners() {
+  static auto* list = new runner_list;
+  return *list;
+}
+
+}  // namespace
+
+void runtime::enlist() {
+  auto& l = runners();
+  std::lock_guard<std::mutex> guard{l.mtx};
+  observed_id_ = l.next_id++;
+  l.live.push_back(this);
+}
+
+runner_snapshot runtime::snapshot() const {
+  runner_snapshot s;
+  s.id = observed_id_;
+  s.simulated = sim_ != nullptr;
+  s.devices = devices();
+  s.stats = stats();
+  std::lock_guard<std::mutex> guard{mtx_};
+  s.open = open_;
+  s.jobs_submitted = next_job_ - 1;
+  return s;
+}
+
+std::vector<runner_snapshot> runner_snapshots() {
+  auto& l = runners();
+  std::lock_guard<std::mutex> guard{l.mtx};
+  std::vector<runner_snapshot> out;
+  for (auto* r : l.live) out.push_back(r->snapshot());
+  return out;
 }
 
 runtime::~runtime() {
+  {
+    auto& l = runners();
+    std::lock_guard<std::mutex> guard{l.mtx};
+    l.live.erase(std::remove(l.live.begin(), l.live.end(), this), l.live.end());
+  }
   close();
 }
 
+void runtime::own(caf::actor a) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  if (!open_) {
+    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    throw runner_closed("runner.actor() after close()");
+  }
+  owned_.push_back(std::move(a));
+}
+
 void runtime::close() noexcept {
+  {
+    std::lock_guard<std::mutex> guard{gate_->mtx};  // waits for a submit() under way
+    gate_->rt = nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    for (auto& a : owned_) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    owned_.clear();
+  }
   if (sim_) {
     close_simulated();
     return;
@@ -306,6 +415,10 @@ runtime_handle::runtime_handle(std::vector<device> devices, config cfg, options 
                                std::string job, producer_maker make)
     : impl_(std::make_unique<runtime>(std::move(devices), std::move(cfg), std::move(opts),
                                       std::move(job), make)) {}
+runtime_handle::runtime_handle(caf::actor_system& sys, std::vector<device> devices, config cfg,
+                               options opts, std::string job, producer_maker make)
+    : impl_(std::make_unique<runtime>(std::move(devices), std::move(cfg), std::move(opts),
+                                      std::move(job), make, &sys)) {}
 runtime_handle::runtime_handle(std::shared_ptr<sim_host> sim, std::vector<device> devices,
                                config cfg, options opts, producer_maker make)
     : impl_(std::make_unique<runtime>(std::move(sim), std::move(devices), std::move(cfg),
@@ -342,6 +455,29 @@ std::shared_ptr<job_core> runtime_handle::submit_stream(std::shared_ptr<input_so
       ordered, std::move(o));
   core->on_finish([buf] { buf->notify(); });
   return core;
+}
+
+caf::actor_system& runtime_handle::system() const {
+  return checked().system();
+}
+
+runtime_handle::submitter runtime_handle::guarded_submitter() const {
+  return [gate = checked().gate()](std::shared_ptr<input_source> source, consumer_maker make,
+                                   bool ordered, job_options o, bool fold) {
+    std::lock_guard<std::mutex> guard{gate->mtx};
+    if (!gate->rt) throw runner_closed("the runner was closed");
+    auto& rt = *gate->rt;
+    return rt.submit(
+        std::move(source),
+        [&make, &rt](caf::actor_system& sys, const std::shared_ptr<job_gate>& g) {
+          return spawn_consumer_actor(sys, std::move(make), rt.job_config(), g);
+        },
+        ordered, std::move(o), fold);
+  };
+}
+
+void runtime_handle::own(caf::actor a) {
+  checked().own(std::move(a));
 }
 
 void runtime_handle::close() noexcept {

@@ -9,8 +9,10 @@
 #include <caf/fwd.hpp>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -18,6 +20,7 @@
 
 #include "stats_box.hpp"
 #include "troupe/config.hpp"
+#include "troupe/detail/introspect.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/job_ops.hpp"
 #include "troupe/detail/network.hpp"
@@ -38,6 +41,20 @@ struct job_spec {
   bool ordered = false;
   job_options opts;
   bool fold = false;  ///< its consumer has merge() (job_traits::folds)
+};
+
+/// add_devices: producers constructed already, for the scheduler's slots from `first` on.
+struct producers_added {
+  std::vector<caf::actor> actors;
+  std::vector<device> where;
+  std::size_t first = 0;
+  std::shared_ptr<std::promise<void>> done;  ///< set once the scheduler has them
+};
+
+/// remove_devices: slots to drain; `done` is set once they are retired.
+struct drain_spec {
+  std::vector<std::size_t> slots;
+  std::shared_ptr<std::promise<void>> done;
 };
 
 /// How errors name entry `i` of a runner's devices: "cpu (producer 2)".
@@ -85,7 +102,7 @@ class runtime {
   /// Throws invalid_argument, device_unavailable or init_error.
   /// `job`: the job's registered name ("" if none), needed for remote devices.
   runtime(std::vector<device> devices, config cfg, options opts, std::string job,
-          producer_maker make);
+          producer_maker make, caf::actor_system* app = nullptr);
   /// The same on a simulated cluster (no waiting: the simulation runs instead).
   runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg, options opts,
           producer_maker make);
@@ -103,21 +120,68 @@ class runtime {
   /// (on_progress, a job's code) it only starts closing and returns.
   void close() noexcept;
   [[nodiscard]] bool is_open() const;
-  [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
+  /// The devices of the producers present now (a snapshot: it stays valid and unchanged for
+  /// the runner's life; call again after add_devices / remove_devices).
+  [[nodiscard]] const std::vector<device>& devices() const noexcept { return *current_.load(); }
+  /// Starts producers on `devices` (waits until constructed) and hands them to the scheduler;
+  /// they take work at once. Throws for the new devices only (invalid_argument,
+  /// device_unavailable, init_error, node_error), runner_closed after close().
+  void add_devices(const std::vector<device>& devices);
+  /// Drains producers on `devices` (one producer per entry, the first present one on that
+  /// device): no new work, their chunks finish, producer::end() runs; returns when they are
+  /// gone. invalid_argument for a device that is not present or when none would be left.
+  void remove_devices(const std::vector<device>& devices);
   [[nodiscard]] const config& job_config() const noexcept { return cfg_; }
   [[nodiscard]] troupe::stats stats() const;
+  /// For observers (runner_snapshots).
+  [[nodiscard]] runner_snapshot snapshot() const;
+  [[nodiscard]] caf::actor_system& system() const { return *sys_; }
+  /// Lets actors submit to this runtime until it closes (runtime_handle::guarded_submitter).
+  struct submit_gate {
+    std::mutex mtx;
+    runtime* rt = nullptr;  ///< null once closed
+  };
+  [[nodiscard]] std::shared_ptr<submit_gate> gate() const { return gate_; }
+  void own(caf::actor a);
 
  private:
+  /// This runner among those runner_snapshots() lists (from construction to destruction).
+  void enlist();
   /// Spawns one producer per device: locally, or through the device's node.
   std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);
   /// The checks every runtime makes of its devices and options; one stats entry per device.
   void check_and_count();
   /// close() of a simulated runtime: the simulation runs until the scheduler has closed.
   void close_simulated() noexcept;
-  /// Ends actors that started before the runner failed to start.
-  void abandon(const std::vector<caf::actor>& started) noexcept;
+  /// Ends actors that started before the runner failed to start (and the anchor of remote
+  /// producers with them, unless `keep_anchor`: add_devices, while the others run).
+  void abandon(const std::vector<caf::actor>& started, bool keep_anchor = false) noexcept;
+  /// A producer on node device `d` (slot `i`), spawned through its node (anchor_ its owner).
+  caf::actor spawn_remote(caf::scoped_actor& self, const device& d, std::size_t i);
+  /// Asks `spawned` (for devices `ds`, slots from `first`) to construct their job objects;
+  /// throws the first failure after ending every one of them.
+  void init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,
+                std::size_t first, bool keep_anchor);
+  /// Spawns simulated producers for `ds` (slots from `first`) and runs the simulation until
+  /// each has constructed its job object; throws the first failure (init_error, node_error,
+  /// testing::hang) after ending them all.
+  std::vector<caf::actor> start_simulated(const std::vector<device>& ds, std::size_t first);
+  /// Waits for `f` (a simulated runner: runs the simulation until it is ready).
+  void await(std::future<void>& f);
+  /// Makes devices() the present slots' devices.
+  void publish();
 
-  std::vector<device> devices_;
+  std::vector<device> devices_;  ///< as constructed
+  /// Every slot's device (constructed, then added), and whether it is present (not removed).
+  std::vector<device> slots_;
+  std::vector<bool> present_;
+  std::deque<std::vector<device>> published_;  ///< every devices() list handed out, kept
+  std::atomic<const std::vector<device>*> current_{nullptr};
+  std::mutex membership_;  ///< one add_devices / remove_devices at a time (taken before mtx_)
+  std::string job_;        ///< the registered name, for producers on nodes
+  tls tls_;
+  bool network_ = false;  ///< sys_ is the network system: node devices may be added
+  std::map<std::string, caf::actor> nodes_;
   config cfg_;
   options opts_;
   producer_spawner spawn_;
@@ -132,6 +196,9 @@ class runtime {
   caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
   std::shared_ptr<stats_box> stats_;
   std::shared_ptr<sim_host> sim_;  ///< a simulated cluster, else null
+  std::uint64_t observed_id_ = 0;  ///< runner_snapshot::id, 0 until enlisted
+  std::shared_ptr<submit_gate> gate_ = std::make_shared<submit_gate>();
+  std::vector<caf::actor> owned_;  ///< runner.actor()s, ended at close (under mtx_)
 };
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`
@@ -149,4 +216,6 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
 }  // namespace troupe::detail
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::job_spec>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::producers_added>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<troupe::detail::drain_spec>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::promise<void>>)

@@ -42,9 +42,19 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
       sim_(std::move(sim)) {
   check_and_count();
   sys_ = &sim_->system();
+  auto producers = start_simulated(devices_, 0);
+  scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
+                               /*detached=*/false, sim_->halted());
+  sim_->own(scheduler_);
+  publish();
+  open_ = true;
+  enlist();
+}
+
+std::vector<caf::actor> runtime::start_simulated(const std::vector<device>& ds, std::size_t first) {
   std::vector<caf::actor> producers;
-  for (std::size_t i = 0; i < devices_.size(); ++i)
-    producers.push_back(spawn_(*sys_, devices_[i], cfg_, i));
+  for (std::size_t i = 0; i < ds.size(); ++i)
+    producers.push_back(spawn_(*sys_, ds[i], cfg_, first + i));
   auto answers = std::make_shared<std::vector<std::optional<caf::error>>>(producers.size());
   auto collector = sys_->spawn(init_collector, producers, answers);
   sim_->drive([&] {
@@ -56,15 +66,13 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
     if (a && !*a) continue;
     for (auto& p : producers) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
     sim_->drive([] { return false; });
-    if (!a) throw testing::hang("producer " + entry_name(devices_, i) + " never started");
-    auto why = "producer " + entry_name(devices_, i) + ": " + error_text(*a);
+    auto name = ds[i].str() + " (producer " + std::to_string(first + i) + ")";
+    if (!a) throw testing::hang("producer " + name + " never started");
+    auto why = "producer " + name + ": " + error_text(*a);
     if (error_code(*a) == errc::node_error) throw node_error(why);
     throw init_error(why);
   }
-  scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
-                               /*detached=*/false, sim_->halted());
-  sim_->own(scheduler_);
-  open_ = true;
+  return producers;
 }
 
 void runtime::close_simulated() noexcept {

@@ -40,6 +40,7 @@
 #include "producer_model.hpp"
 #include "scheduler_parts.hpp"
 #include "stats_box.hpp"
+#include "trace.hpp"
 #include "troupe/detail/job_core.hpp"
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
@@ -61,6 +62,8 @@ struct producer_slot : producer_model {
   std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
   bool restarting = false;
   bool quarantined = false;
+  bool end_pending = false;   ///< producer::end() asked (a drain or close), not yet answered
+  std::uint64_t end_gen = 0;  ///< which end request the drain_end timer is for
   int restarts_in_row = 0;
   std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
   clock_type::time_point last_done{};  ///< when its last answer arrived
@@ -106,7 +109,7 @@ struct job_state {
 /// The commands the scheduler gives. Each answer comes back as the event named beside it.
 class scheduler_io {
  public:
-  enum class timer { deadline, wakeup, stall_check, close_timeout };
+  enum class timer { deadline, wakeup, stall_check, close_timeout, drain_end };
   virtual ~scheduler_io() = default;
   /// Now: steady_clock in a runner, virtual time in a simulation.
   virtual clock_type::time_point now() = 0;
@@ -177,7 +180,26 @@ class scheduler {
 
   void close_timed_out();
 
+  /// add_devices: producers on `devices` (constructed already, their handles with the shell)
+  /// take slots from producers_.size() on; they take work at once.
+  void add_producers(const std::vector<device>& devices);
+  /// remove_devices: slots `slots` take no new work; each one's chunks in flight finish, then
+  /// producer::end() runs on it (within options::close_timeout, else it is left behind) and
+  /// the slot is retired. `done` is set once every one of them is retired (or lost meanwhile),
+  /// or at close.
+  void drain(const std::vector<std::size_t>& slots, std::shared_ptr<std::promise<void>> done);
+
  private:
+  /// A draining slot with nothing outstanding: producer::end() on it (or retired at once when
+  /// it is lost).
+  void maybe_end_drained(std::size_t p);
+  /// The slot is done with: no work ever again, its actor stopped, the drains waiting for it
+  /// told.
+  void retire(std::size_t p, const std::string& why);
+  /// Whether slot `s` may take work now or soon (alive or being replaced, and not leaving).
+  static bool can_work(const producer_slot& s) {
+    return (s.alive || s.restarting) && !s.draining && !s.retired;
+  }
   clock_type::time_point clock_now() { return io_.now(); }
 
   void deadline_passed(std::uint64_t id);
@@ -288,6 +310,12 @@ class scheduler {
 
   void quarantine_producer(std::size_t p);
 
+  /// Producer `p`'s chunks in flight go back to their jobs' queues (for the others).
+  void requeue_outstanding(std::size_t p);
+
+  /// A fresh slot for a producer on `d`.
+  producer_slot make_slot(const device& d) const;
+
   /// Starts a fresh producer on the device of slot `p`; it takes work once constructed.
   void restart(std::size_t p);
 
@@ -342,6 +370,28 @@ class scheduler {
   fair_share share_;
   std::vector<std::uint64_t> touched_;
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
+  /// remove_devices calls waiting: the slots each waits for, and its promise.
+  struct drain_wait {
+    std::set<std::size_t> left;
+    std::shared_ptr<std::promise<void>> done;
+  };
+  std::vector<drain_wait> drains_;
+  /// options::trace_file, or null. Closed (its end written) before close() returns.
+  std::unique_ptr<trace_writer> trace_;
+  /// A trace's flow id for chunk `id` of job `job`.
+  static std::uint64_t flow_id(std::uint64_t job, std::uint64_t id) {
+    return job * 1'000'000'007ull + id;
+  }
+  /// A moment on producer `p`'s lane of the trace (trace_writer::scheduler_lane: the
+  /// scheduler's).
+  void trace_instant(std::size_t p, const std::string& name, const std::string& detail) {
+    if (trace_) trace_->instant(p, name, detail, clock_now());
+  }
+  void trace_lane(std::size_t p) {
+    if (trace_)
+      trace_->lane(p, producers_[p].where.is_local() ? "" : producers_[p].where.node(),
+                   producers_[p].where.str());
+  }
 };
 
 }  // namespace troupe::detail

@@ -42,6 +42,32 @@ class scheduler_shell final : public scheduler_io {
   /// The core, for an event; nullptr once halted (the event is dropped).
   scheduler* core() { return halted_ && halted_->load() ? nullptr : &core_; }
 
+  /// A draining node's producers: drained like remove_devices (nobody waits for it here).
+  void leaving(const std::vector<caf::actor>& producers) {
+    std::vector<std::size_t> slots;
+    for (auto& a : producers)
+      for (std::size_t p = 0; p < handles_.size(); ++p)
+        if (handles_[p] && handles_[p].address() == a.address()) slots.push_back(p);
+    if (slots.empty()) return;
+    if (auto* c = core()) c->drain(slots, std::make_shared<std::promise<void>>());
+  }
+
+  void add(producers_added& a) {
+    auto* c = core();
+    if (!c || a.first != handles_.size()) {  // halted (or a slot mix-up, which cannot happen)
+      for (auto& h : a.actors) self_->send_exit(h, caf::exit_reason::user_shutdown);
+      a.done->set_value();
+      return;
+    }
+    for (std::size_t i = 0; i < a.actors.size(); ++i) {
+      handles_.push_back(a.actors[i]);
+      devices_.push_back(a.where[i]);
+      self_->monitor(a.actors[i]);
+    }
+    c->add_producers(a.where);
+    a.done->set_value();
+  }
+
   void start(std::shared_ptr<job_spec>& spec) {
     consumers_[spec->core->id()] = std::move(spec->consumer);
     if (auto* c = core())
@@ -175,6 +201,21 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         [st](std::shared_ptr<job_spec>& spec) {
           mark_internal_thread();
           st->start(spec);
+        },
+        [st](std::shared_ptr<producers_added>& a) {
+          mark_internal_thread();
+          st->add(*a);
+        },
+        [st](std::shared_ptr<drain_spec>& d) {
+          mark_internal_thread();
+          if (auto* c = st->core())
+            c->drain(d->slots, d->done);
+          else
+            d->done->set_value();
+        },
+        [st](leaving_atom, std::vector<caf::actor>& producers) {
+          mark_internal_thread();
+          st->leaving(producers);
         },
         [st](cancel_atom, std::uint64_t id) {
           mark_internal_thread();

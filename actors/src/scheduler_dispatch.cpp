@@ -24,7 +24,7 @@ std::vector<std::size_t> scheduler::producers_with_room() const {
 
 bool scheduler::only_choice(std::size_t p) const {
   for (std::size_t i = 0; i < producers_.size(); ++i)
-    if (i != p && (producers_[i].alive || producers_[i].restarting)) return false;
+    if (i != p && can_work(producers_[i])) return false;
   return true;
 }
 
@@ -130,6 +130,8 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
     return false;
   }
   auto n = best_job->pieces.find(best_id)->items.size();
+  trace_instant(p, "speculative copy",
+                "job " + std::to_string(best_job->id) + ", " + std::to_string(n) + " items");
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->value.duplicated_items += n;
@@ -178,7 +180,7 @@ std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slo
   auto want = items_in(target);
   if (auto total = j.source->total()) {
     std::uint64_t alive = 0;
-    for (auto& q : producers_) alive += q.alive ? 1 : 0;
+    for (auto& q : producers_) alive += q.alive && !q.draining ? 1 : 0;
     auto left = *total > j.next_item ? *total - j.next_item : 0;
     auto share = (left + 2 * alive - 1) / std::max<std::uint64_t>(1, 2 * alive);
     want = static_cast<std::size_t>(std::min<std::uint64_t>(want, share));
@@ -211,6 +213,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
   s.outstanding.push_back(rec);
   s.items += rec.items;
+  if (trace_) trace_->dispatch(p, flow_id(j.id, id), rec.sent);
   auto cost =
       static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
   share_.charge(j.id, cost, static_cast<double>(j.opts.weight));

@@ -121,6 +121,8 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
   // A consumer that concluded the job has finished it already: that outcome stands.
   if (j->core->done()) e = j->core->error();
   if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on
+  trace_instant(trace_writer::scheduler_lane,
+                "job " + std::to_string(id) + (e ? " failed" : " ended"), "");
   if (!e && !j->concluded) report_progress(*j, true);
   j->source.reset();  // the caller's range must not be touched once the job has ended
   {
@@ -142,6 +144,9 @@ void scheduler::finish_close() {
     end_job(jobs_.begin()->first,
             std::make_exception_ptr(runner_closed("the runner was closed during this job")));
   for (std::size_t p = 0; p < producers_.size(); ++p) io_.stop_producer(p);
+  for (auto& w : drains_) w.done->set_value();  // remove_devices callers: the runner closed
+  drains_.clear();
+  trace_.reset();  // complete before close() returns
   auto done = std::move(close_promise_);
   close_promise_ = nullptr;
   done->set_value();

@@ -6,12 +6,14 @@ namespace troupe::detail {
 scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts,
                      std::shared_ptr<stats_box> stats)
     : io_(io), opts_(std::move(opts)), settings_(settings_of(opts_)), stats_(std::move(stats)) {
-  for (std::size_t i = 0; i < devices.size(); ++i) {
-    producer_slot s;
-    s.where = devices[i];
-    s.local = devices[i].is_local();
-    if (opts_.chunk_size) s.chunk_items = opts_.chunk_size;
-    producers_.push_back(std::move(s));
+  for (auto& d : devices) producers_.push_back(make_slot(d));
+  if (!opts_.trace_file.empty()) {
+    try {
+      trace_ = std::make_unique<trace_writer>(opts_.trace_file, opts_.trace_max_bytes, io_.now());
+      for (std::size_t p = 0; p < producers_.size(); ++p) trace_lane(p);
+    } catch (const std::exception& e) {  // checked by the runner before: it was writable then
+      log(log_level::error, std::string{"no trace: "} + e.what());
+    }
   }
   // milliseconds::max() (or anything as long) is "never", like 0.
   if (opts_.work_timeout.count() > 0 && finite_wait(opts_.work_timeout)) schedule_stall_check();
@@ -40,6 +42,7 @@ void scheduler::start(std::shared_ptr<job_core> core, std::shared_ptr<input_sour
   // The consumer's constructor runs with its first message (a throw: that message's error).
   share_.join(id);
   auto& job = *jobs_.emplace(id, std::move(j)).first->second;
+  trace_instant(trace_writer::scheduler_lane, "job " + std::to_string(id) + " submitted", "");
   touch(job);
   for (auto& s : producers_) s.restarts_in_row = 0;  // at most max_restarts_in_row per job
   check_survivors();
@@ -68,6 +71,108 @@ void scheduler::timer_fired(scheduler_io::timer t, std::uint64_t id) {
     case scheduler_io::timer::close_timeout:
       close_timed_out();
       return;
+    case scheduler_io::timer::drain_end:
+      for (std::size_t p = 0; p < producers_.size(); ++p) {
+        auto& s = producers_[p];
+        if (s.end_pending && s.draining && s.end_gen == id && !closing_) {
+          log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
+                                   " did not finish producer::end() within "
+                                   "options::close_timeout; left behind");
+          retire(p, "producer::end() did not finish within options::close_timeout");
+        }
+      }
+      return;
+  }
+}
+
+producer_slot scheduler::make_slot(const device& d) const {
+  producer_slot s;
+  s.where = d;
+  s.local = d.is_local();
+  if (opts_.chunk_size) s.chunk_items = opts_.chunk_size;
+  return s;
+}
+
+void scheduler::add_producers(const std::vector<device>& devices) {
+  for (auto& d : devices) {
+    producers_.push_back(make_slot(d));
+    trace_lane(producers_.size() - 1);
+    trace_instant(producers_.size() - 1, "added", "add_devices");
+    emit(producer_event::kind::added, producers_.size() - 1, "add_devices");
+  }
+  if (closing_) return;  // close() stops them with the others (finish_close)
+  // Ordered jobs may have been held by a reorder window that is now larger.
+  for (auto& [id, j] : jobs_) touch(*j);
+  pump();
+}
+
+void scheduler::drain(const std::vector<std::size_t>& slots,
+                      std::shared_ptr<std::promise<void>> done) {
+  if (closing_) {
+    done->set_value();
+    return;
+  }
+  drain_wait w;
+  w.done = std::move(done);
+  for (auto p : slots) {
+    if (p >= producers_.size() || producers_[p].retired) continue;
+    producers_[p].draining = true;
+    w.left.insert(p);
+  }
+  if (w.left.empty()) {
+    w.done->set_value();
+    return;
+  }
+  drains_.push_back(std::move(w));
+  for (auto p : slots)
+    if (p < producers_.size()) maybe_end_drained(p);
+  check_survivors();
+  pump();
+}
+
+void scheduler::maybe_end_drained(std::size_t p) {
+  auto& s = producers_[p];
+  if (!s.draining || s.retired || s.end_pending || !s.outstanding.empty() || closing_) return;
+  if (s.restarting) return;  // replaced() or replace_failed() comes back here
+  if (!s.alive) {
+    retire(p, "lost while it drained");
+    return;
+  }
+  s.end_pending = true;
+  s.end_gen = s.gen;
+  io_.end_producer(p);
+  if (finite_wait(opts_.close_timeout))
+    io_.set_timer(opts_.close_timeout, scheduler_io::timer::drain_end, s.gen);
+}
+
+void scheduler::retire(std::size_t p, const std::string& why) {
+  auto& s = producers_[p];
+  if (s.retired) return;
+  bool was_ending = s.end_pending;
+  s.alive = false;
+  s.draining = false;
+  s.retired = true;
+  s.restarting = false;
+  s.end_pending = false;
+  s.gen += 1;              // answers still on their way are dropped
+  requeue_outstanding(p);  // none after a drain; a loss re-queued them already
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.producers[p].alive = false;
+    stats_->value.producers[p].removed = true;
+  }
+  io_.stop_producer(p);
+  trace_instant(p, "removed", why);
+  emit(producer_event::kind::removed, p, why);
+  if (was_ending && closing_) ended_one();
+  for (auto i = drains_.begin(); i != drains_.end();) {
+    i->left.erase(p);
+    if (i->left.empty()) {
+      i->done->set_value();
+      i = drains_.erase(i);
+    } else {
+      ++i;
+    }
   }
 }
 
@@ -117,11 +222,18 @@ void scheduler::close(std::shared_ptr<std::promise<void>> done, bool timed) {
   for (auto id : ids)
     end_job(id, std::make_exception_ptr(runner_closed("the runner was closed during this job")));
   for (std::size_t p = 0; p < producers_.size(); ++p) {
-    if (!producers_[p].alive) {  // stuck, lost or still starting: not waited on
+    auto& s = producers_[p];
+    if (s.retired) continue;
+    if (s.end_pending) {  // a drain's producer::end() is under way: waited for like the others
+      ++pending_ends_;
+      continue;
+    }
+    if (!s.alive) {  // stuck, lost or still starting: not waited on
       io_.stop_producer(p);
       continue;
     }
     ++pending_ends_;
+    s.end_pending = true;
     io_.end_producer(p);
   }
   if (pending_ends_ == 0)
@@ -131,9 +243,16 @@ void scheduler::close(std::shared_ptr<std::promise<void>> done, bool timed) {
 }
 
 void scheduler::producer_ended(std::size_t p, const std::string& why) {
+  auto& s = producers_[p];
+  if (!s.end_pending) return;  // retired meanwhile (lost, or end() past its time)
+  s.end_pending = false;
   if (!why.empty())
-    log(log_level::warn, "ending the producer on " + producers_[p].where.str() + " failed: " + why);
-  ended_one();
+    log(log_level::warn, "ending the producer on " + s.where.str() + " failed: " + why);
+  if (closing_) {
+    ended_one();
+    return;
+  }
+  retire(p, why.empty() ? "drained: producer::end() has run" : "drained; producer::end(): " + why);
 }
 
 void scheduler::close_timed_out() {

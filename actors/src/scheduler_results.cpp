@@ -14,6 +14,9 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                           [&](const sent_chunk& x) { return x.job == job && x.id == id; });
   if (rec != s.outstanding.end()) {
+    if (trace_)
+      trace_->chunk(p, flow_id(job, id), job, r.first, rec->items, rec->bytes,
+                    std::chrono::nanoseconds{r.busy_ns}, rec->sent, now, r.ok());
     s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
     s.items -= rec->items;
     s.outstanding.erase(rec);
@@ -23,8 +26,10 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->value.producers[p].busy += std::chrono::nanoseconds{r.busy_ns};
+    stats_->value.split_calls += r.extra_calls;
   }
   if (closing_) return;
+  maybe_end_drained(p);  // a producer being removed: its last chunk is in
   auto ji = jobs_.find(job);
   std::optional<piece> x;
   if (ji != jobs_.end()) x = ji->second->pieces.take_out(id);
@@ -150,6 +155,7 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
           again.first % 7 != 3)
         j.pieces.add_queued(std::move(again));
       j.report.retries += 1;
+      trace_instant(p, "retry", "job " + std::to_string(job) + " item " + std::to_string(f.index));
       continue;
     }
     auto what = "producer::work threw on item " + std::to_string(f.index) + " on " + s.where.str() +
@@ -231,7 +237,8 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
   s.alive = false;
   s.gen += 1;
   s.quarantined = quarantine;
-  bool replace = s.local && !closing_ && !quarantine && s.restarts_in_row < max_restarts_in_row;
+  bool replace =
+      s.local && !closing_ && !quarantine && !s.draining && s.restarts_in_row < max_restarts_in_row;
   if (quarantine)
     log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
                              " is quarantined: its work() threw " +
@@ -252,6 +259,21 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
        quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
                         " times in a row (options::quarantine_after)"
                   : why);
+  trace_instant(p,
+                quarantine                                ? "quarantined"
+                : kind == producer_event::kind::timed_out ? "timed out"
+                                                          : "lost",
+                why);
+  requeue_outstanding(p);
+  if (s.local || quarantine) io_.stop_producer(p);
+  if (replace) restart(p);
+  if (s.draining) retire(p, "lost while it drained: " + why);  // its chunks went to the others
+  check_survivors();
+  pump();
+}
+
+void scheduler::requeue_outstanding(std::size_t p) {
+  auto& s = producers_[p];
   for (auto& rec : s.outstanding) {
     auto ji = jobs_.find(rec.job);
     if (ji == jobs_.end()) continue;
@@ -260,10 +282,6 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
   }
   s.outstanding.clear();
   s.items = 0;
-  if (s.local || quarantine) io_.stop_producer(p);
-  if (replace) restart(p);
-  check_survivors();
-  pump();
 }
 
 void scheduler::quarantine_producer(std::size_t p) {
@@ -303,6 +321,8 @@ void scheduler::replaced(std::size_t p, std::uint64_t gen) {
   log(log_level::info,
       "producer " + std::to_string(p) + " on " + s.where.str() + " was replaced by a fresh one");
   emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
+  trace_instant(p, "replaced", "a fresh producer on the same device");
+  maybe_end_drained(p);  // removed meanwhile: its end() runs, then it is retired
   pump();
 }
 
@@ -312,21 +332,25 @@ void scheduler::replace_failed(std::size_t p, std::uint64_t gen, const std::stri
   s.restarting = false;
   log(log_level::error,
       "the replacement producer on " + s.where.str() + " failed to start: " + why);
+  if (s.draining) retire(p, "its replacement failed to start while it drained: " + why);
   check_survivors();
   pump();
 }
 
 void scheduler::check_survivors() {
   if (jobs_.empty()) return;
-  if (std::any_of(producers_.begin(), producers_.end(),
-                  [](auto& s) { return s.alive || s.restarting; }))
+  if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return can_work(s); }))
     return;
   std::string what = "every producer is lost (";
   bool all_local = true;
   bool any_quarantined = false;
+  bool first = true;
   for (std::size_t i = 0; i < producers_.size(); ++i) {
-    what += (i ? ", " : "") + producers_[i].where.str() +
-            (producers_[i].quarantined ? ": quarantined" : "");
+    if (producers_[i].retired) continue;  // removed on purpose
+    what += (first ? "" : ", ") + producers_[i].where.str() +
+            (producers_[i].quarantined ? ": quarantined" : "") +
+            (producers_[i].draining ? ": being removed" : "");
+    first = false;
     all_local = all_local && producers_[i].local;
     any_quarantined = any_quarantined || producers_[i].quarantined;
   }

@@ -8,10 +8,17 @@
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <troupe/troupe.hpp>
+#ifdef TROUPE_EXAMPLES_METRICS
+#include <troupe/metrics.hpp>
+#endif
+#include <utility>
 #include <vector>
+
+#include "common/progress.hpp"
 
 namespace example {
 
@@ -24,13 +31,34 @@ struct flags {
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
   std::int64_t work_timeout_ms = 0;
-  troupe::limits limits;  ///< --max-message-mb, --handshake-timeout-ms, ...
+  troupe::limits limits;                   ///< --max-message-mb, --handshake-timeout-ms, ...
+  std::string progress = "auto";           ///< --progress auto|on|off (common/progress.hpp)
+  std::int64_t progress_every_ms = 1000;   ///< --progress-every-ms: period of the plain lines
+  std::string trace;                       ///< --trace FILE: options::trace_file
+  std::string metrics;                     ///< --metrics HOST:PORT: troupe::serve_metrics
+  std::int64_t drain_timeout_ms = 30'000;  ///< --drain-timeout-ms: a node's drain on SIGTERM
 
   /// Runner options from the flags.
   troupe::options options() const {
     troupe::options o;
     o.work_timeout = std::chrono::milliseconds{work_timeout_ms};
+    o.trace_file = trace;
     return o;
+  }
+
+  /// Runner options with on_progress feeding `display`.
+  troupe::options options(progress_display& display) const {
+    auto o = options();
+    o.on_progress = display.callback();
+    return o;
+  }
+
+  /// Progress on stderr as the --progress flags ask (common/progress.hpp).
+  progress_display make_progress(std::string unit = "items",
+                                 std::string workers = "producers") const {
+    return progress_display{parse_progress_mode(progress),
+                            std::chrono::milliseconds{progress_every_ms}, verbose, std::move(unit),
+                            std::move(workers)};
   }
 
   troupe::tls tls() const { return {tls_cert, tls_key, tls_ca, {}}; }
@@ -74,6 +102,22 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");
   app.add_flag("-v,--verbose", f.verbose, "log troupe's diagnostics to stderr");
+  app.add_option("--trace", f.trace,
+                 "write Chrome trace events (Perfetto, chrome://tracing) of the runners to FILE");
+  app.add_option("--metrics", f.metrics,
+                 "serve Prometheus metrics (/metrics), /status.json and a live page (/) on "
+                 "HOST:PORT while the program runs");
+  app.add_option("--drain-timeout-ms", f.drain_timeout_ms,
+                 "--serve: on SIGTERM/SIGINT, how long the node drains (its producers finish "
+                 "their chunks) before it stops (default 30000); a second signal stops it at once");
+  app.add_option("--progress", f.progress,
+                 "progress on stderr: on (a bar on a terminal, else a line per period, and a "
+                 "summary), off, or auto (default: the bar on a terminal; elsewhere lines and "
+                 "the summary only for runs longer than a period)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--progress-every-ms", f.progress_every_ms,
+                 "period of the progress lines when stderr is not a terminal (default 1000)")
+      ->check(CLI::PositiveNumber);
   // Network limits (docs/deploy.md): what this process accepts from its peers.
   app.add_option_function<std::size_t>(
       "--max-message-mb", [&f](std::size_t mb) { f.limits.max_message_bytes = mb << 20; },
@@ -92,20 +136,39 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "most producers one coordinator may have on this node (default 256)");
 }
 
-/// Serves this program's devices as a node until SIGINT or SIGTERM.
+/// Serves this program's devices as a node until SIGINT or SIGTERM, then drains (its producers
+/// finish their chunks and leave gracefully; a second signal stops it at once).
 inline int serve(const flags& f) {
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);  // before CAF starts its threads
-  auto node = troupe::node::serve(f.serve, f.device_list(), f.tls());
-  std::cout << "serving on " << node.address() << std::endl;
-  int signal = 0;
-  sigwait(&stop_signals, &signal);
-  node.stop();
+  troupe::node_options o;
+  static_cast<troupe::limits&>(o) = f.limits;
+  o.drain_timeout = std::chrono::milliseconds{f.drain_timeout_ms};
+  o.on_serving = [](const troupe::node& n) {
+    std::cout << "serving on " << n.address() << std::endl;
+  };
+  int rc = troupe::node::serve_until_signal(f.serve, f.device_list(), f.tls(), o);
   std::cout << "stopped" << std::endl;
-  return 0;
+  return rc;
+}
+
+/// --metrics: a server of /metrics, /status.json and the live page for the program's life.
+inline int start_metrics(const flags& f) {
+  if (f.metrics.empty()) return -1;
+#ifdef TROUPE_EXAMPLES_METRICS
+  try {
+    static std::optional<troupe::metrics_server> server;
+    server.emplace(troupe::serve_metrics(f.metrics));
+    std::cerr << "metrics on http://" << server->address() << "/ (/metrics, /status.json)"
+              << std::endl;
+    return -1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+#else
+  std::cerr << "error: --metrics: this build has no troupe::metrics (install "
+               "prometheus-cpp-dev and libcpp-httplib-dev, and build again)\n";
+  return 1;
+#endif
 }
 
 /// Handles --serve and --verbose; returns an exit code, or -1 to go on with the example.
@@ -117,6 +180,7 @@ inline int check_flags(const flags& f) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
+  if (int rc = start_metrics(f); rc >= 0) return rc;
   if (!f.serve.empty()) {
     int rc = 1;
     try {

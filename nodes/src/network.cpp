@@ -1,12 +1,16 @@
 #include "troupe/detail/network.hpp"
 
+#include <fcntl.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/atom.hpp>
@@ -18,6 +22,7 @@
 #include <caf/openssl/session.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <future>
 #include <map>
@@ -27,6 +32,7 @@
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
+#include "troupe/log.hpp"
 #include "troupe/node.hpp"
 #include "troupe/protocol.hpp"
 
@@ -145,7 +151,41 @@ host_port parse_host_port(const std::string& spec) {
   return {spec.substr(0, colon), static_cast<std::uint16_t>(value)};
 }
 
+namespace {
+std::atomic<std::size_t> own_threads{0};      ///< set_threads(n), 0: one per core
+std::atomic<bool> own_system_started{false};  ///< make_system_config has run
+}  // namespace
+
+void add_message_types(caf::actor_system_config& cfg) {
+  cfg.add_message_type<work_chunk>("troupe.work_chunk");
+  cfg.add_message_type<chunk_result>("troupe.chunk_result");
+  cfg.add_message_type<bulk::fragment>("troupe.bulk_fragment");
+  cfg.add_message_type<init_done>("troupe.init_done");
+  cfg.add_message_type<consume_ack>("troupe.consume_ack");
+  cfg.add_message_type<node_hello>("troupe.node_hello");
+  cfg.add_message_type<spawn_producer>("troupe.spawn_producer");
+}
+
+}  // namespace detail
+
+void set_threads(std::size_t n) {
+  if (n == 0) throw invalid_argument("set_threads(0): troupe's actor system needs a thread");
+  if (detail::own_system_started.load() && n != detail::own_threads.load())
+    throw invalid_argument(
+        "set_threads() after troupe's actor system started (the first runner, node or "
+        "data_parallel of this process): call it before");
+  detail::own_threads = n;
+}
+
+void add_to(caf::actor_system_config& cfg) {
+  cfg.load<caf::io::middleman>();
+  detail::add_message_types(cfg);
+}
+
+namespace detail {
+
 std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const tls& t) {
+  own_system_started = true;
   auto cfg = std::make_unique<caf::actor_system_config>();
   // Work sharing: a round trip to a detached actor costs ~13 us instead of ~60 us here.
   cfg->set("scheduler.policy", caf::atom("sharing"));
@@ -153,18 +193,14 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   // scheduler and the producers have threads of their own): one per core. More threads than
   // cores cost the throughput of cheap items (x*x: ~250 instead of ~500 M items/s on 2 cores).
   cfg->set("scheduler.max-threads",
-           static_cast<std::size_t>(std::max(2u, std::thread::hardware_concurrency())));
+           own_threads.load()
+               ? own_threads.load()
+               : static_cast<std::size_t>(std::max(2u, std::thread::hardware_concurrency())));
   cfg->set("logger.file-verbosity", caf::atom("quiet"));
   cfg->set("logger.console-verbosity", caf::atom("quiet"));
   if (!network) return cfg;
   cfg->load<caf::io::middleman>();
-  cfg->add_message_type<work_chunk>("troupe.work_chunk");
-  cfg->add_message_type<chunk_result>("troupe.chunk_result");
-  cfg->add_message_type<bulk::fragment>("troupe.bulk_fragment");
-  cfg->add_message_type<init_done>("troupe.init_done");
-  cfg->add_message_type<consume_ack>("troupe.consume_ack");
-  cfg->add_message_type<node_hello>("troupe.node_hello");
-  cfg->add_message_type<spawn_producer>("troupe.spawn_producer");
+  add_message_types(*cfg);
   // Messages are deserialized on the multiplexer thread itself: a BASP worker would first copy
   // every received payload (bulk fragments included) into a buffer of its own.
   cfg->set("middleman.workers", std::size_t{0});
@@ -342,6 +378,21 @@ struct node_state {
   std::size_t max_producers_per_coordinator = 0;
   std::map<caf::actor_addr, std::vector<caf::actor>> producers_of;  ///< by owner
   std::map<caf::node_id, std::size_t> producers_on;                 ///< by the owner's node
+  /// node::drain: no new producers; the callers of drain wait for the last one to end.
+  bool draining = false;
+  std::vector<caf::response_promise> drained;
+
+  [[nodiscard]] std::int64_t left() const {
+    std::int64_t n = 0;
+    for (auto& [owner, ps] : producers_of) n += static_cast<std::int64_t>(ps.size());
+    return n;
+  }
+  [[nodiscard]] bool empty() const { return left() == 0; }
+  /// Answers the drain's callers with the producers still there (0: all ended).
+  void answer_drained() {
+    for (auto& rp : drained) rp.deliver(left());
+    drained.clear();
+  }
 };
 
 std::string join(const std::vector<std::string>& xs) {
@@ -357,7 +408,21 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
   st->max_producers_per_coordinator = network_limits().max_producers_per_coordinator;
   self->set_down_handler([self, st](caf::down_msg& dm) {
     auto i = st->producers_of.find(dm.source);
-    if (i == st->producers_of.end()) return;
+    if (i == st->producers_of.end()) {
+      // One of the producers (its coordinator ended it, e.g. after draining it).
+      for (auto& [owner, ps] : st->producers_of) {
+        auto before = ps.size();
+        ps.erase(std::remove_if(ps.begin(), ps.end(),
+                                [&](const caf::actor& p) { return p.address() == dm.source; }),
+                 ps.end());
+        if (ps.size() != before) {
+          auto j = st->producers_on.find(owner.node());
+          if (j != st->producers_on.end() && j->second > 0) j->second -= 1;
+        }
+      }
+      if (st->draining && st->empty()) st->answer_drained();
+      return;
+    }
     for (auto& p : i->second) self->send_exit(p, caf::exit_reason::user_shutdown);
     auto j = st->producers_on.find(dm.source.node());
     if (j != st->producers_on.end()) {
@@ -365,6 +430,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
       if (j->second == 0) st->producers_on.erase(j);
     }
     st->producers_of.erase(i);
+    if (st->draining && st->empty()) st->answer_drained();
   });
   self->attach_functor([st](const caf::error&) {
     for (auto& [owner, producers] : st->producers_of)
@@ -377,7 +443,25 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         for (auto& d : st->devices) hello.devices.push_back(d.str());
         return hello;
       },
+      [self, st](drain_atom, std::int64_t deadline_ms) -> caf::result<std::int64_t> {
+        // Each coordinator hears which of its producers are leaving: it sends them no new work,
+        // lets their chunks finish and ends them (a graceful leave, not a loss).
+        st->draining = true;
+        if (st->empty()) return std::int64_t{0};
+        for (auto& [owner, ps] : st->producers_of) {
+          if (ps.empty()) continue;
+          auto to = caf::actor_cast<caf::actor>(owner);
+          if (to) self->send(to, leaving_atom::value, ps);
+        }
+        st->drained.push_back(self->make_response_promise());
+        self->delayed_send(self, std::chrono::milliseconds{std::max<std::int64_t>(0, deadline_ms)},
+                           drain_atom::value);
+        return st->drained.back();
+      },
+      [st](drain_atom) { st->answer_drained(); },  // the deadline: the rest are left to stop()
       [self, st](spawn_producer& req, const caf::actor& owner) -> caf::result<caf::actor> {
+        if (st->draining)
+          return make_error(errc::node_error, "refused: this node is draining (shutting down)");
         // The owner's end ends its producers (monitor below). Only an owner on the requester's
         // own node is known to end: a proxy for a node this one never connected to is never
         // reported down, and its producers would live (a thread each) forever.
@@ -418,6 +502,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         auto& mine = st->producers_of[owner.address()];
         if (mine.empty()) self->monitor(owner);
         mine.push_back(p);
+        self->monitor(p);  // a producer ended by its coordinator (drain) leaves the list
         count += 1;
         return p;
       },
@@ -477,6 +562,105 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
                  const limits& l) {
   set_network_limits(l);
   return serve(host_port, std::move(devices), std::move(t));
+}
+
+node node::serve(const std::string& host_port, std::vector<device> devices, tls t,
+                 const node_options& o) {
+  set_network_limits(o);
+  return serve(host_port, std::move(devices), std::move(t));
+}
+
+std::size_t node::drain(std::chrono::milliseconds deadline) {
+  if (!impl_ || !impl_->actor) return 0;
+  // No new coordinator: the port closes (connections made already stay, for the chunks'
+  // answers).
+  impl_->sys->middleman().unpublish(impl_->actor, impl_->port);
+  std::int64_t left = -1;
+  {
+    caf::scoped_actor self{*impl_->sys};
+    auto wait = deadline + std::chrono::seconds{5};  // the node answers at the deadline
+    self->request(impl_->actor, wait, drain_atom::value,
+                  static_cast<std::int64_t>(std::max<std::int64_t>(0, deadline.count())))
+        .receive([&](std::int64_t n) { left = n; },
+                 [&](const caf::error&) {});  // stopped meanwhile (a second signal)
+  }
+  stop();
+  return left < 0 ? 0 : static_cast<std::size_t>(left);
+}
+
+namespace {
+
+int signal_pipe[2] = {-1, -1};
+
+extern "C" void on_stop_signal(int sig) {
+  auto saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  (void)!::write(signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+/// Waits for a byte from the signal pipe; the signal's number.
+int next_signal() {
+  unsigned char b = 0;
+  while (::read(signal_pipe[0], &b, 1) < 0 && errno == EINTR) {
+  }
+  return b;
+}
+
+}  // namespace
+
+int node::serve_until_signal(const std::string& host_port, std::vector<device> devices, tls t,
+                             const node_options& o) {
+  // A handler that writes to a pipe (async-signal-safe) works whichever thread the signal
+  // reaches, CAF's included.
+  if (signal_pipe[0] < 0 && ::pipe2(signal_pipe, O_CLOEXEC) != 0)
+    throw node_error("serve_until_signal: cannot make a pipe");
+  struct sigaction sa {
+  }, old_term{}, old_int{};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, &old_term);
+  sigaction(SIGINT, &sa, &old_int);
+  auto restore = [&] {
+    sigaction(SIGTERM, &old_term, nullptr);
+    sigaction(SIGINT, &old_int, nullptr);
+  };
+  int rc = 0;
+  try {
+    auto n = serve(host_port, std::move(devices), std::move(t), o);
+    if (o.on_serving) o.on_serving(n);
+    int sig = next_signal();
+    log(log_level::info, "node " + n.address() + ": signal " + std::to_string(sig) +
+                             ", draining (a second signal stops it at once)");
+    // A second signal stops the node at once: its actor ends, and drain()'s wait with it.
+    auto* sys = n.impl_->sys;
+    auto actor = n.impl_->actor;
+    std::atomic<bool> drained{false};
+    std::atomic<bool> stopped_at_once{false};
+    std::thread second([&] {
+      next_signal();
+      if (drained) return;
+      stopped_at_once = true;
+      caf::anon_send_exit(actor, caf::exit_reason::user_shutdown);
+    });
+    (void)sys;
+    auto left = n.drain(o.drain_timeout);
+    drained = true;
+    if (!stopped_at_once) on_stop_signal(0);  // wakes the watcher
+    second.join();
+    rc = left > 0 || stopped_at_once ? 1 : 0;
+    log(log_level::info, stopped_at_once ? std::string{"node stopped at once"}
+                         : left > 0      ? std::to_string(left) +
+                                          " producer(s) still busy at the "
+                                          "drain deadline were stopped"
+                                    : std::string{"node drained"});
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  return rc;
 }
 
 std::uint16_t node::port() const {

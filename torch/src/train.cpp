@@ -1482,7 +1482,12 @@ trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::
   // An argument, however useless: a spawn without one makes CAF 0.17.6 dereference a null
   // std::shared_ptr<std::tuple<>> (UBSan reports it).
   p.owner = p.sys->spawn(
-      [](caf::event_based_actor*, bool) -> caf::behavior { return {[](std::uint8_t) {}}; }, true);
+      [](caf::event_based_actor*, bool) -> caf::behavior {
+        // A draining node's notice (leaving_atom): its replicas are lost to this trainer when
+        // the node stops, and recomputed as for any loss.
+        return {[](std::uint8_t) {}, [](leaving_atom, const std::vector<caf::actor>&) {}};
+      },
+      true);
   auto fresh = p.start(devices);
   p.copy_state(std::vector<std::size_t>(fresh.begin() + 1, fresh.end()));
 }

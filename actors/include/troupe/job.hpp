@@ -10,6 +10,7 @@
 
 #include "troupe/config.hpp"
 #include "troupe/device.hpp"
+#include "troupe/span.hpp"
 
 namespace troupe::detail {
 
@@ -105,6 +106,28 @@ struct work_signature<P, true> {
   using type = member_fn<decltype(&P::work)>;
 };
 
+/// What producer::work takes and gives: one item, or (a batch producer) a span of items and a
+/// vector of outputs, one per item, in order.
+template <class Arg, class Result, bool = is_span<std::decay_t<Arg>>::value>
+struct work_items {
+  static constexpr bool batched = false;
+  using input_type = std::decay_t<Arg>;
+  using output_type = std::decay_t<Result>;
+};
+template <class Arg, class Result>
+struct work_items<Arg, Result, true> {
+  static constexpr bool batched = true;
+  using span_type = std::decay_t<Arg>;
+  static_assert(std::is_const<typename span_type::element_type>::value,
+                "troupe: a batch producer's work takes troupe::span<const Input>");
+  using input_type = typename span_type::value_type;
+  using result = std::decay_t<Result>;
+  static_assert(std::is_same<result, std::vector<typename result::value_type>>::value,
+                "troupe: a batch producer's work(troupe::span<const Input>) must return "
+                "std::vector<Output>, one output per item, in order");
+  using output_type = typename result::value_type;
+};
+
 template <class Job>
 struct job_traits {
   static_assert(
@@ -121,8 +144,12 @@ struct job_traits {
   static_assert(!std::is_lvalue_reference<work_arg>::value ||
                     std::is_const<std::remove_reference_t<work_arg>>::value,
                 "troupe: Job::producer::work must take its input by value, const& or &&");
-  using input_type = std::decay_t<work_arg>;
-  using output_type = std::decay_t<typename work_sig::result>;
+  using items = work_items<work_arg, typename work_sig::result>;
+  /// producer::work(troupe::span<const In>) -> std::vector<Out>: called once per batch of items
+  /// (docs/api.md, "Batch producers").
+  static constexpr bool batched = items::batched;
+  using input_type = typename items::input_type;
+  using output_type = typename items::output_type;
   static_assert(!std::is_void<output_type>::value,
                 "troupe: Job::producer::work must return the output item (it returns void)");
   static_assert(std::is_copy_constructible<input_type>::value &&
@@ -160,7 +187,7 @@ struct job_traits {
   /// The job's consumer has merge(): local producers fold their chunks' outputs into consumers
   /// of their own, which the job's consumer merges (docs/api.md, "Folding on the producers").
   static constexpr bool folds = has_job_consumer && has_merge<consumer_type>::value &&
-                                !std::is_same<output_type, bool>::value;
+                                !std::is_same<output_type, bool>::value && !batched;
 };
 
 /// Constructs a producer from what it accepts of (device, config, index in the runner).

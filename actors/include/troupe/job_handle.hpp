@@ -4,14 +4,18 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "troupe/detail/job_core.hpp"
 #include "troupe/error.hpp"
 #include "troupe/job_options.hpp"
+#include "troupe/log.hpp"
+#include "troupe/outcome.hpp"
 
 namespace troupe {
 
@@ -46,6 +50,56 @@ class job_handle {
     core_->get();
     return std::move(**slot_);
   }
+  /// Instead of get(), without a blocked thread: once the job has ended, `f(outcome<R>)` runs
+  /// exactly once (the value, or the exception get() would throw), handed to `post` (any
+  /// callable taking a std::function<void()>: the application's executor). At once (handed to
+  /// `post`) when the job has ended already. The handle is empty afterwards; the job runs on
+  /// (dropping the handle no longer cancels it; cancel() before then() if needed). No thread
+  /// waits for a pending then().
+  template <class Post, class F>
+  void then(Post post, F f) {
+    auto core = take_core("then()");
+    auto slot = std::move(slot_);
+    auto* c = core.get();
+    c->on_finish([core = std::move(core), slot = std::move(slot), post = std::move(post),
+                  f = std::move(f)]() mutable {
+      outcome<R> o;
+      try {
+        core->get();
+        o.value.emplace(std::move(**slot));
+      } catch (...) {
+        o.error = std::current_exception();
+      }
+      core.reset();
+      slot.reset();
+      try {
+        post(std::function<void()>{
+            [f = std::make_shared<F>(std::move(f)),
+             o = std::make_shared<outcome<R>>(std::move(o))] { (*f)(std::move(*o)); }});
+      } catch (...) {  // the executor refused it (stopped): nothing else can run f
+        log(log_level::error, "job_handle::then(): `post` threw; the callback will not run");
+      }
+    });
+  }
+  /// then() without an executor: `f` runs on the thread that ends the job (one of troupe's:
+  /// keep it short, and do not wait there for other jobs), or at once on this thread when the
+  /// job has ended already.
+  template <class F>
+  void then(F f) {
+    then(
+        [](std::function<void()> g) {
+          try {
+            g();
+          } catch (const std::exception& e) {  // not into troupe's actor: the job is over
+            log(log_level::error,
+                std::string{"job_handle::then(): the callback threw: "} + e.what());
+          } catch (...) {
+            log(log_level::error, "job_handle::then(): the callback threw");
+          }
+        },
+        std::move(f));
+  }
+
   /// True once the job has ended (any way). milliseconds::max() waits forever; on troupe's own
   /// threads a wait longer than 0 for an unfinished job throws invalid_argument.
   bool wait_for(std::chrono::milliseconds d) { return core().wait_for(d); }
@@ -59,6 +113,10 @@ class job_handle {
   [[nodiscard]] bool valid() const noexcept { return core_ != nullptr; }
 
  private:
+  std::shared_ptr<detail::job_core> take_core(const char* what) {
+    if (!core_) throw invalid_argument(std::string{what} + " on an empty or moved-from job_handle");
+    return std::move(core_);
+  }
   detail::job_core& core() const {
     if (!core_) throw invalid_argument("an empty or moved-from job_handle");
     return *core_;

@@ -30,9 +30,13 @@ struct producer_event {
     timed_out,    ///< busy with one chunk for longer than options::work_timeout
     quarantined,  ///< work() threw options::quarantine_after times in a row
     replaced,     ///< a fresh producer took the place of a lost or timed-out local one
+    added,        ///< add_devices: a new producer takes work
+    removed,      ///< remove_devices: drained (its chunks finished, end() ran), or lost meanwhile
   };
   kind what = kind::lost;
-  std::size_t producer = 0;  ///< its index in the runner's devices (producer_stats::index)
+  /// Its slot: its index in the runner's devices as constructed, then added ones in the order
+  /// added (producer_stats::index); a removed producer's slot is never reused.
+  std::size_t producer = 0;
   device where;
   std::string reason;  ///< one line, for people
 };
@@ -98,10 +102,19 @@ struct options {
   /// type whose inspect() forgets a field fails a local test. Needs input and output types
   /// with inspect(); costs a copy of every item both ways.
   bool serialize = false;
+  /// Chrome trace events (JSON that Perfetto and chrome://tracing load) written to this file
+  /// while the runner runs, complete once close() returns: a lane per producer, a slice per
+  /// chunk worked (job, items, bytes), arrows from dispatch, and instants for retries,
+  /// speculative copies, losses and producers added or removed. "" (default): none.
+  std::string trace_file;
+  /// Events beyond this many bytes are dropped (counted at the end of the file).
+  std::size_t trace_max_bytes = std::size_t{100} << 20;
 };
 
 struct producer_stats {
-  std::size_t index = 0;  ///< its place in the runner's devices (the producer's constructor's)
+  /// Its slot: its place in the runner's devices as constructed (the producer's constructor's
+  /// index), then added ones in the order added; never reused.
+  std::size_t index = 0;
   device where;
   std::uint64_t items = 0;
   std::chrono::nanoseconds busy{0};  ///< time spent inside producer::work
@@ -111,6 +124,8 @@ struct producer_stats {
   std::uint64_t restarts = 0;
   /// Taken out of the pool after options::quarantine_after failures in a row.
   bool quarantined = false;
+  /// Removed by remove_devices (drained); stats keep its numbers.
+  bool removed = false;
 };
 
 struct stats {
@@ -120,6 +135,9 @@ struct stats {
   /// Items sent to a second producer as speculative copies (options::speculative): work()
   /// calls beyond one per item, retries aside.
   std::uint64_t duplicated_items = 0;
+  /// Batch producers (work(troupe::span<const In>)): calls made again on halves of a batch
+  /// that threw, to find the items that fail alone.
+  std::uint64_t split_calls = 0;
   std::vector<producer_stats> producers;
 };
 

@@ -3,6 +3,7 @@
 // actor (docs/api.md: "Runners" and "One pool, many jobs").
 #pragma once
 
+#include <caf/fwd.hpp>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -18,11 +19,18 @@
 #include "troupe/job.hpp"
 #include "troupe/job_handle.hpp"
 #include "troupe/job_options.hpp"
+#include "troupe/lend.hpp"
 #include "troupe/options.hpp"
 
 namespace troupe {
 
 enum class ordering { unordered, ordered };
+
+namespace detail {
+/// runner.actor(): defined by <troupe/caf.hpp> (CAF headers stay out of this one).
+template <class Runner>
+struct caf_bridge;
+}  // namespace detail
 
 template <class Job, ordering Order>
 class basic_runner {
@@ -37,6 +45,13 @@ class basic_runner {
   explicit basic_runner(std::vector<device> devices, config cfg = {}, options opts = {})
       : rt_(std::move(devices), std::move(cfg), checked(std::move(opts)),
             detail::registered_job_name(typeid(Job)), &detail::make_producer_ops<Job>) {}
+  /// The same on a CAF application's actor system (<troupe/caf.hpp>, troupe::add_to(cfg)):
+  /// the jobs' consumers run on its threads, so one pool serves both. The runner must be
+  /// closed (or destroyed) before the system.
+  basic_runner(caf::actor_system& sys, std::vector<device> devices, config cfg = {},
+               options opts = {})
+      : rt_(sys, std::move(devices), std::move(cfg), checked(std::move(opts)),
+            detail::registered_job_name(typeid(Job)), &detail::make_producer_ops<Job>) {}
   /// A runner over a core made elsewhere (troupe::testing::simulation's simulated clusters).
   explicit basic_runner(detail::runtime_handle rt) : rt_(std::move(rt)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).
@@ -45,8 +60,9 @@ class basic_runner {
 
   /// Starts a job: every item of `inputs` (any input range, or troupe::generate(fn)) through
   /// the producers into a fresh consumer, next to the jobs already running. Returns at once.
-  /// An lvalue range is read in place and must outlive the job; an rvalue one (a temporary, a
-  /// generator) is moved into the job. Inputs are pulled lazily, on the scheduler's thread.
+  /// An lvalue range is copied into the job (it may die at once), an rvalue one (a temporary,
+  /// a generator) moved into it; troupe::lend(xs) reads `xs` in place instead (no copy; it must
+  /// outlive the job). Inputs are pulled lazily, on the scheduler's thread.
   template <class InputRange>
   job_handle<result_type> submit(InputRange&& inputs, job_options o = {}) {
     auto slot = std::make_shared<std::optional<result_type>>();
@@ -63,7 +79,11 @@ class basic_runner {
   /// outputs, for a job without consumer). Other threads' jobs run at the same time.
   template <class InputRange>
   result_type run(InputRange&& inputs, job_options o = {}) {
-    return submit(inputs, std::move(o)).get();  // an lvalue: run() outlives the job
+    // run() outlives the job: the range is read in place
+    if constexpr (detail::is_lent<std::remove_cv_t<std::remove_reference_t<InputRange>>>::value)
+      return submit(inputs, std::move(o)).get();
+    else
+      return submit(troupe::lend(inputs), std::move(o)).get();
   }
   result_type run(std::initializer_list<input_type> inputs, job_options o = {}) {
     return submit(inputs, std::move(o)).get();
@@ -71,7 +91,8 @@ class basic_runner {
 
   /// The outputs as they come (in input order on an ordered runner), through a bounded buffer:
   /// a slow reader pauses the producers. Leaving the loop early cancels the rest of the job.
-  /// The job's consumer is not used.
+  /// The job's consumer is not used. `inputs` as for submit(): an lvalue is copied,
+  /// troupe::lend(xs) is read in place.
   template <class InputRange>
   output_stream<output_type> stream(InputRange&& inputs, job_options o = {}) {
     auto buf = std::make_shared<detail::stream_buffer>(stream_buffer_chunks);
@@ -88,9 +109,36 @@ class basic_runner {
   /// (producer::end() runs on its thread), within options::close_timeout. Idempotent, safe from any
   /// thread. Called from on_progress or a job's own code, it starts closing and returns at once.
   void close() noexcept { rt_.close(); }
+
+  /// Starts producers on `devices` while jobs run: they take work within one chunk (the
+  /// running jobs too). Returns once they are constructed; throws for the new devices only
+  /// (device_unavailable, init_error, node_error; invalid_argument for a node's device on a
+  /// runner built over local devices only, or on troupe's own threads), runner_closed after
+  /// close(). Their slots (producer_stats::index) follow the existing ones.
+  void add_devices(std::vector<device> devices) { rt_.add_devices(std::move(devices)); }
+  /// Drains one producer per entry (the first present one on that device): it takes no new
+  /// work, its chunks in flight finish (their outputs are delivered), producer::end() runs (at
+  /// most options::close_timeout, else it is left behind); returns when they are gone. Nothing
+  /// is lost or delivered twice; ordered jobs stay ordered. invalid_argument for a device not
+  /// present, or when no producer would be left (close() instead); then nothing is removed.
+  void remove_devices(std::vector<device> devices) { rt_.remove_devices(std::move(devices)); }
   [[nodiscard]] bool is_open() const { return rt_.is_open(); }
+  /// The devices of the producers present now: a snapshot that stays valid (and unchanged)
+  /// for the runner's life; call again after add_devices / remove_devices.
   [[nodiscard]] const std::vector<device>& devices() const noexcept { return rt_.devices(); }
   [[nodiscard]] troupe::stats stats() const { return rt_.stats(); }
+
+  /// The CAF actor system its actors run on (the application's, or troupe's own).
+  [[nodiscard]] caf::actor_system& system() const { return rt_.system(); }
+  /// A CAF actor that answers (troupe::submit_atom::value, std::vector<input_type>) with the
+  /// job's result (result_type) or an error (troupe's code: troupe::error_code(err)); each
+  /// request is a job on this runner. Needs <troupe/caf.hpp>. Ended when the runner closes.
+  template <class Self = basic_runner>
+  typename detail::caf_bridge<Self>::actor_type actor() {
+    auto a = detail::caf_bridge<Self>::make(rt_.guarded_submitter(), rt_.system());
+    rt_.own(a);
+    return a;
+  }
 
  private:
   /// Chunks a stream keeps for its reader (each at most options::max_chunk_bytes).

@@ -29,6 +29,7 @@
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device.hpp"
 #include "troupe/options.hpp"
+#include "troupe/outcome.hpp"
 #include "troupe/runner.hpp"
 
 namespace troupe::testing {
@@ -92,12 +93,9 @@ struct explore_options {
   options opts;
 };
 
-/// What a job gave in one simulation: its value, or what get() threw.
+/// What a job gave in one simulation: its value, or what get() threw (troupe::outcome).
 template <class R>
-struct outcome {
-  std::optional<R> value;
-  std::exception_ptr error;
-};
+using outcome = troupe::outcome<R>;
 
 /// The first seed whose check failed, with that simulation's trace.
 struct found_failure {

@@ -21,6 +21,8 @@
 //
 // Nodes (node_protocol_version below):
 //   coordinator ──hello_atom──▶ node ──node_hello──▶ coordinator
+//   node::drain ──drain_atom──▶ node ──leaving_atom, producers──▶ owner ──▶ scheduler (drains
+//   them: their chunks finish, end_atom); the node answers once they are gone (or at the deadline)
 //   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
@@ -99,6 +101,8 @@ struct chunk_result {
   std::string what;                ///< the failure's message
   /// keep_going: the items that threw, in index order; `outputs` holds the others' outputs.
   std::vector<item_error> failures;
+  /// Batch producers: work(span) calls made again on halves of a batch that threw.
+  std::uint64_t extra_calls = 0;
 
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };
@@ -139,7 +143,7 @@ typename Inspector::result_type inspect(Inspector& f, item_error& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
   return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
-           x.idle_ns, x.code, x.failed_index, x.what, x.failures);
+           x.idle_ns, x.code, x.failed_index, x.what, x.failures, x.extra_calls);
 }
 
 template <class Inspector>
@@ -179,9 +183,17 @@ namespace troupe {
 // ------------------------------------------------------------------
 
 /// The version of troupe's node protocol; peers with another version are refused.
-constexpr std::uint32_t node_protocol_version = 4;  // 2: idle_ns; 3: keep_going, failures; 4: index
+// 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom
+constexpr std::uint32_t node_protocol_version = 5;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
+/// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
+/// producer it spawned has ended, or at the deadline.
+using drain_atom = caf::atom_constant<caf::atom("tr_drain")>;
+/// A draining node, to each coordinator's owner actor (with the producers it holds there):
+/// take no new work to them, let their chunks finish, end them. The owner hands it to its
+/// scheduler.
+using leaving_atom = caf::atom_constant<caf::atom("tr_leave")>;
 
 /// A node's answer to hello_atom: its protocol version and the devices it offers.
 struct node_hello {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,12 +56,30 @@ void set_network_limits(const limits& l);
 /// The limits in effect (or to take effect).
 limits network_limits();
 
+/// How many threads troupe's own actor system runs for consumers (default: one per core, at
+/// least 2; producers and schedulers have threads of their own). Call before troupe's first
+/// runner, node or data_parallel of the process; throws invalid_argument afterwards (with
+/// another value) and for 0. A CAF application can build runners on its own actor system
+/// instead (<troupe/caf.hpp>).
+void set_threads(std::size_t n);
+
 /// Reads the certificate, key (with its passphrase) and CA files with OpenSSL; throws
 /// invalid_argument saying which file is wrong (also when the key is not the certificate's). Done
 /// before any TLS connection: CAF's module fails inside its own thread on a bad key or passphrase,
 /// and the handshake then hangs. A process has one TLS identity: every networked part of it uses
 /// the same settings.
 void check_tls(const tls& t);
+
+class node;
+
+/// A node's settings: the network limits (connections, message size, handshake and idle
+/// deadlines, producers per coordinator) and how it drains.
+struct node_options : limits {
+  /// node::drain's default deadline, and serve_until_signal's on SIGTERM / SIGINT.
+  std::chrono::milliseconds drain_timeout{30'000};
+  /// serve_until_signal: called once the node listens (e.g. to print its address).
+  std::function<void(const node&)> on_serving;
+};
 
 /// A node serving this process's devices to remote coordinators.
 class node {
@@ -71,6 +90,14 @@ class node {
   /// The same, with set_network_limits(l) first.
   static node serve(const std::string& host_port, std::vector<device> devices, tls t,
                     const limits& l);
+  /// The same, with set_network_limits(o) first.
+  static node serve(const std::string& host_port, std::vector<device> devices, tls t,
+                    const node_options& o);
+  /// Serves until SIGTERM or SIGINT, then drains (o.drain_timeout) and returns 0, or 1 when
+  /// producers were still busy at the deadline (they are stopped). A second signal while it
+  /// drains stops the node at once (returns 1). The signals' previous handlers are restored.
+  static int serve_until_signal(const std::string& host_port, std::vector<device> devices,
+                                tls t = {}, const node_options& o = {});
 
   node(node&&) noexcept;
   node& operator=(node&&) noexcept;
@@ -81,6 +108,13 @@ class node {
   [[nodiscard]] std::string address() const;
   /// Stops serving: unpublishes, ends every producer it spawned. Idempotent.
   void stop();
+  /// Leaves gracefully: takes no new coordinator or producer, tells each coordinator that its
+  /// producers here are leaving (they get no new work, their chunks in flight finish and are
+  /// delivered, producer::end() runs: the coordinator reports them removed, not lost), waits
+  /// until they have ended or `deadline` has passed (the rest are stopped: their coordinators
+  /// re-send those chunks elsewhere), then stop(). Returns the producers still busy at the
+  /// deadline (0: all left cleanly). Idempotent.
+  std::size_t drain(std::chrono::milliseconds deadline = std::chrono::seconds{30});
 
  private:
   struct impl;

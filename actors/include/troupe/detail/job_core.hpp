@@ -66,8 +66,9 @@ class job_core {
     std::lock_guard<std::mutex> guard{mtx_};
     f(report_);
   }
-  /// Called once the job has ended (a stream's reader waits on its own buffer); each call
-  /// adds one.
+  /// Called once the job has ended (a stream's reader waits on its own buffer), on the thread
+  /// that ends it, or at once on the caller's thread when it has ended already; each call adds
+  /// one.
   void on_finish(std::function<void()> f);
   /// Its simulation is ending: the consumer is let go and no message is sent to the
   /// simulation's actors any more (the handle may outlive them).

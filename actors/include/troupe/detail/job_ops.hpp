@@ -26,6 +26,7 @@
 #include "troupe/device.hpp"
 #include "troupe/error.hpp"
 #include "troupe/job.hpp"
+#include "troupe/span.hpp"
 
 namespace troupe::detail {
 
@@ -255,7 +256,7 @@ class typed_producer final : public producer_ops {
  private:
   // Numbers are written in place through local pointers (no per-item capacity check), into a
   // recycled buffer; other outputs are appended.
-  static constexpr bool in_place = raw_items<out> && raw_items<in>;
+  static constexpr bool in_place = raw_items<out> && raw_items<in> && !traits::batched;
 
   std::vector<out> start_outputs(std::size_t n) {
     std::vector<out> outputs;
@@ -420,6 +421,16 @@ class typed_producer final : public producer_ops {
   /// outputs[k] on; false when an item failed the chunk.
   bool work_on(const in* x, std::size_t n, std::uint64_t first, bool keep_going, work_outcome& r,
                std::vector<out>& outputs, std::size_t& k) {
+    if constexpr (traits::batched) {
+      if (n == 0) return true;
+      return work_on_batch(x, n, first, keep_going, r, outputs, k);
+    } else {
+      return work_on_items(x, n, first, keep_going, r, outputs, k);
+    }
+  }
+
+  bool work_on_items(const in* x, std::size_t n, std::uint64_t first, bool keep_going,
+                     work_outcome& r, std::vector<out>& outputs, std::size_t& k) {
     std::size_t i = 0;
     auto& p = *p_;
     while (i < n) {
@@ -449,6 +460,42 @@ class typed_producer final : public producer_ops {
         ++i;
       }
     }
+    return true;
+  }
+
+  /// A batch producer's work(span) on items [x, x + n): one call; when it throws, the batch is
+  /// split in halves and each run again, down to single items, so that only the items that
+  /// fail alone fail (each counted in r.extra_calls). False when an item failed the chunk.
+  bool work_on_batch(const in* x, std::size_t n, std::uint64_t first, bool keep_going,
+                     work_outcome& r, std::vector<out>& outputs, std::size_t& k) {
+    std::vector<out> ys;
+    try {
+      ys = p_->work(span<const in>{x, n});
+    } catch (...) {
+      if (n > 1) {
+        auto half = n / 2;
+        r.extra_calls += 2;
+        return work_on_batch(x, half, first, keep_going, r, outputs, k) &&
+               work_on_batch(x + half, n - half, first + half, keep_going, r, outputs, k);
+      }
+      if (!keep_going) {
+        r.failed = true;
+        r.failed_index = first;
+        r.what = describe_current_exception();
+        return false;
+      }
+      r.failures.push_back(item_error{first, describe_current_exception()});
+      return true;
+    }
+    if (ys.size() != n) {  // a bug in the producer: its batch's outputs cannot be matched up
+      r.failed = true;
+      r.failed_index = first;
+      r.what = "producer::work(span) returned " + std::to_string(ys.size()) + " outputs for " +
+               std::to_string(n) + " items (it must return one per item, in order)";
+      return false;
+    }
+    for (auto& y : ys) outputs.push_back(std::move(y));
+    k += n;
     return true;
   }
 

@@ -2,6 +2,8 @@
 // hand it jobs, close it. No CAF actor headers here: they stay in the library.
 #pragma once
 
+#include <caf/fwd.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 #include <typeinfo>
@@ -40,6 +42,10 @@ class runtime_handle {
   /// registered name ("" if none), needed for remote devices.
   runtime_handle(std::vector<device> devices, config cfg, options opts, std::string job,
                  producer_maker make);
+  /// The same on an application's actor system (<troupe/caf.hpp>): consumers run on its
+  /// threads; producers and the scheduler on threads of their own, as always.
+  runtime_handle(caf::actor_system& sys, std::vector<device> devices, config cfg, options opts,
+                 std::string job, producer_maker make);
   /// The same on a simulated cluster: simulated producers, the scheduler on the simulation's
   /// thread, in virtual time; waits run the simulation (troupe::testing::simulation).
   runtime_handle(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg,
@@ -59,9 +65,23 @@ class runtime_handle {
                                           job_options o);
   /// Ends every job (runner_closed), then the producers. Idempotent.
   void close() noexcept;
+  /// Producers on more devices, while jobs run (runner::add_devices).
+  void add_devices(std::vector<device> devices);
+  /// Drains producers (runner::remove_devices).
+  void remove_devices(std::vector<device> devices);
   [[nodiscard]] bool is_open() const;
   [[nodiscard]] const std::vector<device>& devices() const noexcept;
   [[nodiscard]] troupe::stats stats() const;
+
+  /// The actor system the runner's actors run on.
+  [[nodiscard]] caf::actor_system& system() const;
+  using submitter = std::function<std::shared_ptr<job_core>(
+      std::shared_ptr<input_source>, consumer_maker, bool ordered, job_options, bool fold)>;
+  /// submit() for actors that outlive this handle's moves (runner.actor()): once the runner has
+  /// closed (or is gone) it throws runner_closed instead of touching it.
+  [[nodiscard]] submitter guarded_submitter() const;
+  /// An actor of the runner's (runner.actor()): ended when the runner closes.
+  void own(caf::actor a);
 
  private:
   runtime& checked() const;

@@ -17,6 +17,7 @@
 
 #include "troupe/batch.hpp"
 #include "troupe/generate.hpp"
+#include "troupe/lend.hpp"
 
 namespace troupe::detail {
 
@@ -227,15 +228,42 @@ class owning_source final : public input_source {
   std::shared_ptr<input_source> inner_;
 };
 
-/// For submit(): an lvalue range is read in place (it must outlive the job; a contiguous range
-/// of numbers is lent to the producers until the job's handle has returned it), an rvalue one
-/// is moved into the job (and copied, a chunk at a time).
+template <class T>
+struct is_lent : std::false_type {};
+template <class Range>
+struct is_lent<lent<Range>> : std::true_type {};
+
+/// A copy of an lvalue range that the job owns: the same type where it can be copied, else
+/// (a C array, a view that cannot be copied) a vector of its elements.
+template <class Range>
+auto copy_of(const Range& r) {
+  using plain = std::remove_cv_t<std::remove_reference_t<Range>>;
+  if constexpr (!std::is_array_v<plain> && std::is_copy_constructible_v<plain>) {
+    return plain(r);
+  } else {
+    static_assert(!is_generator<plain>::value,
+                  "submit(g) copies an lvalue generator, and this one cannot be copied: "
+                  "submit(std::move(g)) or submit(troupe::lend(g))");
+    using value = std::remove_cv_t<std::remove_reference_t<decltype(*std::begin(r))>>;
+    return std::vector<value>(std::begin(r), std::end(r));
+  }
+}
+
+/// For submit(): a range lent with troupe::lend() is read in place (it must outlive the job; a
+/// contiguous range of numbers is lent to the producers until the job's handle has returned
+/// it); an rvalue is moved into the job, an lvalue copied into it (as std::async would), so
+/// the caller's range may die at once.
 template <class In, class Range>
 std::shared_ptr<input_source> make_job_source(Range&& r) {
-  if constexpr (std::is_lvalue_reference<Range>::value)
-    return make_source<In>(r, true);
-  else
-    return std::make_shared<owning_source<In, std::decay_t<Range>>>(std::move(r));
+  using plain = std::remove_cv_t<std::remove_reference_t<Range>>;
+  if constexpr (is_lent<plain>::value) {
+    return make_source<In>(r.range(), true);
+  } else if constexpr (std::is_lvalue_reference<Range>::value) {
+    auto copy = copy_of(r);
+    return std::make_shared<owning_source<In, decltype(copy)>>(std::move(copy));
+  } else {
+    return std::make_shared<owning_source<In, plain>>(std::move(r));
+  }
 }
 
 }  // namespace troupe::detail

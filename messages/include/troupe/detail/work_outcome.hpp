@@ -27,6 +27,8 @@ struct work_outcome {
   /// Folding (work_chunk::fold): a member of the producer's own consumer threw (`what` says
   /// which and why); the job ends with consumer_error.
   bool consumer_failed = false;
+  /// Batch producers: work(span) calls made on halves of a batch that threw.
+  std::uint64_t extra_calls = 0;
   std::uint64_t failed_index = 0;  ///< failed: the item's index in the job's input
   std::string what;                ///< failed: its message
 };

@@ -17,6 +17,8 @@ namespace troupe::detail {
 /// `network`, the middleman, troupe's message types and heartbeats; with TLS, CAF's OpenSSL
 /// module (key files are validated first: a bad key must not hang the handshake).
 std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const tls& t = {});
+/// troupe's message types (what crosses the network), registered in `cfg`.
+void add_message_types(caf::actor_system_config& cfg);
 
 /// The one actor system that every networked part of this process shares: runners with remote
 /// devices, nodes, cluster::connect. (CAF 0.17 gives every actor system of a process the same

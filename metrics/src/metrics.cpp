@@ -1,0 +1,363 @@
+// Prometheus metrics of this process's runners (metrics.hpp), through Debian's prometheus-cpp:
+// its data model and text serializer, and its civetweb exposer for GET /metrics.
+#include "troupe/metrics.hpp"
+
+#include <dirent.h>
+#include <httplib.h>
+#include <netdb.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/text_serializer.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "troupe/detail/introspect.hpp"
+#include "troupe/detail/json.hpp"
+#include "troupe/error.hpp"
+
+namespace troupe {
+
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+using labels = std::vector<ClientMetric::Label>;
+
+MetricFamily family(std::string name, std::string help, MetricType type) {
+  MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+void add(MetricFamily& f, labels l, double v) {
+  ClientMetric m;
+  m.label = std::move(l);
+  if (f.type == MetricType::Counter)
+    m.counter.value = v;
+  else
+    m.gauge.value = v;
+  f.metric.push_back(std::move(m));
+}
+
+/// The standard process_* metrics, from /proc (Linux).
+void process_metrics(std::vector<MetricFamily>& out) {
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  auto after = stat.rfind(')');
+  if (after == std::string::npos) return;
+  std::istringstream fields(stat.substr(after + 2));
+  std::vector<std::string> f((std::istream_iterator<std::string>(fields)),
+                             std::istream_iterator<std::string>());
+  // Fields from 3 (state) on: utime 14, stime 15, starttime 22, vsize 23, rss 24 (1-based).
+  auto at = [&](std::size_t field) { return std::stod(f.at(field - 3)); };
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+  double boot = 0;
+  {
+    std::ifstream s("/proc/stat");
+    std::string key;
+    while (s >> key)
+      if (key == "btime") {
+        s >> boot;
+        break;
+      }
+  }
+  auto cpu = family("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                    MetricType::Counter);
+  add(cpu, {}, (at(14) + at(15)) / ticks);
+  auto rss =
+      family("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
+  add(rss, {}, at(24) * page);
+  auto vsz =
+      family("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge);
+  add(vsz, {}, at(23));
+  auto start = family("process_start_time_seconds",
+                      "Start time of the process since unix epoch in seconds.", MetricType::Gauge);
+  add(start, {}, boot + at(22) / ticks);
+  std::size_t fds = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (auto* e = readdir(d))
+      if (e->d_name[0] != '.') ++fds;
+    closedir(d);
+    fds -= 1;  // the one opendir itself holds
+  }
+  auto open_fds = family("process_open_fds", "Number of open file descriptors.", MetricType::Gauge);
+  add(open_fds, {}, static_cast<double>(fds));
+  rlimit lim{};
+  getrlimit(RLIMIT_NOFILE, &lim);
+  auto max_fds =
+      family("process_max_fds", "Maximum number of open file descriptors.", MetricType::Gauge);
+  add(max_fds, {}, static_cast<double>(lim.rlim_cur));
+  for (auto* m : {&cpu, &rss, &vsz, &start, &open_fds, &max_fds}) out.push_back(std::move(*m));
+}
+
+std::vector<MetricFamily> collect() {
+  auto runners = detail::runner_snapshots();
+  std::vector<MetricFamily> out;
+  auto build = family("troupe_build_info", "troupe's version (always 1).", MetricType::Gauge);
+  add(build, {{"version", "0.1.0"}}, 1);
+  auto open = family("troupe_runners", "Runners open in this process.", MetricType::Gauge);
+  auto submitted =
+      family("troupe_jobs_submitted_total", "Jobs submitted to the runner.", MetricType::Counter);
+  auto completed = family("troupe_jobs_completed_total",
+                          "Jobs that ended, by outcome (succeeded; failed: an error, cancelled "
+                          "or past the deadline).",
+                          MetricType::Counter);
+  auto running =
+      family("troupe_jobs_running", "Jobs submitted and not yet ended.", MetricType::Gauge);
+  auto items = family("troupe_items_consumed_total", "Outputs taken by the jobs' consumers.",
+                      MetricType::Counter);
+  auto duplicated =
+      family("troupe_duplicated_items_total",
+             "Items worked on a second time as speculative copies.", MetricType::Counter);
+  auto splits =
+      family("troupe_batch_split_calls_total",
+             "Batch producers: calls on halves of a batch that threw.", MetricType::Counter);
+  auto p_items =
+      family("troupe_producer_items_total", "Items a producer worked on.", MetricType::Counter);
+  auto p_busy = family("troupe_producer_busy_seconds_total",
+                       "Time a producer spent inside producer::work.", MetricType::Counter);
+  auto p_restarts =
+      family("troupe_producer_restarts_total",
+             "Times a producer was replaced by a fresh one on its device.", MetricType::Counter);
+  auto p_up =
+      family("troupe_producer_up", "1 while a producer takes work, else 0.", MetricType::Gauge);
+  auto by_state = family("troupe_producers", "Producer slots by state.", MetricType::Gauge);
+  double open_count = 0;
+  for (auto& r : runners) {
+    open_count += r.open ? 1 : 0;
+    auto id = std::to_string(r.id);
+    labels rl{{"runner", id}};
+    add(submitted, rl, static_cast<double>(r.jobs_submitted));
+    auto& s = r.stats;
+    add(completed, {{"outcome", "failed"}, {"runner", id}}, static_cast<double>(s.failed_runs));
+    add(completed, {{"outcome", "succeeded"}, {"runner", id}},
+        static_cast<double>(s.runs - s.failed_runs));
+    add(running, rl,
+        r.jobs_submitted > s.runs ? static_cast<double>(r.jobs_submitted - s.runs) : 0.0);
+    add(items, rl, static_cast<double>(s.items));
+    add(duplicated, rl, static_cast<double>(s.duplicated_items));
+    add(splits, rl, static_cast<double>(s.split_calls));
+    double up = 0, lost = 0, quarantined = 0, removed = 0;
+    for (auto& p : s.producers) {
+      labels pl{{"device", p.where.str()}, {"producer", std::to_string(p.index)}, {"runner", id}};
+      add(p_items, pl, static_cast<double>(p.items));
+      add(p_busy, pl, std::chrono::duration<double>(p.busy).count());
+      add(p_restarts, pl, static_cast<double>(p.restarts));
+      add(p_up, pl, p.alive ? 1 : 0);
+      if (p.removed)
+        removed += 1;
+      else if (p.quarantined)
+        quarantined += 1;
+      else if (p.alive)
+        up += 1;
+      else
+        lost += 1;
+    }
+    add(by_state, {{"runner", id}, {"state", "up"}}, up);
+    add(by_state, {{"runner", id}, {"state", "lost"}}, lost);
+    add(by_state, {{"runner", id}, {"state", "quarantined"}}, quarantined);
+    add(by_state, {{"runner", id}, {"state", "removed"}}, removed);
+  }
+  add(open, {}, open_count);
+  for (auto* f : {&build, &open, &submitted, &completed, &running, &items, &duplicated, &splits,
+                  &p_items, &p_busy, &p_restarts, &p_up, &by_state})
+    out.push_back(std::move(*f));
+  process_metrics(out);
+  return out;
+}
+
+}  // namespace
+
+std::string metrics_text() {
+  return prometheus::TextSerializer{}.Serialize(collect());
+}
+
+namespace {
+
+std::string number(double v) {
+  std::ostringstream o;
+  o.precision(17);
+  o << v;
+  return o.str();
+}
+
+/// The live page: self-contained (no script or style from elsewhere), polls /status.json.
+const char* status_page = R"HTML(<!doctype html>
+<html><head><meta charset="utf-8"><title>troupe</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}
+td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:right}
+th:first-child,td:first-child{text-align:left}
+.bar{display:inline-block;height:.7em;background:#4a8;vertical-align:middle}
+.down{color:#b33}.removed{color:#888}
+</style></head>
+<body><h1>troupe</h1><div id="when">loading…</div><div id="runners"></div>
+<script>
+"use strict";
+let last = null;
+function esc(s){return String(s).replace(/[&<>"]/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;","\"":"&quot;"}[c]));}
+function state(p){return p.removed?"removed":p.quarantined?"quarantined":p.alive?"up":"lost";}
+async function tick(){
+  let s;
+  try { s = await (await fetch("status.json",{cache:"no-store"})).json(); }
+  catch(e){ document.getElementById("when").textContent = "no answer: " + e; return; }
+  const now = s.time_seconds;
+  let html = "";
+  for (const r of s.runners){
+    const prev = last && last.runners.find(x=>x.id===r.id);
+    const dt = prev ? now - last.time_seconds : 0;
+    const rate = prev && dt>0 ? (r.items - prev.items)/dt : 0;
+    html += `<h2>runner ${r.id}${r.open?"":" (closed)"}</h2>`;
+    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)}</div>`;
+    html += "<table><tr><th>producer</th><th>device</th><th>state</th><th>items</th><th>items/s</th><th>busy</th></tr>";
+    for (const p of r.producers){
+      const pp = prev && prev.producers.find(x=>x.index===p.index);
+      const busy = pp && dt>0 ? Math.min(1,(p.busy_seconds-pp.busy_seconds)/dt) : 0;
+      const ips = pp && dt>0 ? (p.items-pp.items)/dt : 0;
+      const st = state(p);
+      html += `<tr class="${st==="up"?"":st==="removed"?"removed":"down"}"><td>${p.index}</td><td>${esc(p.device)}</td><td>${st}</td><td>${p.items}</td><td>${ips.toFixed(0)}</td>`+
+              `<td><span class="bar" style="width:${(busy*80).toFixed(0)}px"></span> ${(busy*100).toFixed(0)}%</td></tr>`;
+    }
+    html += "</table>";
+  }
+  document.getElementById("runners").innerHTML = html || "<p>no runner in this process</p>";
+  document.getElementById("when").textContent = "updated " + new Date().toLocaleTimeString();
+  last = s;
+}
+tick(); setInterval(tick, 1000);
+</script></body></html>
+)HTML";
+
+}  // namespace
+
+std::string status_json() {
+  auto runners = detail::runner_snapshots();
+  std::ostringstream o;
+  auto now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch());
+  o << "{\"time_seconds\":" << number(now.count()) << ",\"runners\":[";
+  bool first = true;
+  for (auto& r : runners) {
+    auto& s = r.stats;
+    o << (first ? "" : ",") << "{\"id\":" << r.id << ",\"open\":" << (r.open ? "true" : "false")
+      << ",\"jobs_submitted\":" << r.jobs_submitted
+      << ",\"jobs_running\":" << (r.jobs_submitted > s.runs ? r.jobs_submitted - s.runs : 0)
+      << ",\"jobs_failed\":" << s.failed_runs << ",\"items\":" << s.items
+      << ",\"duplicated_items\":" << s.duplicated_items << ",\"producers\":[";
+    first = false;
+    bool first_p = true;
+    for (auto& p : s.producers) {
+      o << (first_p ? "" : ",") << "{\"index\":" << p.index
+        << ",\"device\":" << detail::json_quote(p.where.str()) << ",\"items\":" << p.items
+        << ",\"busy_seconds\":" << number(std::chrono::duration<double>(p.busy).count())
+        << ",\"alive\":" << (p.alive ? "true" : "false")
+        << ",\"removed\":" << (p.removed ? "true" : "false")
+        << ",\"quarantined\":" << (p.quarantined ? "true" : "false")
+        << ",\"restarts\":" << p.restarts << "}";
+      first_p = false;
+    }
+    o << "]}";
+  }
+  o << "]}";
+  return o.str();
+}
+
+namespace {
+
+/// Whether a socket without SO_REUSEPORT can bind host:port (IPv4 or IPv6 literal, or a name).
+bool port_free(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
+    return true;  // httplib's own bind reports a bad host
+  bool ok = true;
+  int fd = ::socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  if (fd >= 0) {
+    ok = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 || errno != EADDRINUSE;
+    ::close(fd);
+  }
+  freeaddrinfo(res);
+  return ok;
+}
+
+}  // namespace
+
+struct metrics_server::impl {
+  httplib::Server server;
+  std::thread thread;
+  std::string host;
+  int port = 0;
+  ~impl() {
+    server.stop();
+    if (thread.joinable()) thread.join();
+  }
+};
+
+metrics_server::metrics_server(std::unique_ptr<impl> i) : impl_(std::move(i)) {}
+metrics_server::metrics_server(metrics_server&&) noexcept = default;
+metrics_server& metrics_server::operator=(metrics_server&&) noexcept = default;
+metrics_server::~metrics_server() = default;
+
+std::string metrics_server::address() const {
+  return impl_ ? impl_->host + ":" + std::to_string(impl_->port) : std::string{};
+}
+
+metrics_server serve_metrics(const std::string& host_port) {
+  auto colon = host_port.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == host_port.size() ||
+      host_port.find_first_not_of("0123456789", colon + 1) != std::string::npos ||
+      host_port.size() - colon - 1 > 5)
+    throw invalid_argument("serve_metrics(\"" + host_port + "\"): expected HOST:PORT");
+  auto port = std::stoi(host_port.substr(colon + 1));
+  if (port > 65535)
+    throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is over 65535");
+  auto i = std::make_unique<metrics_server::impl>();
+  i->host = host_port.substr(0, colon);
+  auto& svr = i->server;
+  svr.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  svr.Get("/status.json", [](const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-store");
+    res.set_content(status_json(), "application/json");
+  });
+  svr.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(status_page, "text/html; charset=utf-8");
+  });
+  // Bounded: a scraper or a browser that holds its connection open is dropped after 5 s idle.
+  svr.set_keep_alive_timeout(5);
+  svr.set_read_timeout(5, 0);
+  svr.set_write_timeout(5, 0);
+  svr.set_payload_max_length(64 * 1024);  // GETs only: nothing big is ever accepted
+  // cpp-httplib binds with SO_REUSEPORT: a second server on a taken port would share it
+  // silently. A plain bind first says whether the port is free.
+  if (port != 0 && !port_free(i->host, port))
+    throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is taken");
+  i->port =
+      port == 0 ? svr.bind_to_any_port(i->host) : (svr.bind_to_port(i->host, port) ? port : -1);
+  if (i->port <= 0)
+    throw invalid_argument("serve_metrics(\"" + host_port +
+                           "\"): cannot listen there (a bad "
+                           "host, or the port is taken)");
+  i->thread = std::thread([s = &svr] { s->listen_after_bind(); });
+  // Until it runs, a stop() would be lost (and the destructor's join would wait forever).
+  while (!svr.is_running()) std::this_thread::sleep_for(std::chrono::microseconds{100});
+  return metrics_server{std::move(i)};
+}
+
+}  // namespace troupe

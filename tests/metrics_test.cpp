@@ -1,0 +1,167 @@
+// troupe::metrics_text and serve_metrics (docs/api.md, "Watching it run"): the numbers of the
+// process's runners in the Prometheus text format, with bounded series (no job in a label),
+// accepted by promtool, served over HTTP.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <troupe/metrics.hpp>
+
+#include "test_jobs.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+/// The value of the sample `name{labels}` (the exact line prefix), or -1.
+double sample(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  return -1;
+}
+
+/// The series (sample lines without their values) of a text.
+std::set<std::string> series_of(const std::string& text) {
+  std::set<std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] != '#') out.insert(line.substr(0, line.rfind(' ')));
+  return out;
+}
+
+std::string runner_label(const troupe::unordered_runner<test_jobs::squares>&,
+                         const std::string& text) {
+  // The newest runner is the one with the largest id among the troupe_runners' samples.
+  std::regex re("troupe_jobs_submitted_total\\{runner=\"([0-9]+)\"\\}");
+  std::string last;
+  for (std::sregex_iterator i(text.begin(), text.end(), re), e; i != e; ++i) last = (*i)[1];
+  return last;
+}
+
+TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
+  troupe::unordered_runner<test_jobs::squares> runner{2};
+  EXPECT_EQ(runner.run(test_util::iota(1000)), test_util::sum_of_squares(1000));
+  auto text = troupe::metrics_text();
+  auto id = runner_label(runner, text);
+  ASSERT_FALSE(id.empty()) << text;
+  auto r = "{runner=\"" + id + "\"}";
+  EXPECT_EQ(sample(text, "troupe_items_consumed_total" + r), 1000) << text;
+  EXPECT_EQ(sample(text, "troupe_jobs_submitted_total" + r), 1);
+  EXPECT_EQ(
+      sample(text, "troupe_jobs_completed_total{outcome=\"succeeded\",runner=\"" + id + "\"}"), 1);
+  EXPECT_EQ(sample(text, "troupe_jobs_running" + r), 0);
+  EXPECT_EQ(sample(text, "troupe_producers{runner=\"" + id + "\",state=\"up\"}"), 2);
+  auto items0 = sample(
+      text, "troupe_producer_items_total{device=\"cpu\",producer=\"0\",runner=\"" + id + "\"}");
+  auto items1 = sample(
+      text, "troupe_producer_items_total{device=\"cpu\",producer=\"1\",runner=\"" + id + "\"}");
+  EXPECT_EQ(items0 + items1, 1000);
+  EXPECT_NE(text.find("# TYPE troupe_producer_busy_seconds_total counter"), std::string::npos);
+  EXPECT_EQ(sample(text, "troupe_build_info{version=\"0.1.0\"}"), 1);
+  EXPECT_GT(sample(text, "process_resident_memory_bytes"), 0);
+  EXPECT_GT(sample(text, "process_open_fds"), 0);
+  // 500 more jobs: more in the counters, not one more series.
+  for (int i = 0; i < 500; ++i) runner.run(test_util::iota(3));
+  auto after = troupe::metrics_text();
+  EXPECT_EQ(series_of(after), series_of(text)) << "a label took a job";
+  EXPECT_EQ(sample(after, "troupe_jobs_submitted_total" + r), 501);
+  EXPECT_EQ(sample(after, "troupe_items_consumed_total" + r), 2500);
+  // Every name: troupe_ or process_, and counters end in _total.
+  for (auto& s : series_of(after)) {
+    auto name = s.substr(0, s.find('{'));
+    EXPECT_TRUE(name.rfind("troupe_", 0) == 0 || name.rfind("process_", 0) == 0) << name;
+  }
+}
+
+TEST(Metrics, PromtoolAcceptsTheText) {
+#ifndef TROUPE_PROMTOOL
+  GTEST_SKIP() << "promtool was not found when this was configured (tools/setup.sh unpacks "
+                  "Debian's prometheus package's promtool into /opt/troupe-promtool)";
+#else
+  troupe::unordered_runner<test_jobs::squares> runner{2};
+  runner.run(test_util::iota(100));
+  auto path = ::testing::TempDir() + "troupe_metrics.txt";
+  {
+    std::ofstream out(path);
+    out << troupe::metrics_text();
+  }
+  auto cmd = std::string{TROUPE_PROMTOOL} + " check metrics < " + path + " 2>&1";
+  std::string said;
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[512];
+  while (auto n = fread(buf, 1, sizeof buf, p)) said.append(buf, n);
+  int rc = pclose(p);
+  EXPECT_EQ(rc, 0) << said;
+  EXPECT_EQ(said, "") << "promtool's lint complained";
+#endif
+}
+
+/// GET `path` from 127.0.0.1:port; the whole answer.
+std::string http_get(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return {};
+  }
+  auto req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
+  close(fd);
+  return out;
+}
+
+TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {
+  troupe::unordered_runner<test_jobs::squares> runner{1};
+  runner.run(test_util::iota(10));
+  auto server = troupe::serve_metrics("127.0.0.1:0");
+  auto addr = server.address();
+  auto port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  ASSERT_GT(port, 0) << addr;
+  // A client that connects and says nothing holds no one else up.
+  int idle = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(idle, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  auto answer = http_get(port, "/metrics");
+  EXPECT_NE(answer.find("200 OK"), std::string::npos) << answer.substr(0, 200);
+  EXPECT_NE(answer.find("text/plain; version=0.0.4"), std::string::npos);
+  EXPECT_NE(answer.find("troupe_build_info"), std::string::npos);
+  EXPECT_NE(answer.find("troupe_items_consumed_total"), std::string::npos);
+  auto status = http_get(port, "/status.json");
+  EXPECT_NE(status.find("application/json"), std::string::npos);
+  EXPECT_NE(status.find("\"producers\":[{\"index\":0,\"device\":\"cpu\""), std::string::npos)
+      << status;
+  auto page = http_get(port, "/");
+  EXPECT_NE(page.find("<!doctype html>"), std::string::npos);
+  EXPECT_NE(page.find("status.json"), std::string::npos);
+  // Self-contained: nothing loaded from elsewhere (it works offline).
+  EXPECT_EQ(page.find("http://"), std::string::npos);
+  EXPECT_EQ(page.find("https://"), std::string::npos);
+  EXPECT_EQ(page.find("src="), std::string::npos);
+  EXPECT_NE(http_get(port, "/nothing").find("404"), std::string::npos);
+  close(idle);
+  EXPECT_THROW(troupe::serve_metrics("nonsense"), troupe::invalid_argument);
+  EXPECT_THROW(troupe::serve_metrics(addr), troupe::invalid_argument) << "the port is taken";
+}
+
+}  // namespace
