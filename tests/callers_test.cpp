@@ -941,13 +941,17 @@ TEST(Embedding, ACafApplicationAwaitsARunnerOnItsOwnActorSystem) {
     EXPECT_EQ(&runner.system(), &sys);
     auto a = runner.actor();
     std::promise<std::int64_t> got;
-    sys.spawn([a, &got](caf::event_based_actor* self) {
-      self->request(a, caf::infinite, troupe::submit_atom::value, iota(100))
-          .then([&got](std::int64_t sum) { got.set_value(sum); });
-      self->request(a, caf::infinite, troupe::submit_atom::value,
-                    std::vector<std::int64_t>{1, 2, 3})
-          .then([](std::int64_t) {});
-    });
+    // (An argument, however useless: a spawn without one makes CAF 0.17.6 dereference a null
+    // std::shared_ptr<std::tuple<>>, which UBSan reports.)
+    sys.spawn(
+        [a, &got](caf::event_based_actor* self, int) {
+          self->request(a, caf::infinite, troupe::submit_atom::value, iota(100))
+              .then([&got](std::int64_t sum) { got.set_value(sum); });
+          self->request(a, caf::infinite, troupe::submit_atom::value,
+                        std::vector<std::int64_t>{1, 2, 3})
+              .then([](std::int64_t) {});
+        },
+        0);
     EXPECT_EQ(got.get_future().get(), test_util::sum_of_squares(100));
     // Many requests at once from a blocking caller: each is a job; every answer is exact.
     caf::scoped_actor self{sys};

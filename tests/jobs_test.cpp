@@ -9,6 +9,7 @@
 #include <future>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -586,6 +587,56 @@ TEST(Batch, AProducerThatReturnsTheWrongNumberOfOutputsIsAnError) {
   }
   batch_squares::wrong_size_at = -1;
   EXPECT_EQ(runner.run(batch_inputs(20)).size(), 20u);
+}
+
+}  // namespace
+
+namespace {
+
+// options::max_queued_items: submit() beyond the bound throws troupe::overloaded at once.
+struct held_squares {
+  static inline std::shared_future<void> gate;
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      gate.wait();
+      return x * x;
+    }
+  };
+  using consumer = test_jobs::squares::consumer;
+};
+
+TEST(Overload, SubmitBeyondMaxQueuedItemsThrowsOverloadedAtOnceAndCancelFreesRoom) {
+  std::promise<void> open;
+  held_squares::gate = open.get_future().share();
+  troupe::options o;
+  o.max_queued_items = 1000;
+  o.chunk_size = 10;
+  troupe::unordered_runner<held_squares> runner{1, {}, o};
+  // The producer holds its first chunk; 2 chunks of 10 are sent to it, the rest waits.
+  auto a = runner.submit(test_util::iota(500));
+  auto b = runner.submit(test_util::iota(500));
+  try {
+    runner.submit(test_util::iota(100));
+    ADD_FAILURE() << "no overloaded";
+  } catch (const troupe::overloaded& e) {
+    EXPECT_NE(std::string{e.what()}.find("max_queued_items (1000)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(runner.submit(test_util::iota(1001)), troupe::overloaded) << "larger than the bound";
+  EXPECT_EQ(runner.stats().runs, 0u) << "nothing was started or ended by the refusals";
+  b.cancel();  // its items no longer wait
+  auto c = runner.submit(test_util::iota(400));
+  open.set_value();
+  EXPECT_EQ(a.get(), test_util::sum_of_squares(500));
+  EXPECT_EQ(c.get(), test_util::sum_of_squares(400));
+  // Everything is through: the whole bound is free again.
+  EXPECT_EQ(runner.run(test_util::iota(1000)), test_util::sum_of_squares(1000));
+  // Inputs of unknown size are not counted.
+  std::int64_t next = 0;
+  EXPECT_EQ(runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+    if (next == 2000) return std::nullopt;
+    return next++;
+  })),
+            test_util::sum_of_squares(2000));
 }
 
 }  // namespace

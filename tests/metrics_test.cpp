@@ -60,6 +60,7 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   EXPECT_EQ(
       sample(text, "troupe_jobs_completed_total{outcome=\"succeeded\",runner=\"" + id + "\"}"), 1);
   EXPECT_EQ(sample(text, "troupe_jobs_running" + r), 0);
+  EXPECT_EQ(sample(text, "troupe_queued_items" + r), 0);
   EXPECT_EQ(sample(text, "troupe_producers{runner=\"" + id + "\",state=\"up\"}"), 2);
   auto items0 = sample(
       text, "troupe_producer_items_total{device=\"cpu\",producer=\"0\",runner=\"" + id + "\"}");

@@ -371,7 +371,7 @@ namespace {
 // Pools that change (docs/api.md, "Pools that change"): add_devices and remove_devices while
 // jobs run.
 struct slot_counting {
-  static constexpr std::size_t slots = 8;
+  static constexpr std::size_t slots = 8;  // counted modulo: slots beyond share counters
   static inline std::array<std::atomic<int>, slots> work_calls{};
   static inline std::array<std::atomic<int>, slots> ends{};
   static inline std::atomic<int> constructed{0};
@@ -395,7 +395,7 @@ struct slot_counting {
       ++constructed;
     }
     std::int64_t work(std::int64_t x) {
-      ++work_calls.at(index);
+      ++work_calls.at(index % slots);
       if (index == 0 && hold_at >= 0 && x >= hold_at && !held.exchange(true)) {
         if (reached) reached->set_value();
         hold.wait();
@@ -403,7 +403,7 @@ struct slot_counting {
       std::this_thread::sleep_for(std::chrono::microseconds{20});
       return x;
     }
-    void end() { ++ends.at(index); }
+    void end() { ++ends.at(index % slots); }
     std::size_t index;
   };
 };
@@ -636,6 +636,60 @@ TEST(Trace, EventsPastTheCapAreDroppedCountedAndTheFileStaysValid) {
   troupe::options bad;
   bad.trace_file = "/nonexistent-dir/trace.json";
   EXPECT_THROW((troupe::unordered_runner<squares>{1, {}, bad}), troupe::invalid_argument);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Elastic, ChangesFromSeveralThreadsWhileJobsRunAndACloseInTheMiddleNeverHang) {
+  // Three threads add and remove producers while two threads run jobs; then close() from a
+  // fifth thread while they still go on. Every job that returns is exact; every other call
+  // ends with runner_closed (or invalid_argument when a removal would leave none); no hang.
+  test_util::watchdog dog{std::chrono::seconds{120}, "concurrent add/remove/close"};
+  slot_counting::reset();
+  troupe::unordered_runner<slot_counting> runner{2, {}, no_copies()};
+  std::atomic<bool> stop{false};
+  std::atomic<int> exact{0}, closed{0}, other{0}, unexpected{0};
+  auto guarded = [&](auto f) {
+    try {
+      f();
+    } catch (const troupe::runner_closed&) {
+      ++closed;
+    } catch (const troupe::invalid_argument&) {
+      ++other;  // a removal that would have left no producer
+    } catch (const std::exception& e) {
+      ++unexpected;
+      ADD_FAILURE() << e.what();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t)
+    threads.emplace_back([&] {
+      while (!stop)
+        guarded([&] {
+          runner.add_devices({"cpu"});
+          runner.remove_devices({"cpu"});
+        });
+    });
+  for (int t = 0; t < 2; ++t)
+    threads.emplace_back([&] {
+      while (!stop)
+        guarded([&] {
+          auto out = runner.run(iota(2000));
+          std::sort(out.begin(), out.end());
+          if (out == iota(2000)) ++exact;
+        });
+    });
+  while (exact < 10) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  std::thread closer([&] { runner.close(); });
+  closer.join();
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_GE(exact, 10);
+  EXPECT_GT(closed, 0) << "calls after close() must throw runner_closed";
+  EXPECT_EQ(unexpected, 0);
+  EXPECT_FALSE(runner.is_open());
 }
 
 }  // namespace

@@ -279,6 +279,7 @@ runner_snapshot runtime::snapshot() const {
   s.simulated = sim_ != nullptr;
   s.devices = devices();
   s.stats = stats();
+  s.queued_items = stats_->queued.load();
   std::lock_guard<std::mutex> guard{mtx_};
   s.open = open_;
   s.jobs_submitted = next_job_ - 1;
@@ -378,6 +379,26 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
     std::lock_guard<std::mutex> guard{mtx_};
     if (!open_) throw runner_closed("submit() or run() after close(): create a new runner");
   }
+  // options::max_queued_items: counted now, taken away by the scheduler as items are pulled.
+  std::uint64_t counted = source->total().value_or(0);
+  if (counted) {
+    auto& q = stats_->queued;
+    auto now = q.load();
+    do {
+      if (opts_.max_queued_items && now + counted > opts_.max_queued_items)
+        throw overloaded("submit(): " + std::to_string(now) + " items are waiting already; " +
+                         std::to_string(counted) + " more would pass options::max_queued_items (" +
+                         std::to_string(opts_.max_queued_items) + "); the job was not started");
+    } while (!q.compare_exchange_weak(now, now + counted));
+  }
+  struct uncount {  // until the scheduler has the job
+    std::atomic<std::uint64_t>& q;
+    std::uint64_t n;
+    bool armed = true;
+    ~uncount() {
+      if (armed) q -= n;
+    }
+  } undo{stats_->queued, counted};
   auto core = std::make_shared<job_core>(0, scheduler_);
   core->gate()->succeeded = [weak = std::weak_ptr<job_core>(core)] {
     if (auto c = weak.lock()) c->finish(nullptr);
@@ -408,6 +429,7 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
   // Sent under the lock: close() sends close_atom under it too, so the scheduler always sees
   // this job before it closes (and ends it with runner_closed).
   caf::anon_send(scheduler_, std::move(spec));
+  undo.armed = false;
   return core;
 }
 

@@ -87,8 +87,9 @@ struct job_state {
   std::shared_ptr<input_source> source;
   bool ordered = false;
   job_options opts;
-  bool fold = false;            ///< work_chunk::fold for its chunks
-  std::uint64_t next_item = 0;  ///< index of the next item to pull
+  bool fold = false;              ///< work_chunk::fold for its chunks
+  std::uint64_t queued_left = 0;  ///< its items still counted in stats_box::queued
+  std::uint64_t next_item = 0;    ///< index of the next item to pull
   std::uint64_t consumed = 0;
   bool exhausted = false;
   bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
@@ -309,6 +310,13 @@ class scheduler {
                producer_event::kind kind = producer_event::kind::lost);
 
   void quarantine_producer(std::size_t p);
+
+  /// `n` of `j`'s items are no longer waiting (pulled for a producer, or the job ended).
+  void unqueue(job_state& j, std::uint64_t n) {
+    n = std::min(n, j.queued_left);
+    j.queued_left -= n;
+    stats_->queued -= n;
+  }
 
   /// Producer `p`'s chunks in flight go back to their jobs' queues (for the others).
   void requeue_outstanding(std::size_t p);

@@ -165,6 +165,7 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   }
   x.first = j.next_item;
   j.next_item += x.items.size();
+  unqueue(j, x.items.size());
   j.report.items = j.next_item;
   send(p, j, j.pieces.add(std::move(x)));
   return true;

@@ -116,6 +116,7 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
   if (ji == jobs_.end()) return;
   auto j = std::move(ji->second);
   jobs_.erase(ji);
+  unqueue(*j, j->queued_left);
   share_.leave(id);
   io_.forget_job(id);
   // A consumer that concluded the job has finished it already: that outcome stands.

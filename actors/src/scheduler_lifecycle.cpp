@@ -22,6 +22,7 @@ scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts
 void scheduler::start(std::shared_ptr<job_core> core, std::shared_ptr<input_source> source,
                       bool ordered, job_options opts, bool fold) {
   if (closing_) {
+    stats_->queued -= source->total().value_or(0);  // counted by submit()
     io_.forget_job(core->id());
     core->finish(
         std::make_exception_ptr(runner_closed("the runner was closed before this job started")));
@@ -31,6 +32,7 @@ void scheduler::start(std::shared_ptr<job_core> core, std::shared_ptr<input_sour
   j->id = core->id();
   j->core = std::move(core);
   j->source = std::move(source);
+  j->queued_left = j->source->total().value_or(0);  // counted by submit()
   j->ordered = ordered;
   j->opts = std::move(opts);
   j->fold = fold && j->opts.on_error.fails_fast();

@@ -119,6 +119,9 @@ std::vector<MetricFamily> collect() {
       family("troupe_jobs_running", "Jobs submitted and not yet ended.", MetricType::Gauge);
   auto items = family("troupe_items_consumed_total", "Outputs taken by the jobs' consumers.",
                       MetricType::Counter);
+  auto queued = family("troupe_queued_items",
+                       "Items of running jobs (of known size) not yet handed to a producer.",
+                       MetricType::Gauge);
   auto duplicated =
       family("troupe_duplicated_items_total",
              "Items worked on a second time as speculative copies.", MetricType::Counter);
@@ -148,6 +151,7 @@ std::vector<MetricFamily> collect() {
     add(running, rl,
         r.jobs_submitted > s.runs ? static_cast<double>(r.jobs_submitted - s.runs) : 0.0);
     add(items, rl, static_cast<double>(s.items));
+    add(queued, rl, static_cast<double>(r.queued_items));
     add(duplicated, rl, static_cast<double>(s.duplicated_items));
     add(splits, rl, static_cast<double>(s.split_calls));
     double up = 0, lost = 0, quarantined = 0, removed = 0;
@@ -172,8 +176,8 @@ std::vector<MetricFamily> collect() {
     add(by_state, {{"runner", id}, {"state", "removed"}}, removed);
   }
   add(open, {}, open_count);
-  for (auto* f : {&build, &open, &submitted, &completed, &running, &items, &duplicated, &splits,
-                  &p_items, &p_busy, &p_restarts, &p_up, &by_state})
+  for (auto* f : {&build, &open, &submitted, &completed, &running, &items, &queued, &duplicated,
+                  &splits, &p_items, &p_busy, &p_restarts, &p_up, &by_state})
     out.push_back(std::move(*f));
   process_metrics(out);
   return out;
@@ -256,7 +260,8 @@ std::string status_json() {
       << ",\"jobs_submitted\":" << r.jobs_submitted
       << ",\"jobs_running\":" << (r.jobs_submitted > s.runs ? r.jobs_submitted - s.runs : 0)
       << ",\"jobs_failed\":" << s.failed_runs << ",\"items\":" << s.items
-      << ",\"duplicated_items\":" << s.duplicated_items << ",\"producers\":[";
+      << ",\"queued_items\":" << r.queued_items << ",\"duplicated_items\":" << s.duplicated_items
+      << ",\"producers\":[";
     first = false;
     bool first_p = true;
     for (auto& p : s.producers) {

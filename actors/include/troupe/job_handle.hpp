@@ -61,8 +61,10 @@ class job_handle {
     auto core = take_core("then()");
     auto slot = std::move(slot_);
     auto* c = core.get();
-    c->on_finish([core = std::move(core), slot = std::move(slot), post = std::move(post),
-                  f = std::move(f)]() mutable {
+    // Held by shared_ptr: `f` and `post` may be move-only (an Asio completion handler).
+    c->on_finish([core = std::move(core), slot = std::move(slot),
+                  post = std::make_shared<Post>(std::move(post)),
+                  f = std::make_shared<F>(std::move(f))]() mutable {
       outcome<R> o;
       try {
         core->get();
@@ -73,9 +75,8 @@ class job_handle {
       core.reset();
       slot.reset();
       try {
-        post(std::function<void()>{
-            [f = std::make_shared<F>(std::move(f)),
-             o = std::make_shared<outcome<R>>(std::move(o))] { (*f)(std::move(*o)); }});
+        (*post)(std::function<void()>{[f = std::move(f), o = std::make_shared<outcome<R>>(std::move(
+                                                             o))] { (*f)(std::move(*o)); }});
       } catch (...) {  // the executor refused it (stopped): nothing else can run f
         log(log_level::error, "job_handle::then(): `post` threw; the callback will not run");
       }
@@ -108,6 +109,13 @@ class job_handle {
   /// flight are dropped, get() throws cancelled. Idempotent.
   void cancel() { core().cancel(); }
   [[nodiscard]] troupe::progress progress() const { return core().current_progress(); }
+  /// A callable that cancels the job (as cancel()) while it runs, valid after the handle has
+  /// moved or gone (then()); it does nothing once the job's state is gone.
+  [[nodiscard]] std::function<void()> canceller() const {
+    return [w = std::weak_ptr<detail::job_core>(core_)] {
+      if (auto c = w.lock()) c->cancel();
+    };
+  }
   /// Complete once done().
   [[nodiscard]] job_report report() const { return core().report(); }
   [[nodiscard]] bool valid() const noexcept { return core_ != nullptr; }

@@ -102,6 +102,11 @@ struct options {
   /// type whose inspect() forgets a field fails a local test. Needs input and output types
   /// with inspect(); costs a copy of every item both ways.
   bool serialize = false;
+  /// 0: no bound. Else submit() (and run(), stream()) throws troupe::overloaded at once, the
+  /// job not started, when this many items would be waiting (submitted, of running jobs, not
+  /// yet handed to a producer); an input whose size is unknown (a generator, a single-pass
+  /// range) is not counted.
+  std::size_t max_queued_items = 0;
   /// Chrome trace events (JSON that Perfetto and chrome://tracing load) written to this file
   /// while the runner runs, complete once close() returns: a lane per producer, a slice per
   /// chunk worked (job, items, bytes), arrows from dispatch, and instants for retries,

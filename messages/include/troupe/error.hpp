@@ -22,7 +22,8 @@ namespace troupe {
   X(node_error, 1)            \
   X(protocol_error, 1)        \
   X(cancelled, 1)             \
-  X(deadline_exceeded, 1)
+  X(deadline_exceeded, 1)      \
+  X(overloaded, 1)
 
 /// Error codes carried inside messages (as caf::error with category "troupe").
 enum class errc : std::uint8_t {
@@ -44,8 +45,9 @@ class error : public std::runtime_error {
 
 // One exception class per simple code, named like it: invalid_argument, device_unavailable,
 // init_error, consumer_error, runner_closed, config_error, node_error, protocol_error,
-// cancelled (job_handle::cancel() or leaving a stream early ended the job) and
-// deadline_exceeded (the job's job_options::deadline passed before it finished).
+// cancelled (job_handle::cancel() or leaving a stream early ended the job),
+// deadline_exceeded (the job's job_options::deadline passed before it finished) and overloaded
+// (submit() found options::max_queued_items items waiting already: the job was not started).
 #define TROUPE_DETAIL_DECLARE_ERROR_1(name)                                  \
   class name : public error {                                                \
    public:                                                                   \

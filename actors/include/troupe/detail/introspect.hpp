@@ -18,6 +18,8 @@ struct runner_snapshot {
   std::vector<device> devices;  ///< present now
   troupe::stats stats;
   std::uint64_t jobs_submitted = 0;
+  /// Items of running jobs (of known size) not yet handed to a producer.
+  std::uint64_t queued_items = 0;
 };
 
 /// Every runner alive in this process, oldest first.

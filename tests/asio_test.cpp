@@ -1,0 +1,117 @@
+// troupe::async_get (<troupe/asio.hpp>, docs/api.md "Embedding in applications"): a job's result
+// through Boost.Asio completion tokens: co_await with use_awaitable resumes on the caller's
+// executor, use_future, plain callbacks with errors, and a cancellation slot that cancels the
+// job. C++20 (coroutines), Boost.Asio from Debian's libboost1.81-dev.
+#include <gtest/gtest.h>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/bind_executor.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/use_future.hpp>
+#include <future>
+#include <thread>
+#include <troupe/asio.hpp>
+#include <troupe/troupe.hpp>
+
+#include "test_jobs.hpp"
+#include "test_util.hpp"
+
+namespace net = boost::asio;
+using test_util::iota;
+using test_util::sum_of_squares;
+
+namespace {
+
+struct squares_or_fail {
+  static inline std::shared_future<void> gate;  // producers wait here when set
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      if (gate.valid()) gate.wait();
+      if (x < 0) throw std::runtime_error("negative");
+      return x * x;
+    }
+  };
+  using consumer = test_jobs::squares::consumer;
+};
+
+TEST(Asio, CoAwaitResumesOnTheCallersExecutor) {
+  squares_or_fail::gate = {};
+  troupe::unordered_runner<squares_or_fail> runner{2};
+  net::io_context io;
+  std::int64_t got = 0;
+  std::thread::id resumed_on;
+  std::exception_ptr failed;
+  net::co_spawn(
+      io,
+      [&]() -> net::awaitable<void> {
+        // (The handles are made outside the co_await expressions: GCC 12 miscompiles some
+        // temporaries there, "array used as initializer".)
+        auto good = runner.submit(iota(1000));
+        got = co_await troupe::async_get(std::move(good), net::use_awaitable);
+        resumed_on = std::this_thread::get_id();
+        std::vector<std::int64_t> bad_items(2, -2);
+        auto bad = runner.submit(std::move(bad_items));
+        try {
+          co_await troupe::async_get(std::move(bad), net::use_awaitable);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      },
+      net::detached);
+  io.run();  // returns once the coroutine has finished: the jobs kept it busy meanwhile
+  EXPECT_EQ(got, sum_of_squares(1000));
+  EXPECT_EQ(resumed_on, std::this_thread::get_id()) << "resumed off the io_context's thread";
+  ASSERT_TRUE(failed);
+  EXPECT_THROW(std::rethrow_exception(failed), troupe::work_error);
+}
+
+TEST(Asio, UseFutureAndPlainCallbacks) {
+  squares_or_fail::gate = {};
+  troupe::unordered_runner<squares_or_fail> runner{2};
+  auto f = troupe::async_get(runner.submit(iota(100)), net::use_future);
+  EXPECT_EQ(f.get(), sum_of_squares(100));
+  auto bad = troupe::async_get(runner.submit(std::vector<std::int64_t>{-1}), net::use_future);
+  EXPECT_THROW(bad.get(), troupe::work_error);
+  net::io_context io;
+  std::int64_t value = -1;
+  bool called = false;
+  troupe::async_get(runner.submit(iota(10)),
+                    net::bind_executor(io, [&](std::exception_ptr e, std::int64_t v) {
+                      called = true;
+                      EXPECT_FALSE(e);
+                      value = v;
+                    }));
+  io.run();
+  EXPECT_TRUE(called);
+  EXPECT_EQ(value, sum_of_squares(10));
+}
+
+TEST(Asio, ACancellationSlotCancelsTheJob) {
+  std::promise<void> open;
+  squares_or_fail::gate = open.get_future().share();
+  troupe::unordered_runner<squares_or_fail> runner{1};
+  net::io_context io;
+  net::cancellation_signal signal;
+  std::exception_ptr error;
+  bool called = false;
+  troupe::async_get(
+      runner.submit(iota(100)),
+      net::bind_cancellation_slot(signal.slot(),
+                                  net::bind_executor(io, [&](std::exception_ptr e, std::int64_t) {
+                                    called = true;
+                                    error = e;
+                                  })));
+  signal.emit(net::cancellation_type::terminal);  // the producer is still held: the job runs
+  io.run();
+  EXPECT_TRUE(called);
+  ASSERT_TRUE(error);
+  EXPECT_THROW(std::rethrow_exception(error), troupe::cancelled);
+  open.set_value();
+  squares_or_fail::gate = {};
+}
+
+}  // namespace
