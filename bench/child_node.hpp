@@ -18,16 +18,17 @@ struct child_node {
   std::uint16_t port = 0;
 
   child_node(const char* self, const std::string& devices, std::vector<std::string> extra = {}) {
+    // Made before fork(): the child may only call async-signal-safe functions until it execs.
+    std::vector<std::string> args{self, "--serve", "127.0.0.1:0", "--devices", devices};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     int out[2];
     if (pipe(out) != 0) throw std::runtime_error("pipe");
     pid = fork();
     if (pid == 0) {
       dup2(out[1], STDOUT_FILENO);
-      std::vector<std::string> args{self, "--serve", "127.0.0.1:0", "--devices", devices};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
       execv(self, argv.data());
       _exit(127);
     }
@@ -42,7 +43,7 @@ struct child_node {
   child_node(const child_node&) = delete;
   child_node& operator=(const child_node&) = delete;
   ~child_node() {
-    kill(pid, SIGTERM);
+    kill(pid, SIGTERM);  // the node drains (its coordinator is gone or ends its producers)
     waitpid(pid, nullptr, 0);
   }
 };

@@ -20,6 +20,15 @@ class node_process {
   /// Runs `program --serve 127.0.0.1:0 --devices devices extra...`.
   node_process(const std::string& program, const std::string& devices,
                std::vector<std::string> extra = {}) {
+    // The arguments are made before fork(): the child of a process with other threads may only
+    // call async-signal-safe functions until it execs (an allocation there can wait forever
+    // for a lock another thread held at the fork, e.g. a connect still under way: it hung an
+    // ASan CI run once).
+    std::vector<std::string> args{program, "--serve", "127.0.0.1:0", "--devices", devices};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     int out[2];
     if (pipe(out) != 0) throw std::runtime_error("pipe");
     pid_ = fork();
@@ -27,11 +36,6 @@ class node_process {
     if (pid_ == 0) {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
-      std::vector<std::string> args{program, "--serve", "127.0.0.1:0", "--devices", devices};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
       execv(argv[0], argv.data());
       _exit(127);
     }

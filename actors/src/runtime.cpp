@@ -159,14 +159,21 @@ std::vector<caf::actor> runtime::spawn_all(const std::string&, const tls&) {
 }
 
 caf::actor runtime::spawn_remote(caf::scoped_actor& self, const device& d, std::size_t i) {
-  if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
-    anchor_ = sys_->spawn(anchor_actor, 0);
+  caf::actor anchor;
+  {
+    // close() ends the anchor under this lock; add_devices may run beside it.
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (scheduler_ && !open_) throw runner_closed("add_devices() after close()");
+    if (!anchor_)  // remote producers live as long as this actor: the nodes monitor it
+      anchor_ = sys_->spawn(anchor_actor, 0);
+    anchor = anchor_;
+  }
   auto& node = nodes_[d.node()];
   if (!node) node = connect_node(*sys_, d.node(), tls_, std::chrono::seconds{5}, nullptr);
   caf::error failed;
   caf::actor producer;
   self->request(node, remote_reply_timeout,
-                spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i}, anchor_)
+                spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i}, anchor)
       .receive([&](caf::actor& p) { producer = std::move(p); },
                [&](caf::error& err) { failed = std::move(err); });
   if (failed) {
@@ -222,6 +229,13 @@ void runtime::publish() {
   if (slots_.empty()) {  // at construction
     slots_ = devices_;
     present_.assign(devices_.size(), true);
+  }
+  {
+    // Slots a node's drain retired, or that are lost for good (on a node), are gone too.
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    auto& ps = stats_->value.producers;
+    for (std::size_t i = 0; i < slots_.size() && i < ps.size(); ++i)
+      if (ps[i].removed || (!ps[i].alive && !slots_[i].is_local())) present_[i] = false;
   }
   for (std::size_t i = 0; i < slots_.size(); ++i)
     if (present_[i]) now.push_back(slots_[i]);

@@ -124,6 +124,7 @@ void runtime::remove_devices(const std::vector<device>& ds) {
     std::lock_guard<std::mutex> guard{mtx_};
     if (!open_) throw runner_closed("remove_devices() after close()");
   }
+  publish();  // present_ as of now (a node's drain, a lost node)
   auto left = present_;
   std::vector<std::size_t> slots;
   for (auto& d : ds) {

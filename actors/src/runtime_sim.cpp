@@ -48,6 +48,7 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
   sim_->own(scheduler_);
   publish();
   open_ = true;
+  gate_->rt = this;
   enlist();
 }
 

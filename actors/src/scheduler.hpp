@@ -63,7 +63,7 @@ struct producer_slot : producer_model {
   bool restarting = false;
   bool quarantined = false;
   bool end_pending = false;   ///< producer::end() asked (a drain or close), not yet answered
-  std::uint64_t end_gen = 0;  ///< which end request the drain_end timer is for
+  std::uint64_t end_gen = 0;  ///< which end request (scheduler-wide) the drain_end timer is for
   int restarts_in_row = 0;
   std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
   clock_type::time_point last_done{};  ///< when its last answer arrived
@@ -384,6 +384,7 @@ class scheduler {
     std::shared_ptr<std::promise<void>> done;
   };
   std::vector<drain_wait> drains_;
+  std::uint64_t end_requests_ = 0;  ///< producer_slot::end_gen of the latest drain's end()
   /// options::trace_file, or null. Closed (its end written) before close() returns.
   std::unique_ptr<trace_writer> trace_;
   /// A trace's flow id for chunk `id` of job `job`.

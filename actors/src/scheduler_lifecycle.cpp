@@ -135,16 +135,19 @@ void scheduler::drain(const std::vector<std::size_t>& slots,
 void scheduler::maybe_end_drained(std::size_t p) {
   auto& s = producers_[p];
   if (!s.draining || s.retired || s.end_pending || !s.outstanding.empty() || closing_) return;
-  if (s.restarting) return;  // replaced() or replace_failed() comes back here
+  if (s.restarting) {  // its replacement (maybe still constructing) is stopped; never waited for
+    retire(p, "removed while a replacement was starting");
+    return;
+  }
   if (!s.alive) {
     retire(p, "lost while it drained");
     return;
   }
   s.end_pending = true;
-  s.end_gen = s.gen;
+  s.end_gen = ++end_requests_;  // unique: a timer left from another slot's drain never matches
   io_.end_producer(p);
   if (finite_wait(opts_.close_timeout))
-    io_.set_timer(opts_.close_timeout, scheduler_io::timer::drain_end, s.gen);
+    io_.set_timer(opts_.close_timeout, scheduler_io::timer::drain_end, s.end_gen);
 }
 
 void scheduler::retire(std::size_t p, const std::string& why) {
@@ -167,6 +170,7 @@ void scheduler::retire(std::size_t p, const std::string& why) {
   trace_instant(p, "removed", why);
   emit(producer_event::kind::removed, p, why);
   if (was_ending && closing_) ended_one();
+  check_survivors();  // jobs held for a draining producer's chunks may have no one left now
   for (auto i = drains_.begin(); i != drains_.end();) {
     i->left.erase(p);
     if (i->left.empty()) {

@@ -341,6 +341,11 @@ void scheduler::check_survivors() {
   if (jobs_.empty()) return;
   if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return can_work(s); }))
     return;
+  // A producer being drained still delivers the chunks it holds: the jobs fail (if they still
+  // need someone) once it has gone (retire() looks again).
+  if (std::any_of(producers_.begin(), producers_.end(),
+                  [](auto& s) { return s.draining && s.alive && !s.outstanding.empty(); }))
+    return;
   std::string what = "every producer is lost (";
   bool all_local = true;
   bool any_quarantined = false;

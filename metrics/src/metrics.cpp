@@ -293,6 +293,8 @@ bool port_free(const std::string& host, int port) {
   bool ok = true;
   int fd = ::socket(res->ai_family, res->ai_socktype, res->ai_protocol);
   if (fd >= 0) {
+    int yes = 1;  // TIME_WAIT sockets of an earlier server do not count; a listener does
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     ok = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 || errno != EADDRINUSE;
     ::close(fd);
   }

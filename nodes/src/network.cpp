@@ -615,6 +615,14 @@ int node::serve_until_signal(const std::string& host_port, std::vector<device> d
   // reaches, CAF's included.
   if (signal_pipe[0] < 0 && ::pipe2(signal_pipe, O_CLOEXEC) != 0)
     throw node_error("serve_until_signal: cannot make a pipe");
+  {  // a byte left from an earlier call must not count as a signal now
+    int flags = ::fcntl(signal_pipe[0], F_GETFL);
+    ::fcntl(signal_pipe[0], F_SETFL, flags | O_NONBLOCK);
+    unsigned char junk[64];
+    while (::read(signal_pipe[0], junk, sizeof junk) > 0) {
+    }
+    ::fcntl(signal_pipe[0], F_SETFL, flags);
+  }
   struct sigaction sa {
   }, old_term{}, old_int{};
   sa.sa_handler = on_stop_signal;
@@ -633,8 +641,8 @@ int node::serve_until_signal(const std::string& host_port, std::vector<device> d
     int sig = next_signal();
     log(log_level::info, "node " + n.address() + ": signal " + std::to_string(sig) +
                              ", draining (a second signal stops it at once)");
-    // A second signal stops the node at once: its actor ends, and drain()'s wait with it.
-    auto* sys = n.impl_->sys;
+    // A second signal stops the node at once: the node answers drain() now (the producers
+    // still busy are stopped by the stop() that follows).
     auto actor = n.impl_->actor;
     std::atomic<bool> drained{false};
     std::atomic<bool> stopped_at_once{false};
@@ -642,13 +650,22 @@ int node::serve_until_signal(const std::string& host_port, std::vector<device> d
       next_signal();
       if (drained) return;
       stopped_at_once = true;
-      caf::anon_send_exit(actor, caf::exit_reason::user_shutdown);
+      caf::anon_send(actor, drain_atom::value);
     });
-    (void)sys;
-    auto left = n.drain(o.drain_timeout);
-    drained = true;
-    if (!stopped_at_once) on_stop_signal(0);  // wakes the watcher
-    second.join();
+    struct joiner {  // also when drain() throws: a joinable thread must not be destroyed
+      std::thread& t;
+      std::atomic<bool>& done;
+      ~joiner() {
+        done = true;
+        on_stop_signal(0);  // wakes the watcher if no second signal came
+        t.join();
+      }
+    };
+    std::size_t left = 0;
+    {
+      joiner j{second, drained};
+      left = n.drain(o.drain_timeout);
+    }
     rc = left > 0 || stopped_at_once ? 1 : 0;
     log(log_level::info, stopped_at_once ? std::string{"node stopped at once"}
                          : left > 0      ? std::to_string(left) +

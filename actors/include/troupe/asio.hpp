@@ -9,6 +9,8 @@
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/system_executor.hpp>
 #include <exception>
 #include <memory>
 #include <type_traits>
@@ -41,7 +43,7 @@ auto async_get(job_handle<R> h, Token&& token) {
         auto work = net::make_work_guard(net::get_associated_executor(handler));
         job.then([handler = std::move(handler), work = std::move(work)](outcome<R> o) mutable {
           auto ex = work.get_executor();
-          net::dispatch(ex, [handler = std::move(handler), o = std::move(o)]() mutable {
+          auto complete = [handler = std::move(handler), o = std::move(o)]() mutable {
             // The operation is complete: its cancellation handler goes (Asio's convention).
             auto done_slot = net::get_associated_cancellation_slot(handler);
             if (done_slot.is_connected()) done_slot.clear();
@@ -49,7 +51,14 @@ auto async_get(job_handle<R> h, Token&& token) {
               std::move(handler)(std::exception_ptr{}, std::move(*o.value));
             else
               std::move(handler)(o.error, R{});
-          });
+          };
+          // Never inside async_get itself (the job may have ended already): posted to the
+          // handler's executor; a handler without one (the system executor, whose post would
+          // start a thread pool) runs here, on troupe's thread.
+          if constexpr (std::is_same<std::decay_t<decltype(ex)>, net::system_executor>::value)
+            net::dispatch(ex, std::move(complete));
+          else
+            net::post(ex, std::move(complete));
           work.reset();
         });
       },

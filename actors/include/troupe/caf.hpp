@@ -6,10 +6,12 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
+#include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/result.hpp>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -18,6 +20,9 @@
 #include "troupe/outcome.hpp"
 #include "troupe/protocol.hpp"
 #include "troupe/runner.hpp"
+
+// A completion handed to runner.actor()'s actor, to run on its own thread.
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<std::function<void()>>)
 
 namespace troupe {
 
@@ -65,7 +70,14 @@ struct caf_bridge<basic_runner<Job, Order>> {
                   auto slot = std::make_shared<std::optional<result>>();
                   auto core = go(make_job_source<in>(std::move(xs)), make_consumer_maker<Job>(slot),
                                  Order == ordering::ordered, {}, traits::folds);
+                  // Delivered from this actor's own thread (a message to itself): CAF 0.17's
+                  // response_promise is not meant to be used from another thread.
+                  auto me = caf::actor_cast<caf::actor>(self);
                   job_handle<result>{std::move(core), std::move(slot)}.then(
+                      [me](std::function<void()> deliver) {
+                        caf::anon_send(me,
+                                       std::make_shared<std::function<void()>>(std::move(deliver)));
+                      },
                       [rp](outcome<result> o) mutable {
                         if (o.ok())
                           rp.deliver(std::move(*o.value));
@@ -77,6 +89,7 @@ struct caf_bridge<basic_runner<Job, Order>> {
                 }
                 return rp;
               },
+              [](std::shared_ptr<std::function<void()>>& deliver) { (*deliver)(); },
           };
         },
         std::move(submit));

@@ -474,9 +474,10 @@ class typed_producer final : public producer_ops {
     } catch (...) {
       if (n > 1) {
         auto half = n / 2;
-        r.extra_calls += 2;
-        return work_on_batch(x, half, first, keep_going, r, outputs, k) &&
-               work_on_batch(x + half, n - half, first + half, keep_going, r, outputs, k);
+        r.extra_calls += 1;  // each half's call, counted when it is made
+        if (!work_on_batch(x, half, first, keep_going, r, outputs, k)) return false;
+        r.extra_calls += 1;
+        return work_on_batch(x + half, n - half, first + half, keep_going, r, outputs, k);
       }
       if (!keep_going) {
         r.failed = true;
