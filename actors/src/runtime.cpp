@@ -224,21 +224,22 @@ void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector
   throw init_error(failure + "; the producers that did start were ended");
 }
 
+std::vector<bool> runtime::present() const {
+  // Gone: removed (remove_devices, a node's drain), or lost for good (on a node).
+  std::vector<bool> out(slots_.size(), true);
+  std::lock_guard<std::mutex> guard{stats_->mtx};
+  auto& ps = stats_->value.producers;
+  for (std::size_t i = 0; i < slots_.size() && i < ps.size(); ++i)
+    out[i] = !ps[i].removed && (ps[i].alive || slots_[i].is_local());
+  return out;
+}
+
 void runtime::publish() {
+  if (slots_.empty()) slots_ = devices_;  // at construction
   std::vector<device> now;
-  if (slots_.empty()) {  // at construction
-    slots_ = devices_;
-    present_.assign(devices_.size(), true);
-  }
-  {
-    // Slots a node's drain retired, or that are lost for good (on a node), are gone too.
-    std::lock_guard<std::mutex> guard{stats_->mtx};
-    auto& ps = stats_->value.producers;
-    for (std::size_t i = 0; i < slots_.size() && i < ps.size(); ++i)
-      if (ps[i].removed || (!ps[i].alive && !slots_[i].is_local())) present_[i] = false;
-  }
+  auto here = present();
   for (std::size_t i = 0; i < slots_.size(); ++i)
-    if (present_[i]) now.push_back(slots_[i]);
+    if (here[i]) now.push_back(slots_[i]);
   published_.push_back(std::move(now));
   current_.store(&published_.back());
 }
@@ -265,65 +266,9 @@ void runtime::abandon(const std::vector<caf::actor>& started, bool keep_anchor) 
   if (!keep_anchor) anchor_ = nullptr;
 }
 
-namespace {
-
-/// The runners alive in this process (never destroyed: runners may outlive static objects).
-struct runner_list {
-  std::mutex mtx;
-  std::vector<const runtime*> live;
-  std::uint64_t next_id = 1;
-};
-runner_list& runners() {
-  static auto* list = new runner_list;
-  return *list;
-}
-
-}  // namespace
-
-void runtime::enlist() {
-  auto& l = runners();
-  std::lock_guard<std::mutex> guard{l.mtx};
-  observed_id_ = l.next_id++;
-  l.live.push_back(this);
-}
-
-runner_snapshot runtime::snapshot() const {
-  runner_snapshot s;
-  s.id = observed_id_;
-  s.simulated = sim_ != nullptr;
-  s.devices = devices();
-  s.stats = stats();
-  s.queued_items = stats_->queued.load();
-  std::lock_guard<std::mutex> guard{mtx_};
-  s.open = open_;
-  s.jobs_submitted = next_job_ - 1;
-  return s;
-}
-
-std::vector<runner_snapshot> runner_snapshots() {
-  auto& l = runners();
-  std::lock_guard<std::mutex> guard{l.mtx};
-  std::vector<runner_snapshot> out;
-  for (auto* r : l.live) out.push_back(r->snapshot());
-  return out;
-}
-
 runtime::~runtime() {
-  {
-    auto& l = runners();
-    std::lock_guard<std::mutex> guard{l.mtx};
-    l.live.erase(std::remove(l.live.begin(), l.live.end(), this), l.live.end());
-  }
+  delist();
   close();
-}
-
-void runtime::own(caf::actor a) {
-  std::lock_guard<std::mutex> guard{mtx_};
-  if (!open_) {
-    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-    throw runner_closed("runner.actor() after close()");
-  }
-  owned_.push_back(std::move(a));
 }
 
 void runtime::close() noexcept {
@@ -491,29 +436,6 @@ std::shared_ptr<job_core> runtime_handle::submit_stream(std::shared_ptr<input_so
       ordered, std::move(o));
   core->on_finish([buf] { buf->notify(); });
   return core;
-}
-
-caf::actor_system& runtime_handle::system() const {
-  return checked().system();
-}
-
-runtime_handle::submitter runtime_handle::guarded_submitter() const {
-  return [gate = checked().gate()](std::shared_ptr<input_source> source, consumer_maker make,
-                                   bool ordered, job_options o, bool fold) {
-    std::lock_guard<std::mutex> guard{gate->mtx};
-    if (!gate->rt) throw runner_closed("the runner was closed");
-    auto& rt = *gate->rt;
-    return rt.submit(
-        std::move(source),
-        [&make, &rt](caf::actor_system& sys, const std::shared_ptr<job_gate>& g) {
-          return spawn_consumer_actor(sys, std::move(make), rt.job_config(), g);
-        },
-        ordered, std::move(o), fold);
-  };
-}
-
-void runtime_handle::own(caf::actor a) {
-  checked().own(std::move(a));
 }
 
 void runtime_handle::close() noexcept {

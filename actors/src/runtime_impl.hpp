@@ -147,6 +147,7 @@ class runtime {
  private:
   /// This runner among those runner_snapshots() lists (from construction to destruction).
   void enlist();
+  void delist();
   /// Spawns one producer per device: locally, or through the device's node.
   std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);
   /// The checks every runtime makes of its devices and options; one stats entry per device.
@@ -166,15 +167,19 @@ class runtime {
   /// each has constructed its job object; throws the first failure (init_error, node_error,
   /// testing::hang) after ending them all.
   std::vector<caf::actor> start_simulated(const std::vector<device>& ds, std::size_t first);
+  /// The checks before add_devices / remove_devices (not on troupe's threads, not closed);
+  /// holds membership_ for the change.
+  std::unique_lock<std::mutex> begin_change(const char* what);
   /// Waits for `f` (a simulated runner: runs the simulation until it is ready).
   void await(std::future<void>& f);
+  /// Per slot: whether its producer is still there (not removed, not lost for good).
+  [[nodiscard]] std::vector<bool> present() const;
   /// Makes devices() the present slots' devices.
   void publish();
 
   std::vector<device> devices_;  ///< as constructed
-  /// Every slot's device (constructed, then added), and whether it is present (not removed).
+  /// Every slot's device (constructed, then added); present() says which are still there.
   std::vector<device> slots_;
-  std::vector<bool> present_;
   std::deque<std::vector<device>> published_;  ///< every devices() list handed out, kept
   std::atomic<const std::vector<device>*> current_{nullptr};
   std::mutex membership_;  ///< one add_devices / remove_devices at a time (taken before mtx_)

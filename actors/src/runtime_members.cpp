@@ -42,14 +42,17 @@ void runtime::await(std::future<void>& f) {
   f.wait();
 }
 
+std::unique_lock<std::mutex> runtime::begin_change(const char* what) {
+  refuse_internal(what);
+  std::unique_lock<std::mutex> member{membership_};
+  std::lock_guard<std::mutex> guard{mtx_};
+  if (!open_) throw runner_closed(std::string{what} + " after close(): create a new runner");
+  return member;
+}
+
 void runtime::add_devices(const std::vector<device>& ds) {
   if (ds.empty()) return;
-  refuse_internal("add_devices()");
-  std::lock_guard<std::mutex> member{membership_};
-  {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (!open_) throw runner_closed("add_devices() after close(): create a new runner");
-  }
+  auto member = begin_change("add_devices()");
   for (auto& d : ds) {
     if (d.is_local() || sim_) {
       if (auto why = why_unavailable(d); !why.empty() && !sim_) throw device_unavailable(why);
@@ -111,21 +114,14 @@ void runtime::add_devices(const std::vector<device>& ds) {
   }
   await(added);
   slots_.insert(slots_.end(), ds.begin(), ds.end());
-  present_.resize(slots_.size(), true);
   publish();
   log(log_level::info, "added producer(s) on " + listed(ds));
 }
 
 void runtime::remove_devices(const std::vector<device>& ds) {
   if (ds.empty()) return;
-  refuse_internal("remove_devices()");
-  std::lock_guard<std::mutex> member{membership_};
-  {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (!open_) throw runner_closed("remove_devices() after close()");
-  }
-  publish();  // present_ as of now (a node's drain, a lost node)
-  auto left = present_;
+  auto member = begin_change("remove_devices()");
+  auto left = present();
   std::vector<std::size_t> slots;
   for (auto& d : ds) {
     std::size_t i = 0;
@@ -152,7 +148,6 @@ void runtime::remove_devices(const std::vector<device>& ds) {
     caf::anon_send(scheduler_, std::move(msg));
   }
   await(drained);
-  for (auto i : slots) present_[i] = false;
   publish();
   log(log_level::info, "removed producer(s) on " + listed(ds));
 }

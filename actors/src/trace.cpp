@@ -33,10 +33,6 @@ trace_writer::~trace_writer() {
   out_ << "\n],\"otherData\":{\"dropped_events\":" << dropped_ << "}}\n";
 }
 
-std::string trace_writer::quoted(const std::string& s) {
-  return json_quote(s);
-}
-
 double trace_writer::us(time_point t) const {
   return std::chrono::duration<double, std::micro>(t - origin_).count();
 }
@@ -63,12 +59,12 @@ void trace_writer::lane(std::size_t p, const std::string& node, const std::strin
   if (it == pids_.end()) {
     it = pids_.emplace(node, static_cast<int>(pids_.size()) + 1).first;
     write(R"({"ph":"M","name":"process_name","pid":)" + std::to_string(it->second) +
-          R"(,"tid":0,"args":{"name":)" + quoted("node " + node) + "}}");
+          R"(,"tid":0,"args":{"name":)" + json_quote("node " + node) + "}}");
   }
   pid_of_[p] = it->second;
   write(R"({"ph":"M","name":"thread_name","pid":)" + std::to_string(it->second) + R"(,"tid":)" +
         std::to_string(p + 1) + R"(,"args":{"name":)" +
-        quoted("producer " + std::to_string(p) + " (" + device + ")") + "}}");
+        json_quote("producer " + std::to_string(p) + " (" + device + ")") + "}}");
 }
 
 void trace_writer::dispatch(std::size_t p, std::uint64_t flow, time_point t) {
@@ -109,9 +105,9 @@ void trace_writer::instant(std::size_t p, const std::string& name, const std::st
                            time_point t) {
   latest_ = std::max(latest_, us(t));
   auto tid = p == scheduler_lane ? std::string{"0"} : std::to_string(p + 1);
-  write(R"({"ph":"i","s":"t","name":)" + quoted(name) + R"(,"pid":)" + std::to_string(pid_of(p)) +
-        R"(,"tid":)" + tid + R"(,"ts":)" + std::to_string(us(t)) + R"(,"args":{"detail":)" +
-        quoted(detail) + "}}");
+  write(R"({"ph":"i","s":"t","name":)" + json_quote(name) + R"(,"pid":)" +
+        std::to_string(pid_of(p)) + R"(,"tid":)" + tid + R"(,"ts":)" + std::to_string(us(t)) +
+        R"(,"args":{"detail":)" + json_quote(detail) + "}}");
 }
 
 }  // namespace troupe::detail

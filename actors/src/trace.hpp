@@ -42,7 +42,6 @@ class trace_writer {
   void write(const std::string& event);
   [[nodiscard]] double us(time_point t) const;
   int pid_of(std::size_t p) const;
-  static std::string quoted(const std::string& s);
 
   std::ofstream out_;
   std::size_t max_bytes_;

@@ -22,7 +22,7 @@ namespace troupe {
   X(node_error, 1)            \
   X(protocol_error, 1)        \
   X(cancelled, 1)             \
-  X(deadline_exceeded, 1)      \
+  X(deadline_exceeded, 1)     \
   X(overloaded, 1)
 
 /// Error codes carried inside messages (as caf::error with category "troupe").

@@ -37,6 +37,8 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
 /// served none (or only with TLS): where training replicas listen for their ring neighbours'
 /// data (torch/src/ring_plane.hpp), which would otherwise bypass TLS.
 std::string plain_serve_host();
+/// node::serve: `host` serves a node without TLS (what plain_serve_host() returns).
+void note_plain_serve_host(const std::string& host);
 
 /// The TLS settings cluster::connect remembered for `address` (empty when none).
 tls tls_for(const std::string& address);

@@ -1,0 +1,60 @@
+// What observers read of a runner (troupe/detail/introspect.hpp): the runners alive in this
+// process and their snapshots (troupe::metrics_text, the status page).
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "runtime_impl.hpp"
+
+namespace troupe::detail {
+
+namespace {
+
+/// The runners alive in this process (never destroyed: runners may outlive static objects).
+struct runner_list {
+  std::mutex mtx;
+  std::vector<const runtime*> live;
+  std::uint64_t next_id = 1;
+};
+runner_list& runners() {
+  static auto* list = new runner_list;
+  return *list;
+}
+
+}  // namespace
+
+void runtime::delist() {
+  auto& l = runners();
+  std::lock_guard<std::mutex> guard{l.mtx};
+  l.live.erase(std::remove(l.live.begin(), l.live.end(), this), l.live.end());
+}
+
+void runtime::enlist() {
+  auto& l = runners();
+  std::lock_guard<std::mutex> guard{l.mtx};
+  observed_id_ = l.next_id++;
+  l.live.push_back(this);
+}
+
+runner_snapshot runtime::snapshot() const {
+  runner_snapshot s;
+  s.id = observed_id_;
+  s.simulated = sim_ != nullptr;
+  s.devices = devices();
+  s.stats = stats();
+  s.queued_items = stats_->queued.load();
+  std::lock_guard<std::mutex> guard{mtx_};
+  s.open = open_;
+  s.jobs_submitted = next_job_ - 1;
+  return s;
+}
+
+std::vector<runner_snapshot> runner_snapshots() {
+  auto& l = runners();
+  std::lock_guard<std::mutex> guard{l.mtx};
+  std::vector<runner_snapshot> out;
+  for (auto* r : l.live) out.push_back(r->snapshot());
+  return out;
+}
+
+}  // namespace troupe::detail
