@@ -17,14 +17,15 @@ namespace test_util {
 
 class node_process {
  public:
-  /// Runs `program --serve 127.0.0.1:0 --devices devices extra...`.
+  /// Runs `program --serve SERVE --devices devices extra...` (SERVE: 127.0.0.1:0, any free
+  /// port, unless given).
   node_process(const std::string& program, const std::string& devices,
-               std::vector<std::string> extra = {}) {
+               std::vector<std::string> extra = {}, const std::string& serve = "127.0.0.1:0") {
     // The arguments are made before fork(): the child of a process with other threads may only
     // call async-signal-safe functions until it execs (an allocation there can wait forever
     // for a lock another thread held at the fork, e.g. a connect still under way: it hung an
     // ASan CI run once).
-    std::vector<std::string> args{program, "--serve", "127.0.0.1:0", "--devices", devices};
+    std::vector<std::string> args{program, "--serve", serve, "--devices", devices};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

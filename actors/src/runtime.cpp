@@ -52,7 +52,15 @@ caf::behavior anchor_actor(caf::event_based_actor* self, int) {
       [](int) {},
       [scheduler](caf::actor& s) { *scheduler = std::move(s); },
       [self, scheduler](leaving_atom, std::vector<caf::actor>& producers) {
-        if (*scheduler) self->send(*scheduler, leaving_atom::value, std::move(producers));
+        // Only a node's own producers: a peer cannot drain another node's.
+        auto sender = self->current_sender();
+        if (sender == nullptr) return;
+        producers.erase(
+            std::remove_if(producers.begin(), producers.end(),
+                           [&](const caf::actor& p) { return !p || p.node() != sender->node(); }),
+            producers.end());
+        if (*scheduler && !producers.empty())
+          self->send(*scheduler, leaving_atom::value, std::move(producers));
       },
   };
 }
@@ -267,6 +275,7 @@ void runtime::abandon(const std::vector<caf::actor>& started, bool keep_anchor) 
 }
 
 runtime::~runtime() {
+  unfollow();  // first: the cluster's notifier may be inside this runtime (waited for)
   delist();
   close();
 }

@@ -93,6 +93,8 @@ class sim_host {
   virtual void adopt(const std::shared_ptr<job_core>& job) = 0;
 };
 
+class runtime_follower;
+
 class runtime {
  public:
   using consumer_spawner =
@@ -143,6 +145,21 @@ class runtime {
   };
   [[nodiscard]] std::shared_ptr<submit_gate> gate() const { return gate_; }
   void own(caf::actor a);
+
+  // -- following a cluster (runtime_follow.cpp) --
+  /// Follows `c` from now on: `f` was registered with it before this runtime was built (from
+  /// the snapshot's devices); the changes it heard meanwhile are applied now.
+  void follow(std::shared_ptr<cluster_state> c, std::shared_ptr<runtime_follower> f);
+  /// A member joined or rejoined: producers on its devices (a fresh connection to it).
+  void join_node(const std::string& node, const std::vector<device>& devices);
+  /// A member drains: its present producers drain (returns when they are gone).
+  void leave_node(const std::string& node);
+  /// A member was given up on: its producers are lost now (their late answers dropped).
+  void fence_node(const std::string& node);
+  /// Stops following (waits for a change being applied). Idempotent.
+  void unfollow() noexcept;
+  /// Whether every present producer is on `node`.
+  [[nodiscard]] bool only_on(const std::string& node);
 
  private:
   /// This runner among those runner_snapshots() lists (from construction to destruction).
@@ -203,7 +220,9 @@ class runtime {
   std::shared_ptr<sim_host> sim_;  ///< a simulated cluster, else null
   std::uint64_t observed_id_ = 0;  ///< runner_snapshot::id, 0 until enlisted
   std::shared_ptr<submit_gate> gate_ = std::make_shared<submit_gate>();
-  std::vector<caf::actor> owned_;  ///< runner.actor()s, ended at close (under mtx_)
+  std::vector<caf::actor> owned_;               ///< runner.actor()s, ended at close (under mtx_)
+  std::shared_ptr<cluster_state> cluster_;      ///< the cluster it follows, if any
+  std::shared_ptr<runtime_follower> follower_;  ///< its place among the cluster's followers
 };
 
 /// Spawns the scheduler actor of a runtime (actors/src/scheduler_actor.cpp). `spawn` and `cfg`

@@ -52,6 +52,17 @@ class scheduler_shell final : public scheduler_io {
     if (auto* c = core()) c->drain(slots, std::make_shared<std::promise<void>>());
   }
 
+  /// The cluster gave up on `node` (silent, or restarted): its producers are lost now, and
+  /// whatever they answer later is dropped (their generation moved on).
+  void fence(const std::string& node) {
+    for (std::size_t p = 0; p < handles_.size(); ++p) {
+      if (!handles_[p] || devices_[p].is_local() || devices_[p].node() != node) continue;
+      if (auto* c = core())
+        c->producer_down(p, "its node " + node + " was given up on by its cluster", true);
+      self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
+    }
+  }
+
   void add(producers_added& a) {
     auto* c = core();
     if (!c || a.first != handles_.size()) {  // halted (or a slot mix-up, which cannot happen)
@@ -216,6 +227,10 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         [st](leaving_atom, std::vector<caf::actor>& producers) {
           mark_internal_thread();
           st->leaving(producers);
+        },
+        [st](fence_atom, const std::string& node) {
+          mark_internal_thread();
+          st->fence(node);
         },
         [st](cancel_atom, std::uint64_t id) {
           mark_internal_thread();

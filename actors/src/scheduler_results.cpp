@@ -9,7 +9,11 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
   auto& s = producers_[p];
   // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
   // output is delivered exactly once.
-  if (s.gen != gen) return;
+  if (s.gen != gen) {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.late_answers += 1;
+    return;
+  }
   auto now = clock_now();
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                           [&](const sent_chunk& x) { return x.job == job && x.id == id; });

@@ -27,6 +27,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "troupe/error.hpp"
@@ -246,7 +247,8 @@ std::string tls_cause(const std::string& reason) {
 }  // namespace
 
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
-                        std::chrono::milliseconds deadline, std::vector<std::string>* devices) {
+                        std::chrono::milliseconds deadline, std::vector<std::string>* devices,
+                        std::uint64_t* incarnation, bool* leaving) {
   auto hp = parse_host_port(address);
   auto fail = [&](const std::string& why) {
     return node_error("cannot use node " + address + ": " + why);
@@ -311,8 +313,11 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
             if (hello.version != node_protocol_version)
               refused = "it speaks protocol version " + std::to_string(hello.version) +
                         ", this program " + std::to_string(node_protocol_version);
-            else if (devices != nullptr)
-              *devices = hello.devices;
+            else {
+              if (devices != nullptr) *devices = hello.devices;
+              if (incarnation != nullptr) *incarnation = hello.incarnation;
+              if (leaving != nullptr) *leaving = hello.leaving;
+            }
           },
           [&](const caf::error& err) {
             refused = "it did not answer the troupe handshake (" + sys.render(err) +
@@ -372,24 +377,29 @@ tls tls_for(const std::string& address) {
   return i == remembered_tls().end() ? tls{} : i->second;
 }
 
-}  // namespace detail
-
-// -- cluster -------------------------------------------------------------------------------------
-
-cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
-                         std::chrono::milliseconds deadline) {
-  if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
-  cluster c;
-  auto& sys = detail::network_system(t);
-  for (auto& address : nodes) {
-    std::vector<std::string> offered;
-    detail::connect_node(sys, address, t, deadline, &offered);
-    c.nodes_.push_back(address);
-    for (auto& d : offered) c.devices_.emplace_back(address + "/" + d);
-  }
-  std::lock_guard<std::mutex> guard{detail::tls_mutex};
-  for (auto& address : nodes) detail::remembered_tls()[address] = t;
-  return c;
+std::uint64_t new_incarnation() {
+  static std::mutex mtx;
+  static std::mt19937_64 gen{[] {
+    std::random_device rd;
+    std::seed_seq seq{
+        rd(),
+        rd(),
+        rd(),
+        rd(),
+        static_cast<unsigned>(::getpid()),
+        static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count())};
+    return std::mt19937_64{seq};
+  }()};
+  std::lock_guard<std::mutex> guard{mtx};
+  std::uint64_t x = 0;
+  while (x == 0) x = gen();
+  return x;
 }
 
+void remember_tls(const std::string& address, const tls& t) {
+  std::lock_guard<std::mutex> guard{tls_mutex};
+  remembered_tls()[address] = t;
+}
+
+}  // namespace detail
 }  // namespace troupe

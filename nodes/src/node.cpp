@@ -33,12 +33,17 @@ namespace {
 
 struct node_state {
   std::vector<device> devices;
+  std::uint64_t incarnation = 0;  ///< random, new at every serve(): a restart is a new member
   std::size_t max_producers_per_coordinator = 0;
   std::map<caf::actor_addr, std::vector<caf::actor>> producers_of;  ///< by owner
   std::map<caf::node_id, std::size_t> producers_on;                 ///< by the owner's node
   /// node::drain: no new producers; the callers of drain wait for the last one to end.
   bool draining = false;
   std::vector<caf::response_promise> drained;
+  /// Clusters' watchers (watch_atom): told when the node drains, so that its leave is a
+  /// drain for them too, not a loss. At most max_watchers.
+  std::vector<caf::actor> watchers;
+  static constexpr std::size_t max_watchers = 1024;
 
   [[nodiscard]] std::int64_t left() const {
     std::int64_t n = 0;
@@ -59,12 +64,20 @@ std::string join(const std::vector<std::string>& xs) {
   return out.empty() ? "none" : out;
 }
 
-caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devices) {
+caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devices,
+                         std::uint64_t incarnation) {
   auto st = std::make_shared<node_state>();
   st->devices = std::move(devices);
+  st->incarnation = incarnation;
   // A coordinator that is gone (process killed, network cut) leaves no producer behind.
   st->max_producers_per_coordinator = network_limits().max_producers_per_coordinator;
   self->set_down_handler([self, st](caf::down_msg& dm) {
+    auto w = std::find_if(st->watchers.begin(), st->watchers.end(),
+                          [&](const caf::actor& a) { return a.address() == dm.source; });
+    if (w != st->watchers.end()) {
+      st->watchers.erase(w);
+      return;
+    }
     auto i = st->producers_of.find(dm.source);
     if (i == st->producers_of.end()) {
       // One of the producers (its coordinator ended it, e.g. after draining it).
@@ -97,7 +110,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
   });
   return {
       [st](hello_atom) {
-        node_hello hello{node_protocol_version, {}};
+        node_hello hello{node_protocol_version, {}, st->incarnation, st->draining};
         for (auto& d : st->devices) hello.devices.push_back(d.str());
         return hello;
       },
@@ -105,6 +118,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         // Each coordinator hears which of its producers are leaving: it sends them no new work,
         // lets their chunks finish and ends them (a graceful leave, not a loss).
         st->draining = true;
+        for (auto& w : st->watchers) self->send(w, leaving_atom::value, st->incarnation);
         if (st->empty()) return std::int64_t{0};
         for (auto& [owner, ps] : st->producers_of) {
           if (ps.empty()) continue;
@@ -117,6 +131,19 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         return st->drained.back();
       },
       [st](drain_atom) { st->answer_drained(); },  // the deadline: the rest are left to stop()
+      [self, st](watch_atom) {
+        auto w = caf::actor_cast<caf::actor>(self->current_sender());
+        if (!w) return;
+        if (st->draining) {
+          self->send(w, leaving_atom::value, st->incarnation);
+          return;
+        }
+        if (st->watchers.size() >= node_state::max_watchers ||
+            std::find(st->watchers.begin(), st->watchers.end(), w) != st->watchers.end())
+          return;
+        st->watchers.push_back(w);
+        self->monitor(w);
+      },
       [self, st](spawn_producer& req, const caf::actor& owner) -> caf::result<caf::actor> {
         if (st->draining)
           return make_error(errc::node_error, "refused: this node is draining (shutting down)");
@@ -174,6 +201,7 @@ struct node::impl {
   caf::actor actor;
   std::string host;
   std::uint16_t port = 0;
+  std::uint64_t incarnation = 0;
 };
 
 node::node(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
@@ -198,7 +226,8 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
   }
   auto p = std::make_unique<impl>();
   p->sys = &detail::network_system(t);
-  p->actor = p->sys->spawn(node_actor, std::move(devices));
+  p->incarnation = detail::new_incarnation();
+  p->actor = p->sys->spawn(node_actor, std::move(devices), p->incarnation);
   p->host = hp.host;
   auto port = t.enabled() ? caf::openssl::publish(p->actor, hp.port, hp.host.c_str(), true)
                           : p->sys->middleman().publish(p->actor, hp.port, hp.host.c_str(), true);
@@ -337,6 +366,10 @@ int node::serve_until_signal(const std::string& host_port, std::vector<device> d
 
 std::uint16_t node::port() const {
   return impl_ ? impl_->port : 0;
+}
+
+std::uint64_t node::incarnation() const {
+  return impl_ ? impl_->incarnation : 0;
 }
 
 std::string node::address() const {

@@ -143,6 +143,10 @@ struct stats {
   /// Batch producers (work(troupe::span<const In>)): calls made again on halves of a batch
   /// that threw, to find the items that fail alone.
   std::uint64_t split_calls = 0;
+  /// Answers dropped because their producer had been given up on before they came (its node
+  /// lost or fenced by its cluster, or a stuck producer replaced): the chunk had gone
+  /// elsewhere, so its outputs were not delivered twice.
+  std::uint64_t late_answers = 0;
   std::vector<producer_stats> producers;
 };
 

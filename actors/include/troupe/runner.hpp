@@ -20,6 +20,7 @@
 #include "troupe/job_handle.hpp"
 #include "troupe/job_options.hpp"
 #include "troupe/lend.hpp"
+#include "troupe/node.hpp"
 #include "troupe/options.hpp"
 
 namespace troupe {
@@ -52,6 +53,15 @@ class basic_runner {
                options opts = {})
       : rt_(sys, std::move(devices), std::move(cfg), checked(std::move(opts)),
             detail::registered_job_name(typeid(Job)), &detail::make_producer_ops<Job>) {}
+  /// One producer per device of the cluster's members that are up, following the cluster while
+  /// it runs (docs/api.md, "Pools that change"): a node that joins (cluster::add) or rejoins
+  /// (restarted, cluster_options::reconnect) gets producers that take work in the running jobs;
+  /// one drained by cluster::remove drains here (its chunks finish, end() runs); one lost is
+  /// given up on at once (its chunks go elsewhere; its late answers are dropped). The runner
+  /// keeps the cluster watching while it lives.
+  explicit basic_runner(const cluster& c, config cfg = {}, options opts = {})
+      : rt_(c, std::move(cfg), checked(std::move(opts)), detail::registered_job_name(typeid(Job)),
+            &detail::make_producer_ops<Job>) {}
   /// A runner over a core made elsewhere (troupe::testing::simulation's simulated clusters).
   explicit basic_runner(detail::runtime_handle rt) : rt_(std::move(rt)) {}
   /// `cpu_producers` local CPU producers (easycore's Runner(devices=n)).

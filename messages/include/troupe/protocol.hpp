@@ -24,6 +24,7 @@
 //   node::drain ──drain_atom──▶ node ──leaving_atom, producers──▶ owner ──▶ scheduler (drains
 //   them: their chunks finish, end_atom); the node answers once they are gone (or at the deadline)
 //   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
+//   cluster watcher ──watch_atom──▶ node; node::drain ──leaving_atom, incarnation──▶ watcher
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
 // work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state, and
@@ -183,8 +184,9 @@ namespace troupe {
 // ------------------------------------------------------------------
 
 /// The version of troupe's node protocol; peers with another version are refused.
-// 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom
-constexpr std::uint32_t node_protocol_version = 5;
+// 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom;
+// 6: node_hello::incarnation, leaving
+constexpr std::uint32_t node_protocol_version = 6;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 /// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
@@ -194,11 +196,20 @@ using drain_atom = caf::atom_constant<caf::atom("tr_drain")>;
 /// take no new work to them, let their chunks finish, end them. The owner hands it to its
 /// scheduler.
 using leaving_atom = caf::atom_constant<caf::atom("tr_leave")>;
+/// A cluster's watcher, to a node: tell me when you leave (the node answers leaving_atom with
+/// its incarnation when node::drain begins, at once if it drains already).
+using watch_atom = caf::atom_constant<caf::atom("tr_watch")>;
+/// A cluster, to a runner's scheduler (in-process): the node (address) was given up on; its
+/// producers are lost now and their late answers are dropped (fenced).
+using fence_atom = caf::atom_constant<caf::atom("tr_fence")>;
 
-/// A node's answer to hello_atom: its protocol version and the devices it offers.
+/// A node's answer to hello_atom: its protocol version, the devices it offers and its
+/// incarnation (random, new at every start of the node's process: a restart is a new member).
 struct node_hello {
   std::uint32_t version = 0;
   std::vector<std::string> devices;
+  std::uint64_t incarnation = 0;
+  bool leaving = false;  ///< node::drain has begun: it takes no new producer
 };
 
 /// Asks a node to spawn one producer of a registered job on one of its devices.
@@ -213,7 +224,8 @@ struct spawn_producer {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
-  return f(caf::meta::type_name("troupe.node_hello"), x.version, x.devices);
+  return f(caf::meta::type_name("troupe.node_hello"), x.version, x.devices, x.incarnation,
+           x.leaving);
 }
 
 template <class Inspector>

@@ -104,6 +104,9 @@ class node {
   ~node();
 
   [[nodiscard]] std::uint16_t port() const;
+  /// This node's incarnation: random, new at every serve() (so at every start of its process).
+  /// Coordinators tell a restarted node from the one they gave up on by it.
+  [[nodiscard]] std::uint64_t incarnation() const;
   /// "HOST:PORT" as coordinators should name it.
   [[nodiscard]] std::string address() const;
   /// Stops serving: unpublishes, ends every producer it spawned. Idempotent.
@@ -122,22 +125,97 @@ class node {
   std::unique_ptr<impl> impl_;
 };
 
-/// A set of nodes this process has checked it can reach.
+/// A change of a cluster's membership (cluster_options::on_change).
+struct membership_event {
+  enum kind {
+    joined,    ///< a node is a member (cluster::connect, cluster::add): runners use its devices
+    draining,  ///< cluster::remove began: runners give it no new work, its chunks finish
+    drained,   ///< cluster::remove ended: its producers have ended (a graceful leave)
+    lost,      ///< it stopped answering (or restarted): its incarnation is given up on (fenced)
+    rejoined   ///< a node lost earlier answers again as a new incarnation (restarted): runners
+               ///< that follow the cluster start producers there, in the jobs that run
+  } what = joined;
+  std::string node;               ///< "HOST:PORT"
+  std::uint64_t incarnation = 0;  ///< of the node process the event is about
+  std::vector<device> devices;    ///< its devices, as "HOST:PORT/device"
+};
+
+/// A cluster's view of one node.
+struct member {
+  enum class state { up, draining, drained, lost };
+  std::string address;            ///< "HOST:PORT"
+  std::uint64_t incarnation = 0;  ///< the node process's (node::incarnation())
+  state what = state::up;
+  std::vector<device> devices;  ///< as "HOST:PORT/device"
+};
+
+/// What "what" says, in words ("joined", "draining", ...).
+const char* to_string(membership_event::kind k) noexcept;
+const char* to_string(member::state s) noexcept;
+
+/// How a live cluster watches its nodes.
+struct cluster_options {
+  /// A lost node is tried again in the background; when a new incarnation answers (the node
+  /// was restarted), runners that follow the cluster start producers on it in the running jobs.
+  bool reconnect = true;
+  std::chrono::milliseconds reconnect_every{1000};
+  /// No connect or handshake (connect, add, reconnect) waits longer for a node.
+  std::chrono::milliseconds connect_timeout{5000};
+  /// Every member is asked for a sign of life this often; one silent for lost_after is lost:
+  /// its incarnation is given up on (fenced: its producers' late answers are dropped, and it
+  /// never becomes a member again; its restart does). Independent of limits::idle_timeout, after
+  /// which CAF closes a silent connection.
+  std::chrono::milliseconds heartbeat{200}, lost_after{1500};
+  /// Called on a thread of the cluster's, in order, after runners following the cluster have
+  /// acted on the change (producers started, drained or given up on). Must not throw.
+  std::function<void(const membership_event&)> on_change;
+};
+
+namespace detail {
+class cluster_state;
+}
+
+/// A live set of nodes: TLS settings, membership and the runners that follow it. Copies share
+/// it; the last copy's end stops watching (runners built from it keep the producers they have).
 class cluster {
  public:
   /// Connects to every node (within `deadline` each) and lists its devices. Throws node_error
-  /// naming the node and the reason. The TLS settings are remembered for these nodes, so that
-  /// runners over their devices use them.
+  /// naming the node and the reason. The TLS settings are also remembered for these nodes, so
+  /// that runners built over `devices()` use them.
   static cluster connect(const std::vector<std::string>& nodes, tls t = {},
                          std::chrono::milliseconds deadline = std::chrono::seconds{5});
+  /// The same, watched: nodes are probed (heartbeat, lost_after), lost ones retried (reconnect).
+  static cluster connect(const std::vector<std::string>& nodes, tls t, cluster_options o);
 
-  /// Every device of every node, as "HOST:PORT/device".
-  [[nodiscard]] const std::vector<device>& devices() const noexcept { return devices_; }
-  [[nodiscard]] const std::vector<std::string>& nodes() const noexcept { return nodes_; }
+  /// Joins a node: connects (within connect_timeout: node_error otherwise), then every runner
+  /// that follows the cluster starts producers on its devices, in the jobs that run; returns
+  /// once they have. invalid_argument for a node that is a member already (up or draining).
+  void add(const std::string& node);
+  /// Drains a node: runners that follow the cluster give its producers no new work, their
+  /// chunks finish, producer::end() runs; returns when they are gone (the member is then
+  /// `drained`; add() it again to use it). The node process keeps running (node::drain stops
+  /// one). invalid_argument for a node that is not up, or when a runner following the cluster
+  /// would be left without producers (nothing is drained then).
+  void remove(const std::string& node);
+
+  /// Every device of every member that is up, as "HOST:PORT/device" (now).
+  [[nodiscard]] std::vector<device> devices() const;
+  /// The addresses of the members that are up (now).
+  [[nodiscard]] std::vector<std::string> nodes() const;
+  /// Every node the cluster has known, with its incarnation and state (now).
+  [[nodiscard]] std::vector<member> members() const;
+  /// Answers from incarnations given up on that were dropped (probes and connects; the
+  /// producers' late answers are counted in a runner's stats().late_answers).
+  [[nodiscard]] std::size_t fenced_answers() const;
+  [[nodiscard]] const tls& tls_settings() const;
+
+  /// For runners that follow the cluster (internal).
+  [[nodiscard]] const std::shared_ptr<detail::cluster_state>& state() const noexcept {
+    return state_;
+  }
 
  private:
-  std::vector<std::string> nodes_;
-  std::vector<device> devices_;
+  std::shared_ptr<detail::cluster_state> state_;
 };
 
 namespace detail {

@@ -17,6 +17,10 @@
 #include "troupe/job_options.hpp"
 #include "troupe/options.hpp"
 
+namespace troupe {
+class cluster;
+}
+
 namespace troupe::detail {
 
 /// True on a thread that runs troupe's actors (producers, consumers, the scheduler and so
@@ -46,6 +50,9 @@ class runtime_handle {
   /// threads; producers and the scheduler on threads of their own, as always.
   runtime_handle(caf::actor_system& sys, std::vector<device> devices, config cfg, options opts,
                  std::string job, producer_maker make);
+  /// The same over a live cluster's members, following it: joined and rejoined nodes get
+  /// producers, draining ones drain, lost ones are given up on (runtime_follow.cpp).
+  runtime_handle(const cluster& c, config cfg, options opts, std::string job, producer_maker make);
   /// The same on a simulated cluster: simulated producers, the scheduler on the simulation's
   /// thread, in virtual time; waits run the simulation (troupe::testing::simulation).
   runtime_handle(std::shared_ptr<sim_host> sim, std::vector<device> devices, config cfg,

@@ -29,9 +29,17 @@ void add_message_types(caf::actor_system_config& cfg);
 caf::actor_system& network_system(const tls& t);
 
 /// Connects to the node at `address` and checks its protocol version; returns the node actor
-/// and fills `devices`. Throws node_error naming the node and the reason.
+/// and fills `devices`, `incarnation` and `leaving` (the node drains) when not null. Throws
+/// node_error naming the node and the reason, at the latest after `deadline`.
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
-                        std::chrono::milliseconds deadline, std::vector<std::string>* devices);
+                        std::chrono::milliseconds deadline, std::vector<std::string>* devices,
+                        std::uint64_t* incarnation = nullptr, bool* leaving = nullptr);
+
+/// A random, non-zero 64-bit number: a node's incarnation.
+std::uint64_t new_incarnation();
+
+/// Remembers `t` as the TLS settings of the node at `address` (tls_for).
+void remember_tls(const std::string& address, const tls& t);
 
 /// The host that node::serve last served a node on without TLS in this process, or "" when it
 /// served none (or only with TLS): where training replicas listen for their ring neighbours'

@@ -1,0 +1,88 @@
+// A live cluster's membership as a pure part (no CAF, no threads, no clock of its own): the
+// cluster's shell (cluster.cpp) feeds it what it saw (a node's answer with its incarnation, the
+// time, cluster::add / remove) and acts on the events it returns. Unit and property tests drive
+// it directly (tests/membership_test.cpp).
+//
+// The rules:
+// - A member is an address with the incarnation that answered; every node process has its own
+//   (random, new at every start).
+// - A member that is up or draining and has not answered for lost_after is lost: its
+//   incarnation is fenced. An answer of a fenced incarnation is never used (counted, dropped):
+//   neither a probe's nor a connect's, and no runner uses that process again.
+// - An answer from a new incarnation at a lost member's address: the member rejoined (its
+//   restart). At a member that is up with another incarnation (it restarted faster than
+//   lost_after): the old incarnation is lost (fenced), then the new one rejoined.
+// - remove: up -> draining; the shell's runners drain; end_drain: draining -> drained (never
+//   reported as lost). add of a drained (or unknown) address: joined.
+// - A node that drains itself (node::drain, SIGTERM) answers `leaving`: up -> draining (its
+//   coordinators drain its producers on the node's word, not the cluster's); once it is silent
+//   it is drained, not lost, and a new incarnation at its address rejoins (a rolling restart).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "troupe/node.hpp"
+
+namespace troupe::detail {
+
+class membership {
+ public:
+  using time_point = std::chrono::steady_clock::time_point;
+
+  explicit membership(std::chrono::milliseconds lost_after) : lost_after_(lost_after) {}
+
+  /// The node at `address` answered (a connect, a reconnect or a probe) as `incarnation`,
+  /// offering `devices` ("HOST:PORT/device"). `joining`: cluster::connect / add (a drained or
+  /// unknown address becomes a member); otherwise only known members are updated.
+  std::vector<membership_event> answered(const std::string& address, std::uint64_t incarnation,
+                                         const std::vector<device>& devices, time_point now,
+                                         bool joining, bool leaving = false);
+  /// Members that have been silent for lost_after are lost (their incarnations fenced).
+  std::vector<membership_event> tick(time_point now);
+  /// cluster::remove began: the member must be up (invalid_argument otherwise).
+  membership_event begin_drain(const std::string& address);
+  /// The runners have drained it: draining -> drained (nullopt when it was lost meanwhile).
+  std::optional<membership_event> end_drain(const std::string& address);
+  /// A drain that could not begin after all (a runner refused): draining -> up, no event.
+  void cancel_drain(const std::string& address);
+
+  /// Whether answers of `incarnation` at `address` may be used (its member is up or draining
+  /// with that incarnation).
+  [[nodiscard]] bool accepts(const std::string& address, std::uint64_t incarnation) const;
+  [[nodiscard]] bool fenced(const std::string& address, std::uint64_t incarnation) const;
+  /// The state of the member at `address` (nullopt: never a member).
+  [[nodiscard]] std::optional<member::state> state_of(const std::string& address) const;
+  /// Whether the member at `address` drains (or drained) on its own word (node::drain).
+  [[nodiscard]] bool leaves_by_itself(const std::string& address) const {
+    return self_drained_.count(address) != 0;
+  }
+  /// Addresses of lost members and of those that drained themselves (to be retried).
+  [[nodiscard]] std::vector<std::string> lost() const;
+  /// Addresses of members that are up and have not answered for `quiet` (a restart is likely).
+  [[nodiscard]] std::vector<std::string> silent(time_point now,
+                                                std::chrono::milliseconds quiet) const;
+  /// Addresses of members that are up or draining (to be probed).
+  [[nodiscard]] std::vector<std::string> watched() const;
+  [[nodiscard]] std::vector<member> members() const { return members_; }
+  [[nodiscard]] std::size_t fenced_answers() const noexcept { return fenced_answers_; }
+
+ private:
+  member* find(const std::string& address);
+  [[nodiscard]] const member* find(const std::string& address) const;
+  membership_event lose(member& m);
+  static membership_event event(membership_event::kind k, const member& m);
+
+  std::chrono::milliseconds lost_after_;
+  std::vector<member> members_;                             ///< in the order they first joined
+  std::vector<time_point> last_seen_;                       ///< by member
+  std::set<std::pair<std::string, std::uint64_t>> fenced_;  ///< incarnations given up on
+  std::size_t fenced_answers_ = 0;
+  std::set<std::string> self_drained_;  ///< draining or drained on their own word
+};
+
+}  // namespace troupe::detail

@@ -1,0 +1,412 @@
+// A live cluster under running jobs (docs/api.md, "Pools that change"): real node processes on
+// loopback join, are drained, are SIGKILLed and restarted on their address, freeze, and drain
+// themselves on SIGTERM, while one job runs on a runner that follows the cluster.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <troupe/node.hpp>
+
+#include "node_process.hpp"
+#include "remote_jobs.hpp"
+#include "test_util.hpp"
+
+// remote_squares is registered in node_test.cpp (the same test program).
+
+using test_util::iota;
+using test_util::sum_of_squares;
+
+namespace {
+
+class node_process : public test_util::node_process {
+ public:
+  explicit node_process(const std::string& devices, std::vector<std::string> extra = {},
+                        const std::string& serve = "127.0.0.1:0")
+      : test_util::node_process(TROUPE_TEST_NODE, devices, std::move(extra), serve) {}
+};
+
+troupe::config slow(std::int64_t us) {
+  troupe::config cfg;
+  cfg.set("sleep_us", us);
+  return cfg;
+}
+
+/// A port nobody listens on now (for a node that must come back on the same address).
+std::string free_address() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = 0;
+  socklen_t len = sizeof sa;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0)
+    throw std::runtime_error("no free port");
+  ::close(fd);
+  return "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+}
+
+/// The membership events a cluster reported, and waits for them.
+class recorder {
+ public:
+  std::function<void(const troupe::membership_event&)> callback() {
+    return [this](const troupe::membership_event& e) {
+      {
+        std::lock_guard<std::mutex> guard{mtx_};
+        events_.push_back(e);
+      }
+      cv_.notify_all();
+    };
+  }
+  /// Waits (a watchdog bounds it) until `n` events of kind `k` about `node` were reported.
+  void wait_for(troupe::membership_event::kind k, const std::string& node, std::size_t n = 1) {
+    test_util::watchdog dog{std::chrono::seconds{60}, std::string{"the cluster reporting "} +
+                                                          troupe::to_string(k) + " of " + node};
+    std::unique_lock<std::mutex> lock{mtx_};
+    cv_.wait(lock, [&] { return count_locked(k, node) >= n; });
+  }
+  std::size_t count(troupe::membership_event::kind k, const std::string& node) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return count_locked(k, node);
+  }
+  std::vector<troupe::membership_event::kind> of(const std::string& node) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    std::vector<troupe::membership_event::kind> out;
+    for (auto& e : events_)
+      if (e.node == node) out.push_back(e.what);
+    return out;
+  }
+  std::vector<troupe::membership_event> all() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return events_;
+  }
+
+ private:
+  std::size_t count_locked(troupe::membership_event::kind k, const std::string& node) {
+    std::size_t n = 0;
+    for (auto& e : events_)
+      if (e.what == k && e.node == node) ++n;
+    return n;
+  }
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  std::vector<troupe::membership_event> events_;
+};
+
+/// Items the producers on `node` made (over every slot it ever had).
+std::uint64_t items_on(const troupe::stats& s, const std::string& node) {
+  std::uint64_t n = 0;
+  for (auto& p : s.producers)
+    if (!p.where.is_local() && p.where.node() == node) n += p.items;
+  return n;
+}
+
+/// Sets a flag once a job has delivered `items`.
+std::shared_ptr<std::atomic<bool>> flag_after(troupe::options& opts, std::uint64_t items) {
+  auto flag = std::make_shared<std::atomic<bool>>(false);
+  opts.on_progress = [flag, items](const troupe::progress& p) {
+    if (p.done >= items) *flag = true;
+  };
+  return flag;
+}
+
+void wait_until(const std::atomic<bool>& flag, const char* what) {
+  test_util::watchdog dog{std::chrono::seconds{60}, what};
+  while (!flag) std::this_thread::sleep_for(std::chrono::milliseconds{2});
+}
+
+std::size_t entries(const char* dir) {
+  std::size_t n = 0;
+  if (DIR* d = ::opendir(dir)) {
+    while (auto* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+/// A job of at least `min_items` items that goes on until `more` is set, then `extra` more.
+struct open_ended {
+  std::shared_ptr<std::atomic<bool>> more = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<std::atomic<std::int64_t>> made = std::make_shared<std::atomic<std::int64_t>>(0);
+  auto input(std::int64_t min_items, std::int64_t extra) const {
+    return troupe::generate(
+        [more = more, made = made, min_items, extra,
+         stop = std::optional<std::int64_t>{}]() mutable -> std::optional<std::int64_t> {
+          auto i = made->load();
+          if (!stop && *more) stop = std::max(i, min_items) + extra;
+          if ((stop && i >= *stop) || i >= 50'000'000) return std::nullopt;
+          made->store(i + 1);
+          return i;
+        });
+  }
+};
+
+}  // namespace
+
+TEST(Cluster, ANodeAddedMidJobTakesItemsInThatJob) {
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  auto tenth = flag_after(opts, 20'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
+  auto job = runner.submit(iota(200'000));
+  wait_until(*tenth, "a tenth of the job");
+  c.add(b.address());  // returns once the runner has producers there
+  EXPECT_EQ(runner.devices().size(), 4u);
+  EXPECT_EQ(job.get(), sum_of_squares(200'000));
+  auto s = runner.stats();
+  EXPECT_GT(items_on(s, b.address()), 0u) << "the node that joined took no item";
+  EXPECT_EQ(ev.of(a.address()),
+            (std::vector<troupe::membership_event::kind>{troupe::membership_event::joined}));
+  EXPECT_EQ(ev.of(b.address()),
+            (std::vector<troupe::membership_event::kind>{troupe::membership_event::joined}));
+  auto ms = c.members();
+  ASSERT_EQ(ms.size(), 2u);
+  for (auto& m : ms) {
+    EXPECT_EQ(m.what, troupe::member::state::up);
+    EXPECT_NE(m.incarnation, 0u);
+  }
+  EXPECT_NE(ms[0].incarnation, ms[1].incarnation);
+  EXPECT_THROW(c.add(b.address()), troupe::invalid_argument);  // a member already
+}
+
+TEST(Cluster, ANodeRemovedMidJobDrainsAndGetsNothingAfterwards) {
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  auto tenth = flag_after(opts, 20'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
+  auto job = runner.submit(iota(200'000));
+  wait_until(*tenth, "a tenth of the job");
+  c.remove(a.address());  // returns once a's producers have ended
+  auto at_drain = items_on(runner.stats(), a.address());
+  EXPECT_EQ(runner.devices().size(), 2u);
+  EXPECT_EQ(job.get(), sum_of_squares(200'000));
+  auto s = runner.stats();
+  EXPECT_EQ(items_on(s, a.address()), at_drain) << "items went to the drained node";
+  EXPECT_GT(at_drain, 0u);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_TRUE(s.producers[i].removed);
+  EXPECT_EQ(ev.of(a.address()),
+            (std::vector<troupe::membership_event::kind>{troupe::membership_event::joined,
+                                                         troupe::membership_event::draining,
+                                                         troupe::membership_event::drained}));
+  EXPECT_EQ(c.members()[0].what, troupe::member::state::drained);
+  EXPECT_EQ(c.devices().size(), 2u);
+  // The last node of a runner that follows the cluster is not drained: that would hang its jobs.
+  EXPECT_THROW(c.remove(b.address()), troupe::invalid_argument);
+  EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+  // Added again, it takes work again.
+  c.add(a.address());
+  EXPECT_EQ(runner.devices().size(), 4u);
+}
+
+TEST(Cluster, ANodeKilledAndRestartedOnItsAddressRejoinsTheRunningJob) {
+  auto address = free_address();
+  std::optional<node_process> a;
+  a.emplace("cpu,cpu", std::vector<std::string>{}, address);
+  node_process b{"cpu,cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  auto c = troupe::cluster::connect({a->address(), b.address()}, {}, o);
+  auto first = c.members()[0].incarnation;
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 5'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(50), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 40'000));
+  wait_until(*started, "the job under way");
+  a->kill(SIGKILL);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
+    while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  a.reset();
+  auto restart = std::chrono::steady_clock::now();
+  a.emplace("cpu,cpu", std::vector<std::string>{}, address);  // the same address
+  auto up = std::chrono::steady_clock::now();
+  ev.wait_for(troupe::membership_event::rejoined, address);
+  auto rejoined = std::chrono::steady_clock::now();
+  *in.more = true;  // 40,000 more items, then the job ends
+  auto sum = job.get();
+  auto n = in.made->load();
+  EXPECT_EQ(sum, sum_of_squares(n));
+  std::cout << "rejoined "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(rejoined - up).count()
+            << " ms after the restarted node listened ("
+            << std::chrono::duration_cast<std::chrono::milliseconds>(rejoined - restart).count()
+            << " ms after its start); " << n << " items\n";
+  auto s = runner.stats();
+  std::uint64_t fresh = 0;
+  for (auto& p : s.producers)
+    if (p.index >= 4 && p.where.node() == address) fresh += p.items;
+  EXPECT_GT(fresh, 0u) << "the restarted node took no item of the running job";
+  auto kinds = ev.of(address);
+  ASSERT_GE(kinds.size(), 3u);
+  EXPECT_EQ(kinds.front(), troupe::membership_event::joined);
+  EXPECT_EQ(kinds[kinds.size() - 2], troupe::membership_event::lost);
+  EXPECT_EQ(kinds.back(), troupe::membership_event::rejoined);
+  EXPECT_NE(c.members()[0].incarnation, first) << "a restart is a new incarnation";
+}
+
+TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
+  // CAF would give up on the frozen node's connection only after a minute: the job can end
+  // while it is frozen only because the cluster gave up on it (lost_after) and fenced it.
+  troupe::limits l;
+  l.idle_timeout = std::chrono::seconds{60};
+  try {
+    troupe::set_network_limits(l);
+  } catch (const troupe::invalid_argument&) {
+    GTEST_SKIP() << "needs a process of its own (ctest runs each test alone)";
+  }
+  node_process a{"cpu", {"--idle-timeout-ms", "60000"}}, b{"cpu", {"--idle-timeout-ms", "60000"}};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.heartbeat = std::chrono::milliseconds{100};
+  o.lost_after = std::chrono::milliseconds{1000};
+  o.reconnect = false;
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  opts.chunk_size = 1;
+  auto sent = std::make_shared<std::atomic<bool>>(false);
+  opts.on_progress = [&a, sent](const troupe::progress& p) {
+    if (p.done >= 10 && !sent->exchange(true)) a.kill(SIGSTOP);  // mid-chunk: each takes 20 ms
+  };
+  troupe::unordered_runner<remote_squares> runner{c, slow(20'000), opts};
+  {
+    test_util::watchdog dog{std::chrono::seconds{40}, "the job while node a is frozen"};
+    EXPECT_EQ(runner.run(iota(200)), sum_of_squares(200));
+  }
+  EXPECT_TRUE(a.alive()) << "still frozen, not dead";
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, a.address()), 1u);
+  a.kill(SIGCONT);  // it finishes the chunk it held and answers: too late
+  {
+    test_util::watchdog dog{std::chrono::seconds{40}, "node a's late answer"};
+    while (runner.stats().late_answers == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  EXPECT_GE(runner.stats().late_answers, 1u);
+  // Its process was given up on: it never becomes a member again (its restart would).
+  EXPECT_THROW(c.add(a.address()), troupe::node_error);
+  EXPECT_GE(c.fenced_answers(), 1u);
+  EXPECT_EQ(c.members()[0].what, troupe::member::state::lost);
+}
+
+TEST(Cluster, ConnectingToAFrozenNodeGivesUpAfterConnectTimeout) {
+  node_process a{"cpu"};
+  a.kill(SIGSTOP);
+  troupe::cluster_options o;
+  o.connect_timeout = std::chrono::milliseconds{1000};
+  auto t0 = std::chrono::steady_clock::now();
+  test_util::watchdog dog{std::chrono::seconds{30}, "connect to a frozen node"};
+  EXPECT_THROW(troupe::cluster::connect({a.address()}, {}, o), troupe::node_error);
+  auto took =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  std::cout << "connect to a frozen node gave up after " << took.count()
+            << " ms (connect_timeout 1000 ms)\n";
+  a.kill(SIGCONT);
+}
+
+TEST(Cluster, TenJoinLeaveCyclesUnderARunningJobLoseNothingAndLeakNothing) {
+  node_process a{"cpu,cpu"}, b{"cpu,cpu"};
+  troupe::cluster_options o;
+  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 2'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 20'000));
+  wait_until(*started, "the job under way");
+  std::size_t threads = 0, fds = 0;
+  for (int cycle = 0; cycle < 10; ++cycle) {
+    c.add(b.address());
+    c.remove(b.address());
+    if (cycle == 0) {
+      threads = entries("/proc/self/task");
+      fds = entries("/proc/self/fd");
+    }
+  }
+  EXPECT_LE(entries("/proc/self/task"), threads) << "threads grew over 9 cycles";
+  EXPECT_LE(entries("/proc/self/fd"), fds) << "file descriptors grew over 9 cycles";
+  *in.more = true;
+  auto sum = job.get();
+  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  EXPECT_EQ(runner.stats().producers.size(), 2u + 10 * 2u);
+}
+
+TEST(Cluster, EveryNodeRestartedInTurnWithSigtermUnderOneJobLosesNothing) {
+  // A rolling restart: each node drains on SIGTERM (exit 0) and is started again on its
+  // address; the runner follows: drained, then rejoined; never lost.
+  std::vector<std::string> addresses{free_address(), free_address(), free_address()};
+  std::vector<std::optional<node_process>> nodes(3);
+  for (std::size_t i = 0; i < 3; ++i)
+    nodes[i].emplace("cpu,cpu", std::vector<std::string>{}, addresses[i]);
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  auto c = troupe::cluster::connect(addresses, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 2'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(50), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 20'000));
+  wait_until(*started, "the job under way");
+  for (std::size_t i = 0; i < 3; ++i) {
+    nodes[i]->kill(SIGTERM);
+    int sig = -1, code = -1;
+    {
+      test_util::watchdog dog{std::chrono::seconds{60}, "the drained node's exit"};
+      while (!nodes[i]->ended(&sig, &code))
+        std::this_thread::sleep_for(std::chrono::milliseconds{5});
+    }
+    EXPECT_EQ(sig, 0);
+    EXPECT_EQ(code, 0) << "node " << i << " did not drain cleanly";
+    nodes[i].reset();
+    nodes[i].emplace("cpu,cpu", std::vector<std::string>{}, addresses[i]);
+    ev.wait_for(troupe::membership_event::rejoined, addresses[i]);
+  }
+  *in.more = true;
+  auto sum = job.get();
+  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  for (auto& a : addresses) {
+    auto kinds = ev.of(a);
+    EXPECT_EQ(kinds, (std::vector<troupe::membership_event::kind>{
+                         troupe::membership_event::joined, troupe::membership_event::draining,
+                         troupe::membership_event::drained, troupe::membership_event::rejoined}))
+        << a << " (the nodes in turn: " << addresses[0] << ", " << addresses[1] << ", "
+        << addresses[2] << ")";
+  }
+  for (auto& m : c.members()) EXPECT_EQ(m.what, troupe::member::state::up);
+  auto s = runner.stats();
+  for (auto& p : s.producers) {
+    if (p.index < 6) {
+      EXPECT_TRUE(p.removed) << "producer " << p.index << " was not drained";
+    } else {
+      EXPECT_TRUE(p.alive);
+    }
+  }
+}
