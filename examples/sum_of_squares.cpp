@@ -52,11 +52,12 @@ int main(int argc, char** argv) {
     cfg.set("work_ms", f.work_ms);
     std::int64_t result = 0;
     auto progress = f.make_progress();
+    // With --nodes alone, the runner follows the cluster: nodes restarted under the job rejoin.
     if (f.ordered) {
-      troupe::ordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options(progress)};
+      auto runner = f.runner<troupe::ordered_runner<sum_of_squares>>(cfg, f.options(progress));
       result = run_all(runner, f.items, progress);
     } else {
-      troupe::unordered_runner<sum_of_squares> runner{f.device_list(), cfg, f.options(progress)};
+      auto runner = f.runner<troupe::unordered_runner<sum_of_squares>>(cfg, f.options(progress));
       result = run_all(runner, f.items, progress);
     }
     std::cout << "result: " << result << "\n";

@@ -63,6 +63,26 @@ struct flags {
 
   troupe::tls tls() const { return {tls_cert, tls_key, tls_ca, {}}; }
 
+  /// --nodes alone: a live cluster that runners built from it follow (a node restarted on its
+  /// address rejoins the running job; one that drains leaves it); membership changes are
+  /// printed on stderr. Nothing otherwise.
+  std::optional<troupe::cluster> live_cluster() const {
+    if (nodes.empty() || devices_given) return std::nullopt;
+    troupe::cluster_options o;
+    o.on_change = [](const troupe::membership_event& e) {
+      std::cerr << "cluster: " << e.node << " " << troupe::to_string(e.what) << " (incarnation "
+                << std::hex << e.incarnation << std::dec << ")" << std::endl;
+    };
+    return troupe::cluster::connect(split(nodes), tls(), o);
+  }
+
+  /// A runner over the live cluster of --nodes (following it), else over device_list().
+  template <class Runner>
+  Runner runner(const troupe::config& cfg, troupe::options o) const {
+    if (auto c = live_cluster()) return Runner{*c, cfg, std::move(o)};
+    return Runner{device_list(), cfg, std::move(o)};
+  }
+
   /// --devices, or the devices of the --nodes (plus --devices when given too).
   std::vector<troupe::device> device_list() const {
     std::vector<troupe::device> out;
