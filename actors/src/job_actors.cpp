@@ -35,15 +35,43 @@ std::string describe_current_exception() {
 
 namespace {
 
+/// options::batching: the parts of a group received so far, each with its answer to come.
+struct chunk_group {
+  std::vector<work_chunk> parts;
+  std::vector<caf::response_promise> answers;
+};
+
 caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<producer_state> st) {
   self->attach_functor([st] { st->destroy(); });
+  auto group = std::make_shared<chunk_group>();
   return {
       [st](init_atom) {
         mark_internal_thread();
         return st->init();
       },
-      [self, st](const work_chunk& w) {
+      [self, st, group](const work_chunk& w) -> caf::result<chunk_result> {
         mark_internal_thread();
+        if (w.group_size > 1) {
+          // The scheduler sends a group's parts back to back (CAF keeps their order): one
+          // call of the producer once the last one is here, then an answer for each.
+          if (w.group_pos != group->parts.size()) {  // cannot happen: answer the stragglers
+            for (std::size_t i = 0; i < group->parts.size(); ++i)
+              group->answers[i].deliver(st->work(group->parts[i]));
+            group->parts.clear();
+            group->answers.clear();
+          }
+          group->parts.push_back(w);
+          group->answers.push_back(self->make_response_promise());
+          auto answer = group->answers.back();
+          if (group->parts.size() == w.group_size) {
+            auto rs = st->work_group(group->parts);
+            auto answers = std::move(group->answers);
+            group->parts.clear();
+            group->answers.clear();
+            for (std::size_t i = 0; i < rs.size(); ++i) answers[i].deliver(std::move(rs[i]));
+          }
+          return answer;
+        }
         auto r = st->work(w);
         // Large outputs for a remote scheduler go back as fragments, then a small reference.
         if (r.ok())

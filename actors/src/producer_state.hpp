@@ -8,6 +8,7 @@
 #include <caf/event_based_actor.hpp>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,18 +54,20 @@ struct producer_state {
     return r;
   }
 
-  chunk_result work(const work_chunk& w) {
-    chunk_result r;
+  /// The chunk's items ready for work(): a lent range as it is (the work loop reads it under
+  /// its lease, a block at a time: user code never sees the caller's memory, so a producer
+  /// stuck in work() cannot hold up the job's handle), fragments joined, and with
+  /// options::serialize through the wire format. nullopt when `r` says why not.
+  std::optional<batch> prepare(const work_chunk& w, chunk_result& r) {
     r.run = w.run;
     r.first = w.first;
-    // A part of a caller's range, lent (batch_view): the work loop reads it a block at a time
-    // under its lease (user code never sees the caller's memory, so a producer stuck in
-    // work() cannot hold up the job's handle). With options::serialize it is copied here first,
-    // to go through the wire format.
     batch joined = w.items;
     if (joined.lease() && serialize) {
       auto own = joined.owned_slice(0, joined.size());
-      if (!own) return job_ended(r);
+      if (!own) {
+        job_ended(r);
+        return std::nullopt;
+      }
       joined = std::move(*own);
     }
     if (!joined.lease()) {
@@ -74,48 +77,45 @@ struct producer_state {
       } catch (const std::exception& e) {
         r.code = errc::protocol_error;
         r.what = e.what();
-        return r;
+        return std::nullopt;
       }
     }
     if (!producer) {
       r.code = errc::protocol_error;
       r.what = "producer on " + where.str() + " was not started or has ended";
-      return r;
+      return std::nullopt;
     }
-    auto start = std::chrono::steady_clock::now();
-    if (last_end != std::chrono::steady_clock::time_point{})
-      r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
-    work_outcome out;
-    // Folding is for outputs that stay in this process (never with options::serialize, which
-    // makes a local run behave as over a network).
-    producer->work(joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out);
+    return joined;
+  }
+
+  /// `r` from the producer's outcome for a chunk of `n` items (whose work is done, the device
+  /// synchronized unless `device_failure` says how that failed).
+  void finish(chunk_result& r, work_outcome& out, const work_chunk& w, std::size_t n,
+              const std::optional<std::string>& device_failure) {
     r.extra_calls = out.extra_calls;
     if (out.wrong_type) {
       r.code = errc::protocol_error;
       r.what = "work chunk holds items of another type than the job's input";
-      return r;
+      return;
     }
     if (out.consumer_failed) {
       r.code = errc::consumer_error;
       r.what = std::move(out.what);
-      return r;
+      return;
     }
-    if (out.revoked) return job_ended(r);  // while this chunk of its caller's range ran
+    if (out.revoked) {  // while this chunk of its caller's range ran
+      job_ended(r);
+      return;
+    }
     if (out.failed) {
       r.code = errc::work_error;
       r.failed_index = out.failed_index;
       r.what = std::move(out.what);
-    } else if (binding) {
-      try {
-        binding->synchronize();
-      } catch (...) {  // the device failed the chunk's queued work
-        r.code = errc::work_error;
-        r.failed_index = w.first + (joined.size() > 0 ? joined.size() - 1 : 0);
-        r.what = describe_current_exception();
-      }
+    } else if (device_failure) {  // the device failed the chunk's queued work
+      r.code = errc::work_error;
+      r.failed_index = w.first + (n > 0 ? n - 1 : 0);
+      r.what = *device_failure;
     }
-    last_end = std::chrono::steady_clock::now();
-    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
     r.failures = std::move(out.failures);
     if (r.ok()) r.outputs = std::move(out.outputs);  // without the failed items
     if (r.ok() && serialize) {
@@ -126,7 +126,90 @@ struct producer_state {
         r.what = e.what();
       }
     }
+  }
+
+  /// Waits for the device's queued work; the failure's description, if it failed.
+  std::optional<std::string> synchronize() {
+    if (!binding) return std::nullopt;
+    try {
+      binding->synchronize();
+      return std::nullopt;
+    } catch (...) {
+      return describe_current_exception();
+    }
+  }
+
+  chunk_result work(const work_chunk& w) {
+    chunk_result r;
+    auto joined = prepare(w, r);
+    if (!joined) return r;
+    auto start = std::chrono::steady_clock::now();
+    if (last_end != std::chrono::steady_clock::time_point{})
+      r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
+    work_outcome out;
+    // Folding is for outputs that stay in this process (never with options::serialize, which
+    // makes a local run behave as over a network).
+    producer->work(*joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out);
+    std::optional<std::string> device_failure;
+    if (!out.failed && !out.wrong_type && !out.consumer_failed && !out.revoked)
+      device_failure = synchronize();
+    last_end = std::chrono::steady_clock::now();
+    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    finish(r, out, w, joined->size(), device_failure);
     return r;
+  }
+
+  /// options::batching: consecutive chunks of any jobs in one call of the producer (work_parts),
+  /// each answered on its own; its share of the call's time by its items. Chunks that are lent,
+  /// folded or serialized go one by one, as without batching.
+  std::vector<chunk_result> work_group(const std::vector<work_chunk>& ws) {
+    std::vector<chunk_result> rs(ws.size());
+    bool together = !serialize && producer != nullptr;
+    for (auto& w : ws) together = together && !w.fold && !w.items.lease();
+    if (!together) {
+      for (std::size_t i = 0; i < ws.size(); ++i) rs[i] = work(ws[i]);
+      return rs;
+    }
+    std::vector<batch> joined;
+    std::vector<std::size_t> at;  ///< rs index of each joined part
+    for (std::size_t i = 0; i < ws.size(); ++i)
+      if (auto b = prepare(ws[i], rs[i])) {
+        joined.push_back(std::move(*b));
+        at.push_back(i);
+      }
+    if (joined.empty()) return rs;
+    std::vector<const batch*> parts;
+    std::vector<std::uint64_t> firsts;
+    std::vector<bool> keep_going;
+    std::size_t total = 0;
+    for (std::size_t k = 0; k < joined.size(); ++k) {
+      parts.push_back(&joined[k]);
+      firsts.push_back(ws[at[k]].first);
+      keep_going.push_back(ws[at[k]].keep_going);
+      total += joined[k].size();
+    }
+    auto start = std::chrono::steady_clock::now();
+    std::int64_t idle = 0;
+    if (last_end != std::chrono::steady_clock::time_point{})
+      idle = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
+    std::vector<work_outcome> outs(parts.size());
+    producer->work_parts(parts, firsts, keep_going, outs);
+    auto device_failure = synchronize();
+    last_end = std::chrono::steady_clock::now();
+    auto busy = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      auto& r = rs[at[k]];
+      r.idle_ns = k == 0 ? idle : 0;
+      r.busy_ns = total == 0 ? 0
+                             : static_cast<std::int64_t>(static_cast<double>(busy) *
+                                                         static_cast<double>(parts[k]->size()) /
+                                                         static_cast<double>(total));
+      bool worked = !outs[k].failed && !outs[k].wrong_type && !outs[k].consumer_failed &&
+                    !outs[k].revoked;
+      finish(r, outs[k], ws[at[k]], parts[k]->size(),
+             worked ? device_failure : std::optional<std::string>{});
+    }
+    return rs;
   }
 
   /// The producer object and the device binding go (the actor is ending); a destructor that

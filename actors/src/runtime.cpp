@@ -20,6 +20,15 @@
 namespace troupe::detail {
 
 /// Every check of a runner's options, in one place: invalid_argument naming the option.
+void validate(const batching& b) {
+  if (b.max_delay.count() < 0) throw invalid_argument("batching::max_delay must not be negative");
+  for (auto n : b.preferred_sizes)
+    if (n == 0 || n > b.max_items)
+      throw invalid_argument(
+          "batching::preferred_sizes must be between 1 and max_items (" +
+          std::to_string(b.max_items) + ")");
+}
+
 void validate(const options& o) {
   if (o.max_chunk_items == 0 || o.max_chunk_bytes == 0 || o.consumer_backlog == 0)
     throw invalid_argument(
@@ -31,6 +40,7 @@ void validate(const options& o) {
     throw invalid_argument("options: close_timeout and work_timeout must not be negative");
   if (!o.trace_file.empty() && !std::ofstream(o.trace_file, std::ios::out | std::ios::app))
     throw invalid_argument("options::trace_file: cannot write " + o.trace_file);
+  validate(o.batching);
 }
 
 /// Every check of a job's options.

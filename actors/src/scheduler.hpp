@@ -263,7 +263,16 @@ class scheduler {
   /// yet), and only when `p` has nothing else to do.
   bool speculate(std::size_t p, clock_type::time_point now);
 
-  bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now);
+  /// `limit`: at most this many new items (options::batching), else the producer's chunk limit.
+  bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now,
+                     std::optional<std::size_t> limit = std::nullopt);
+
+  /// options::batching, a local producer that is free: up to max_items items of the running
+  /// jobs (in fair-share order) as one group of chunks, worked in one call. Fewer are sent when
+  /// a preferred size is reached, or when the oldest waiting job has waited max_delay (a wakeup
+  /// is set until then). False when nothing was sent.
+  bool dispatch_batch(std::size_t p, clock_type::time_point now);
+  [[nodiscard]] bool batching() const { return opts_.batching.max_items > 0; }
 
   void send(std::size_t p, job_state& j, std::uint64_t id);
 
@@ -378,6 +387,14 @@ class scheduler {
   fair_share share_;
   std::vector<std::uint64_t> touched_;
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
+  /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
+  struct grouped_chunk {
+    std::size_t p;
+    std::uint64_t gen, id;
+    work_chunk msg;
+  };
+  std::vector<grouped_chunk>* group_ = nullptr;
+  std::optional<clock_type::time_point> batch_check_;  ///< a wakeup at a batch's max_delay
   /// remove_devices calls waiting: the slots each waits for, and its promise.
   struct drain_wait {
     std::set<std::size_t> left;

@@ -79,6 +79,7 @@ void scheduler::settle() {
 }
 
 bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
+  if (batching() && producers_[p].local) return dispatch_batch(p, now);
   auto id = share_.pick(
       [&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },  // the window, say
       [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
@@ -140,7 +141,69 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
   return true;
 }
 
-bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_point now) {
+bool scheduler::dispatch_batch(std::size_t p, clock_type::time_point now) {
+  auto& s = producers_[p];
+  if (!s.outstanding.empty()) return false;  // items wait for its next call: a fuller batch
+  auto& b = opts_.batching;
+  // What waits for this producer, and since when.
+  std::size_t waiting = 0;
+  std::optional<clock_type::time_point> oldest;
+  for (auto& [id, j] : jobs_) {
+    if (!has_work_for(*j, p, now)) continue;
+    std::size_t n = j->pieces.queued();
+    if (!j->exhausted) {
+      auto total = j->source->total();
+      n += total ? static_cast<std::size_t>(*total > j->next_item ? *total - j->next_item : 0)
+                 : b.max_items;  // a generator: assume plenty
+    }
+    if (n == 0) continue;
+    waiting += n;
+    if (!oldest || j->started < *oldest) oldest = j->started;
+  }
+  if (waiting == 0) return false;
+  auto target = b.max_items;
+  if (waiting < b.max_items) {
+    std::size_t preferred = 0;
+    for (auto size : b.preferred_sizes)
+      if (size <= waiting) preferred = std::max(preferred, size);
+    if (preferred > 0) {
+      target = preferred;
+    } else if (b.max_delay.count() > 0 && *oldest + b.max_delay > now) {
+      auto at = *oldest + b.max_delay;  // then it goes with whatever waits
+      if (!batch_check_ || *batch_check_ <= now || at < *batch_check_) {
+        batch_check_ = at;
+        wake_at(at);
+      }
+      return false;
+    } else {
+      target = waiting;
+    }
+  }
+  std::vector<grouped_chunk> group;
+  group_ = &group;
+  std::size_t taken = 0;
+  while (taken < target) {
+    auto id = share_.pick([&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },
+                          [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
+    if (!id) break;
+    auto before = s.items;
+    auto chunks = s.outstanding.size();
+    if (!dispatch_from(*jobs_.at(*id), p, now, target - taken)) break;
+    if (s.outstanding.size() == chunks) continue;  // the job ended, or had nothing after all
+    taken += s.items - before;
+  }
+  group_ = nullptr;
+  auto k = static_cast<std::uint32_t>(group.size());
+  for (std::uint32_t i = 0; i < k; ++i) {
+    group[i].msg.group_size = k;
+    group[i].msg.group_pos = i;
+    io_.send_chunk(group[i].p, group[i].gen, group[i].id, std::move(group[i].msg));
+  }
+  return k > 0;
+}
+
+bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_point now,
+                              std::optional<std::size_t> limit) {
   if (auto id = j.pieces.take_queued(p, now, only_choice(p))) {
     send(p, j, *id);
     return true;
@@ -152,7 +215,8 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
       x.items = j.source->pull(folded_chunk_limit(j, s), std::numeric_limits<std::size_t>::max(),
                                opts_.target_chunk_time);
     else
-      x.items = j.source->pull(chunk_limit(s), opts_.max_chunk_bytes, opts_.target_chunk_time);
+      x.items = j.source->pull(limit ? *limit : chunk_limit(s), opts_.max_chunk_bytes,
+                               opts_.target_chunk_time);
   } catch (...) {
     j.exhausted = true;
     end_job(j.id, std::current_exception());
@@ -223,6 +287,10 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   auto job = j.id;
   work_chunk w{job, x.first, x.items, !j.opts.on_error.fails_fast(), nullptr};
   if (j.fold) w.fold = j.gate;
+  if (group_ != nullptr) {  // dispatch_batch sends the group once it is complete
+    group_->push_back(grouped_chunk{p, gen, id, std::move(w)});
+    return;
+  }
   io_.send_chunk(p, gen, id, std::move(w));
 }
 

@@ -42,6 +42,20 @@ struct producer_event {
 };
 
 /// A plain aggregate: every field has a sensible default.
+/// Dynamic batching across callers (options::batching): a producer's call takes items of any
+/// running jobs at once (1-item jobs of many callers share one work(span) call); each output
+/// returns to its own job. Local producers; a node's get chunks as without it.
+struct batching {
+  /// 0: off. Else the most items a call takes; a producer is given a batch only when it has
+  /// finished the previous one (items wait meanwhile, and the next batch is the fuller).
+  std::size_t max_items = 0;
+  /// How long an item may wait for others when fewer than max_items wait and the producer is
+  /// free (0: never: a lone request is sent at once).
+  std::chrono::microseconds max_delay{0};
+  /// When this many items (the largest that fits) wait, they go at once, without max_delay.
+  std::vector<std::size_t> preferred_sizes;
+};
+
 struct options {
   /// Items in flight per producer; 0 = automatic: at least two chunks per producer, more for a
   /// producer whose answers take long to come back (a distant node), so that it always has
@@ -107,6 +121,8 @@ struct options {
   /// yet handed to a producer); an input whose size is unknown (a generator, a single-pass
   /// range) is not counted.
   std::size_t max_queued_items = 0;
+  /// Dynamic batching across callers (off by default); see troupe::batching.
+  troupe::batching batching;
   /// Chrome trace events (JSON that Perfetto and chrome://tracing load) written to this file
   /// while the runner runs, complete once close() returns: a lane per producer, a slice per
   /// chunk worked (job, items, bytes), arrows from dispatch, and instants for retries,

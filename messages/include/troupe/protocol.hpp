@@ -86,6 +86,11 @@ struct work_chunk {
   /// at its first error, so a producer in this process folds the chunk's outputs into a
   /// consumer of its own, looking at this gate as the job's consumer does; null otherwise.
   std::shared_ptr<detail::job_gate> fold{};
+  /// Local only (never written to the wire), options::batching: this chunk is part
+  /// `group_pos` of `group_size` consecutive chunks (of any jobs) that the producer works in one
+  /// call; each is answered on its own. 0: alone.
+  std::uint32_t group_size = 0;
+  std::uint32_t group_pos = 0;
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.

@@ -42,6 +42,18 @@ class producer_ops {
   /// own, made for this chunk, handed back as a folded_chunk for the job's consumer to merge.
   virtual void work(const batch& items, std::uint64_t first, bool keep_going, job_gate* fold,
                     work_outcome& out) = 0;
+  /// options::batching: the chunks `parts` (of any jobs, none lent or folded) in one call where
+  /// the job's producer takes a batch (work(span)): their items concatenated, each part's
+  /// outcome in outs[i]. A call that throws (or returns another number of outputs) is made
+  /// again part by part, each as work() would (split down to the items that fail alone), so
+  /// only the parts with such items fail; every call beyond the first is counted in
+  /// extra_calls. Other producers: each part through work().
+  virtual void work_parts(const std::vector<const batch*>& parts,
+                          const std::vector<std::uint64_t>& firsts,
+                          const std::vector<bool>& keep_going, std::vector<work_outcome>& outs) {
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      work(*parts[i], firsts[i], keep_going[i], nullptr, outs[i]);
+  }
   /// producer::end(), if the job has one.
   virtual void end() = 0;
   /// Destroys the job's producer object; its destructor may throw (and that is reported).
@@ -246,6 +258,56 @@ class typed_producer final : public producer_ops {
       if (lease) went_on = work_on_lent(*lease, x, n, first, keep_going, r, outputs, k);
     if (!lease) went_on = work_on(x, n, first, keep_going, r, outputs, k);
     finish_outputs(went_on, std::move(outputs), k, r);
+  }
+
+  void work_parts(const std::vector<const batch*>& parts, const std::vector<std::uint64_t>& firsts,
+                  const std::vector<bool>& keep_going, std::vector<work_outcome>& outs) override {
+    if constexpr (traits::batched) {
+      std::vector<in> all;
+      std::vector<std::size_t> sizes;
+      bool plain = true;
+      for (auto* b : parts) {
+        const in* x = nullptr;
+        std::size_t n = 0;
+        if constexpr (raw_items<in>) {
+          if (!b->lease()) std::tie(x, n) = b->template span<in>();
+        } else if (auto* items = b->template as<in>()) {
+          x = items->items.data();
+          n = items->items.size();
+        }
+        if (b->lease() || (x == nullptr && b->size() != 0)) {
+          plain = false;
+          break;
+        }
+        all.insert(all.end(), x, x + n);
+        sizes.push_back(n);
+      }
+      if (plain && !all.empty()) {
+        try {
+          std::vector<out> ys = p_->work(span<const in>{all.data(), all.size()});
+          if (ys.size() == all.size()) {
+            std::size_t at = 0;
+            for (std::size_t i = 0; i < parts.size(); ++i) {
+              auto from = ys.begin() + static_cast<std::ptrdiff_t>(at);
+              std::vector<out> mine(std::make_move_iterator(from),
+                                    std::make_move_iterator(
+                                        from + static_cast<std::ptrdiff_t>(sizes[i])));
+              outs[i].outputs = batch::of(std::move(mine));
+              at += sizes[i];
+            }
+            return;
+          }
+        } catch (...) {
+        }
+        // Part by part: only the parts whose items fail alone fail.
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+          work(*parts[i], firsts[i], keep_going[i], nullptr, outs[i]);
+          outs[i].extra_calls += 1;
+        }
+        return;
+      }
+    }
+    producer_ops::work_parts(parts, firsts, keep_going, outs);
   }
 
   void end() override {

@@ -1,0 +1,259 @@
+// Dynamic batching across callers (docs/api.md, "Dynamic batching across callers"): 1-item jobs
+// of many callers share one work(span) call of a batch producer; a lone request is not delayed
+// with max_delay 0; deadlines and cancel() hold while items wait for a batch (they never reach
+// a producer); a poisoned item fails only its own job.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <troupe/troupe.hpp>
+#include <vector>
+
+#include "test_util.hpp"
+
+using test_util::watchdog;
+using namespace std::chrono_literals;
+
+namespace {
+
+class latch {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock{mtx_};
+    cv_.wait(lock, [this] { return open_; });
+  }
+  bool is_open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return open_;
+  }
+
+ private:
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+/// A model that takes a batch: what every call saw is recorded; the first call can be held on
+/// a latch (the producer busy with a batch while requests queue); an item `poison` throws.
+struct model {
+  static inline std::mutex mtx;
+  static inline std::vector<std::size_t> calls;  ///< each call's batch size
+  static inline std::multiset<std::int64_t> seen;
+  static inline latch* hold_first = nullptr;
+  static inline std::atomic<bool> first_started{false};
+  static inline std::atomic<std::int64_t> poison{-1};
+  static inline std::chrono::microseconds fixed{0}, per_item{0};
+
+  static void reset() {
+    std::lock_guard<std::mutex> guard{mtx};
+    calls.clear();
+    seen.clear();
+    hold_first = nullptr;
+    first_started = false;
+    poison = -1;
+    fixed = per_item = std::chrono::microseconds{0};
+  }
+
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        first = calls.empty();
+        calls.push_back(xs.size());
+        for (auto x : xs) seen.insert(x);
+      }
+      if (first && hold_first) {
+        first_started = true;
+        hold_first->wait();
+      }
+      std::this_thread::sleep_for(fixed + per_item * static_cast<int>(xs.size()));
+      std::vector<std::int64_t> ys;
+      for (auto x : xs) {
+        if (x == poison) throw std::runtime_error("poisoned item");
+        ys.push_back(x * x);
+      }
+      return ys;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+troupe::options batched(std::size_t max_items, std::chrono::microseconds delay) {
+  troupe::options o;
+  o.batching.max_items = max_items;
+  o.batching.max_delay = delay;
+  o.speculative = false;
+  return o;
+}
+
+std::size_t seen_count(std::int64_t x) {
+  std::lock_guard<std::mutex> guard{model::mtx};
+  return model::seen.count(x);
+}
+
+void wait_first_started() {
+  watchdog dog{60s, "the first batch to start"};
+  while (!model::first_started) std::this_thread::sleep_for(1ms);
+}
+
+}  // namespace
+
+TEST(Batching, SixtyFourCallersOfOneItemJobsShareCalls) {
+  model::reset();
+  model::fixed = 2ms;
+  model::per_item = 100us;
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 2000us)};
+  constexpr int callers = 64, each = 20;
+  std::atomic<int> wrong{0};
+  {
+    watchdog dog{120s, "64 callers"};
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c)
+      threads.emplace_back([&, c] {
+        for (int i = 0; i < each; ++i) {
+          std::int64_t x = c * 1000 + i;
+          if (runner.run({x}) != x * x) wrong += 1;
+        }
+      });
+    for (auto& t : threads) t.join();
+  }
+  EXPECT_EQ(wrong, 0);
+  std::lock_guard<std::mutex> guard{model::mtx};
+  std::size_t items = 0, biggest = 0;
+  for (auto n : model::calls) {
+    items += n;
+    biggest = std::max(biggest, n);
+  }
+  EXPECT_EQ(items, static_cast<std::size_t>(callers * each));
+  EXPECT_LE(biggest, 8u);
+  double mean = static_cast<double>(items) / static_cast<double>(model::calls.size());
+  EXPECT_GE(mean, 6.0) << model::calls.size() << " calls";
+  std::cout << callers * each << " one-item jobs in " << model::calls.size()
+            << " calls (mean batch " << mean << ")\n";
+}
+
+TEST(Batching, WithMaxDelayZeroALoneItemIsSentAtOnce) {
+  model::reset();
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 0us)};
+  watchdog dog{60s, "a lone item"};
+  EXPECT_EQ(runner.run({7}), 49);
+  std::lock_guard<std::mutex> guard{model::mtx};
+  EXPECT_EQ(model::calls, (std::vector<std::size_t>{1}));
+}
+
+TEST(Batching, ALoneItemGoesAtAPreferredSizeOrAfterMaxDelay) {
+  model::reset();
+  {
+    // max_delay an hour, but 1 is a preferred size: it goes at once.
+    auto o = batched(8, std::chrono::hours{1});
+    o.batching.preferred_sizes = {1, 4};
+    troupe::unordered_runner<model> runner{1, {}, o};
+    watchdog dog{60s, "a lone item at a preferred size"};
+    EXPECT_EQ(runner.run({3}), 9);
+  }
+  {
+    troupe::unordered_runner<model> runner{1, {}, batched(8, 20ms)};
+    watchdog dog{60s, "a lone item after max_delay"};
+    EXPECT_EQ(runner.run({4}), 16);
+  }
+  std::lock_guard<std::mutex> guard{model::mtx};
+  EXPECT_EQ(model::calls, (std::vector<std::size_t>{1, 1}));
+  EXPECT_THROW((troupe::unordered_runner<model>{1, {}, [] {
+                 auto o = batched(4, 0us);
+                 o.batching.preferred_sizes = {8};
+                 return o;
+               }()}),
+               troupe::invalid_argument);
+}
+
+TEST(Batching, ADeadlineEndsARequestWaitingBehindABatchBeforeTheBatchEnds) {
+  model::reset();
+  latch hold;
+  model::hold_first = &hold;
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 0us)};
+  auto busy = runner.submit(std::vector<std::int64_t>{1});
+  wait_first_started();  // the producer is inside its batch, held
+  troupe::job_options o;
+  o.deadline = 5ms;
+  auto late = runner.submit(std::vector<std::int64_t>{2}, o);
+  {
+    watchdog dog{60s, "the deadline while the batch runs"};
+    EXPECT_THROW(late.get(), troupe::deadline_exceeded);
+  }
+  EXPECT_FALSE(hold.is_open()) << "get() returned only after the batch";
+  hold.open();
+  EXPECT_EQ(busy.get(), 1);
+  EXPECT_EQ(runner.run({3}), 9);
+  EXPECT_EQ(seen_count(2), 0u) << "the expired request reached a producer";
+}
+
+TEST(Batching, CancelledWaitingRequestsNeverReachAProducerAndTheOthersSucceed) {
+  model::reset();
+  latch hold;
+  model::hold_first = &hold;
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 0us)};
+  auto busy = runner.submit(std::vector<std::int64_t>{1});
+  wait_first_started();
+  std::vector<troupe::job_handle<std::int64_t>> handles;
+  for (std::int64_t i = 0; i < 20; ++i)
+    handles.push_back(runner.submit(std::vector<std::int64_t>{100 + i}));
+  for (std::size_t i = 0; i < handles.size(); i += 2) handles[i].cancel();
+  hold.open();
+  watchdog dog{60s, "the requests after the batch"};
+  EXPECT_EQ(busy.get(), 1);
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    auto x = 100 + static_cast<std::int64_t>(i);
+    if (i % 2 == 0) {
+      EXPECT_THROW(handles[i].get(), troupe::cancelled);
+      EXPECT_EQ(seen_count(x), 0u) << "cancelled request " << x << " reached a producer";
+    } else {
+      EXPECT_EQ(handles[i].get(), x * x);
+    }
+  }
+}
+
+TEST(Batching, APoisonedItemInASharedBatchFailsOnlyItsOwnJob) {
+  model::reset();
+  latch hold;
+  model::hold_first = &hold;
+  model::poison = 203;
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 0us)};
+  auto busy = runner.submit(std::vector<std::int64_t>{1});
+  wait_first_started();
+  std::vector<troupe::job_handle<std::int64_t>> handles;
+  for (std::int64_t i = 0; i < 8; ++i)
+    handles.push_back(runner.submit(std::vector<std::int64_t>{200 + i}));
+  hold.open();
+  watchdog dog{60s, "the shared batch"};
+  EXPECT_EQ(busy.get(), 1);
+  for (std::int64_t i = 0; i < 8; ++i) {
+    if (200 + i == 203) {
+      try {
+        handles[static_cast<std::size_t>(i)].get();
+        ADD_FAILURE() << "the poisoned job succeeded";
+      } catch (const troupe::work_error& e) {
+        EXPECT_EQ(e.index(), 0u);
+      }
+    } else {
+      EXPECT_EQ(handles[static_cast<std::size_t>(i)].get(), (200 + i) * (200 + i));
+    }
+  }
+  std::lock_guard<std::mutex> guard{model::mtx};
+  ASSERT_GE(model::calls.size(), 2u);
+  EXPECT_EQ(model::calls[1], 8u) << "the 8 waiting requests shared one call";
+  EXPECT_GE(runner.stats().split_calls, 1u);
+}
