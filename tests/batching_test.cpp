@@ -172,11 +172,13 @@ TEST(Batching, ALoneItemGoesAtAPreferredSizeOrAfterMaxDelay) {
   }
   std::lock_guard<std::mutex> guard{model::mtx};
   EXPECT_EQ(model::calls, (std::vector<std::size_t>{1, 1}));
-  EXPECT_THROW((troupe::unordered_runner<model>{1, {}, [] {
-                 auto o = batched(4, 0us);
-                 o.batching.preferred_sizes = {8};
-                 return o;
-               }()}),
+  EXPECT_THROW((troupe::unordered_runner<model>{1,
+                                                {},
+                                                [] {
+                                                  auto o = batched(4, 0us);
+                                                  o.batching.preferred_sizes = {8};
+                                                  return o;
+                                                }()}),
                troupe::invalid_argument);
 }
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <troupe/internal/membership.hpp>
 
@@ -108,6 +109,29 @@ TEST(Membership, RemoveDrainsUntilTheRunnersAreDoneAndOnlyAddBringsItBack) {
   EXPECT_THROW(m.begin_drain("127.0.0.1:9"), troupe::invalid_argument);
 }
 
+TEST(Membership, AMemberThatRemoveDrainsNeverComesBackByItself) {
+  membership m{ms{1500}};
+  auto t0 = clock_type::now();
+  m.answered(A, 1, devs(A), t0, true);
+  m.begin_drain(A);
+  // It drains itself meanwhile (SIGTERM), goes silent: drained, not lost.
+  EXPECT_TRUE(m.answered(A, 1, devs(A), t0 + ms{100}, false, true).empty());
+  EXPECT_EQ(kinds(m.tick(t0 + ms{2000})),
+            (std::vector<membership_event::kind>{membership_event::drained}));
+  EXPECT_FALSE(m.end_drain(A));
+  EXPECT_TRUE(m.lost().empty());                                         // not retried
+  EXPECT_TRUE(m.answered(A, 2, devs(A), t0 + ms{2500}, false).empty());  // its restart: no
+  // Lost while remove() drained it: not retried either.
+  m.answered(B, 5, devs(B), t0, true);
+  m.begin_drain(B);
+  EXPECT_EQ(kinds(m.tick(t0 + ms{2000})),
+            (std::vector<membership_event::kind>{membership_event::lost}));
+  EXPECT_TRUE(m.lost().empty());
+  EXPECT_TRUE(m.answered(B, 6, devs(B), t0 + ms{2500}, false).empty());
+  EXPECT_EQ(kinds(m.answered(B, 6, devs(B), t0 + ms{2600}, true)),
+            (std::vector<membership_event::kind>{membership_event::joined}));
+}
+
 // -- property test ------------------------------------------------------------------------------
 
 namespace {
@@ -161,7 +185,9 @@ class schedule {
       end_drains();
       // A member drained by remove() is added back, so that the items have somewhere to go.
       for (auto& a : addrs_)
-        if (m_.state_of(a) == member::state::drained && !m_.leaves_by_itself(a)) join(a, true);
+        if ((m_.state_of(a) == member::state::drained || m_.state_of(a) == member::state::lost) &&
+            m_.removed(a))
+          join(a, true);
     }
     if (failure_) return failure_;
     if (!done()) return "not every item was delivered after quiescing" + where();
@@ -180,7 +206,14 @@ class schedule {
     std::vector<std::size_t> held;  ///< items sent to it, not answered yet
   };
 
-  std::string where() const { return "\ntrace:\n" + trace_.str(); }
+  std::string where() const {
+    std::string states;
+    for (auto& m : m_.members())
+      states += " " + m.address + "=" + troupe::to_string(m.what) + "#" +
+                std::to_string(m.incarnation) + (m_.removed(m.address) ? "(removed)" : "") +
+                (m_.leaves_by_itself(m.address) ? "(self)" : "");
+    return "\nmembers:" + states + "\ntrace:\n" + trace_.str();
+  }
 
   bool draining() const {
     for (auto& a : addrs_)
@@ -214,7 +247,12 @@ class schedule {
           i = (i->second.first == e.node && i->second.second == e.incarnation) ? in_flight_.erase(i)
                                                                                : std::next(i);
       }
-      if (e.what == membership_event::rejoined) cov.rejoins += 1;
+      if (e.what == membership_event::rejoined) {
+        cov.rejoins += 1;
+        if (removed_now_.count(e.node) != 0)
+          failure_ = "a member drained by remove() came back by itself: " + e.node + where();
+      }
+      if (e.what == membership_event::draining && m_.removed(e.node)) removed_now_.insert(e.node);
       if (e.what == membership_event::draining && m_.leaves_by_itself(e.node)) cov.self_drains += 1;
     }
   }
@@ -236,6 +274,7 @@ class schedule {
   void join(const std::string& a, bool joining) {
     auto it = procs_.find(a);
     if (it == procs_.end() || it->second.frozen) return;
+    if (joining) removed_now_.erase(a);
     auto before = m_.fenced_answers();
     act(m_.answered(a, it->second.incarnation, devs(a), now_, joining, it->second.leaving));
     cov.fenced += m_.fenced_answers() - before;
@@ -296,7 +335,7 @@ class schedule {
 
   void end_drains() {
     for (auto& a : addrs_) {
-      if (m_.state_of(a) != member::state::draining || m_.leaves_by_itself(a)) continue;
+      if (m_.state_of(a) != member::state::draining || !m_.removed(a)) continue;
       bool busy = false;
       for (auto& [item, holder] : in_flight_)
         if (holder.first == a) busy = true;
@@ -360,7 +399,7 @@ class schedule {
         break;
       case 11:
         end_drains();
-        if (m_.state_of(a) == member::state::drained && !m_.leaves_by_itself(a) && rng_() % 2 == 0)
+        if (m_.state_of(a) == member::state::drained && m_.removed(a) && rng_() % 2 == 0)
           join(a, true);  // cluster::add again
         break;
     }
@@ -379,6 +418,7 @@ class schedule {
   std::vector<int> delivered_;
   std::ostringstream trace_;
   std::optional<std::string> failure_;
+  std::set<std::string> removed_now_;  ///< drained by remove() and not added since
 };
 
 std::uint64_t membership_seeds() {

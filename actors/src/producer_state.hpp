@@ -204,8 +204,8 @@ struct producer_state {
                              : static_cast<std::int64_t>(static_cast<double>(busy) *
                                                          static_cast<double>(parts[k]->size()) /
                                                          static_cast<double>(total));
-      bool worked = !outs[k].failed && !outs[k].wrong_type && !outs[k].consumer_failed &&
-                    !outs[k].revoked;
+      bool worked =
+          !outs[k].failed && !outs[k].wrong_type && !outs[k].consumer_failed && !outs[k].revoked;
       finish(r, outs[k], ws[at[k]], parts[k]->size(),
              worked ? device_failure : std::optional<std::string>{});
     }

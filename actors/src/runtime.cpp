@@ -24,9 +24,8 @@ void validate(const batching& b) {
   if (b.max_delay.count() < 0) throw invalid_argument("batching::max_delay must not be negative");
   for (auto n : b.preferred_sizes)
     if (n == 0 || n > b.max_items)
-      throw invalid_argument(
-          "batching::preferred_sizes must be between 1 and max_items (" +
-          std::to_string(b.max_items) + ")");
+      throw invalid_argument("batching::preferred_sizes must be between 1 and max_items (" +
+                             std::to_string(b.max_items) + ")");
 }
 
 void validate(const options& o) {

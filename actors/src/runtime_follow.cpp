@@ -1,7 +1,9 @@
 // A runner that follows a live cluster (docs/api.md, "Pools that change"): the cluster's
 // notifier thread tells it each membership change, in order; it starts producers on nodes that
 // join or rejoin, drains those that drain and gives up on those that are lost.
+#include <algorithm>
 #include <caf/send.hpp>
+#include <condition_variable>
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/cluster_state.hpp"
@@ -17,17 +19,45 @@ namespace troupe::detail {
 class runtime_follower final : public cluster_follower {
  public:
   void on_event(const membership_event& e) override {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (!attached_) {
-      pending_.push_back(e);
-      return;
+    runtime* rt = nullptr;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (!attached_) {
+        pending_.push_back(e);
+        return;
+      }
+      if (rt_ == nullptr) return;
+      rt = rt_;
+      busy_ += 1;  // detach() waits for it; needs() does not
     }
-    if (rt_ != nullptr) apply(*rt_, e);
+    struct done_t {
+      runtime_follower* f;
+      ~done_t() {
+        std::lock_guard<std::mutex> guard{f->mtx_};
+        f->busy_ -= 1;
+        f->idle_.notify_all();
+      }
+    } done{this};
+    apply(*rt, e);
   }
 
   [[nodiscard]] bool needs(const std::string& node) const override {
-    std::lock_guard<std::mutex> guard{mtx_};
-    return rt_ != nullptr && rt_->is_open() && rt_->only_on(node);
+    runtime* rt = nullptr;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      rt = rt_;
+      if (rt == nullptr) return false;
+      busy_ += 1;
+    }
+    struct done_t {
+      const runtime_follower* f;
+      ~done_t() {
+        std::lock_guard<std::mutex> guard{f->mtx_};
+        f->busy_ -= 1;
+        f->idle_.notify_all();
+      }
+    } done{this};
+    return rt->is_open() && rt->only_on(node);
   }
 
   void attach(runtime* rt) {
@@ -45,11 +75,13 @@ class runtime_follower final : public cluster_follower {
     pending_.clear();
   }
 
+  /// The runtime goes: no change reaches it afterwards (waits for one being applied).
   void detach() noexcept {
-    std::lock_guard<std::mutex> guard{mtx_};
+    std::unique_lock<std::mutex> lock{mtx_};
     rt_ = nullptr;
     attached_ = true;
     pending_.clear();
+    idle_.wait(lock, [this] { return busy_ == 0; });
   }
 
  private:
@@ -72,6 +104,8 @@ class runtime_follower final : public cluster_follower {
   }
 
   mutable std::mutex mtx_;
+  mutable std::condition_variable idle_;
+  mutable std::size_t busy_ = 0;  ///< changes (and needs()) running in the runtime now
   runtime* rt_ = nullptr;
   bool attached_ = false;
   std::vector<membership_event> pending_;
@@ -88,11 +122,24 @@ void runtime::unfollow() noexcept {
 }
 
 void runtime::join_node(const std::string& node, const std::vector<device>& devices) {
+  std::vector<device> fresh;
   {
     std::lock_guard<std::mutex> member{membership_};
     nodes_.erase(node);  // a restarted node is another process: connect anew
+    // Producers still present there (a drain that this runner could not make): not twice.
+    auto here = present();
+    std::vector<device> there;
+    for (std::size_t i = 0; i < slots_.size() && i < here.size(); ++i)
+      if (here[i] && !slots_[i].is_local() && slots_[i].node() == node) there.push_back(slots_[i]);
+    for (auto& d : devices) {
+      auto i = std::find(there.begin(), there.end(), d);
+      if (i != there.end())
+        there.erase(i);
+      else
+        fresh.push_back(d);
+    }
   }
-  add_devices(devices);
+  add_devices(fresh);
 }
 
 void runtime::leave_node(const std::string& node) {
@@ -107,8 +154,12 @@ void runtime::leave_node(const std::string& node) {
 }
 
 void runtime::fence_node(const std::string& node) {
-  std::lock_guard<std::mutex> guard{mtx_};
-  if (open_ && scheduler_) caf::anon_send(scheduler_, fence_atom::value, node);
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (open_ && scheduler_) caf::anon_send(scheduler_, fence_atom::value, node);
+  }
+  std::lock_guard<std::mutex> member{membership_};
+  nodes_.erase(node);  // never that process again
 }
 
 bool runtime::only_on(const std::string& node) {

@@ -58,7 +58,7 @@ class scheduler_shell final : public scheduler_io {
     for (std::size_t p = 0; p < handles_.size(); ++p) {
       if (!handles_[p] || devices_[p].is_local() || devices_[p].node() != node) continue;
       if (auto* c = core())
-        c->producer_down(p, "its node " + node + " was given up on by its cluster", true);
+        c->producer_down(p, "its node " + node + " was given up on by its cluster", false);
       self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
     }
   }

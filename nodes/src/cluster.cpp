@@ -61,38 +61,41 @@ caf::behavior leaving_listener(caf::event_based_actor* self, std::shared_ptr<lea
 
 }  // namespace
 
-class cluster_state {
+/// The notifier thread (on_change and the followers run there): cluster::add and remove,
+/// which wait for it, are refused on it.
+thread_local bool on_notifier = false;
+
+/// Everything the cluster's threads share: they hold it, so that the last `cluster` copy may
+/// go anywhere, even inside on_change (cluster_state below only stops them).
+class cluster_core {
+  friend class cluster_state;  // runs the loops
+
  public:
-  cluster_state(tls t, cluster_options o, bool watch)
-      : t_(std::move(t)), o_(std::move(o)), core_(o_.lost_after) {
+  cluster_core(tls t, cluster_options o, bool watch)
+      : t_(std::move(t)), o_(std::move(o)), watch_(watch), core_(o_.lost_after) {
     sys_ = &network_system(t_);
-    notifier_ = std::thread{[this] { notify_loop(); }};
-    if (watch) {
-      listener_ = sys_->spawn(leaving_listener, sink_);
-      watcher_ = std::thread{[this] { watch_loop(); }};
-      if (o_.reconnect) reconnector_ = std::thread{[this] { reconnect_loop(); }};
-    }
+    if (watch_) listener_ = sys_->spawn(leaving_listener, sink_);
   }
 
-  ~cluster_state() {
+  ~cluster_core() {
     if (listener_) caf::anon_send_exit(listener_, caf::exit_reason::user_shutdown);
+  }
+
+  [[nodiscard]] bool watching() const { return watch_; }
+  [[nodiscard]] bool reconnecting() const { return watch_ && o_.reconnect; }
+
+  void stop() {
     {
       std::lock_guard<std::mutex> guard{mtx_};
       stopping_ = true;
     }
     cv_.notify_all();
-    for (auto* t : {&watcher_, &reconnector_, &notifier_}) {
-      if (!t->joinable()) continue;
-      if (t->get_id() == std::this_thread::get_id())
-        t->detach();  // the last copy died in on_change: that thread ends by itself
-      else
-        t->join();
-    }
   }
 
   /// cluster::connect and cluster::add: `joining` a member (add: the first error of the
   /// runners that follow is rethrown).
   void join(const std::string& address, bool rethrow) {
+    refuse_on_notifier("cluster::add");
     parse_host_port(address);
     {
       std::lock_guard<std::mutex> guard{mtx_};
@@ -130,8 +133,12 @@ class cluster_state {
     if (rethrow && b->first_error) std::rethrow_exception(b->first_error);
   }
 
+  /// Drains `address` from every follower: decided on the notifier, between the other changes
+  /// (so that no loss or other drain slips between the check and the drain). Rethrows a
+  /// follower's refusal; the member is then up again.
   void remove(const std::string& address) {
-    std::vector<std::shared_ptr<cluster_follower>> fs;
+    refuse_on_notifier("cluster::remove");
+    std::shared_ptr<batch> b;
     {
       std::lock_guard<std::mutex> guard{mtx_};
       auto st = core_.state_of(address);
@@ -139,26 +146,17 @@ class cluster_state {
       if (*st != member::state::up)
         throw invalid_argument("cluster::remove: " + address + " is " + to_string(*st) +
                                ", not up");
-      fs = alive_followers();
-    }
-    for (auto& f : fs)
-      if (f->needs(address))
-        throw invalid_argument("cluster::remove: " + address +
-                               " has the last producers of a runner that follows the cluster: "
-                               "add another node first, or close that runner; nothing was "
-                               "drained");
-    std::shared_ptr<batch> b;
-    {
-      std::lock_guard<std::mutex> guard{mtx_};
-      b = enqueue({core_.begin_drain(address)});  // throws when it is no longer up
-      b->removing = true;
+      b = enqueue({});
+      b->removing = address;
     }
     cv_.notify_all();
     b->done.get_future().wait();
+    if (b->first_error) std::rethrow_exception(b->first_error);
   }
 
   cluster_snapshot follow(const std::shared_ptr<cluster_follower>& f) {
     std::lock_guard<std::mutex> guard{mtx_};
+    prune();
     followers_.push_back(f);
     return {devices_locked(), t_};
   }
@@ -192,7 +190,7 @@ class cluster_state {
     std::vector<std::weak_ptr<cluster_follower>> to;  ///< the followers when it happened
     std::promise<void> done;
     std::exception_ptr first_error;
-    bool removing = false;  ///< cluster::remove's drain (else a node drains on its own word)
+    std::string removing;  ///< cluster::remove of this address (no events yet)
   };
 
   std::vector<device> devices_locked() const {
@@ -202,21 +200,25 @@ class cluster_state {
     return out;
   }
 
-  std::vector<std::shared_ptr<cluster_follower>> alive_followers() {
-    std::vector<std::shared_ptr<cluster_follower>> out;
-    for (auto& w : followers_)
-      if (auto f = w.lock()) out.push_back(std::move(f));
+  void prune() {
     followers_.erase(
         std::remove_if(followers_.begin(), followers_.end(),
                        [](const std::weak_ptr<cluster_follower>& w) { return w.expired(); }),
         followers_.end());
-    return out;
+  }
+
+  static void refuse_on_notifier(const char* what) {
+    if (on_notifier)
+      throw invalid_argument(std::string{what} +
+                             " inside on_change (or a runner's reaction to a change) would wait "
+                             "for itself: call it from another thread");
   }
 
   /// Under mtx_: the events go to the runners that follow now.
   std::shared_ptr<batch> enqueue(std::vector<membership_event> events) {
     auto b = std::make_shared<batch>();
     b->events = std::move(events);
+    prune();
     b->to = followers_;
     queue_.push_back(b);
     return b;
@@ -231,6 +233,10 @@ class cluster_state {
       } catch (const std::exception& x) {
         log(log_level::warn, std::string{"a runner following the cluster could not act on "} +
                                  to_string(e.what) + " of " + e.node + ": " + x.what());
+        if (!b.first_error) b.first_error = std::current_exception();
+      } catch (...) {
+        log(log_level::warn, std::string{"a runner following the cluster could not act on "} +
+                                 to_string(e.what) + " of " + e.node);
         if (!b.first_error) b.first_error = std::current_exception();
       }
     }
@@ -249,6 +255,7 @@ class cluster_state {
   }
 
   void notify_loop() {
+    on_notifier = true;
     for (;;) {
       std::shared_ptr<batch> b;
       {
@@ -258,36 +265,95 @@ class cluster_state {
         b = queue_.front();
         queue_.pop_front();
       }
-      for (auto& e : b->events) {
-        if (e.what == membership_event::draining && !b->removing) {
-          // The node drains itself: it told the coordinators of its producers already.
-          report(e);
-          continue;
-        }
-        if (e.what == membership_event::draining) {
-          report(e);  // when it begins; the runners drain, then it is drained
+      if (!b->removing.empty()) {
+        drain(*b);
+      } else {
+        for (auto& e : b->events) {
+          if (e.what == membership_event::draining) {
+            report(e);  // the node drains itself: it told the coordinators of its producers
+            continue;
+          }
           tell(*b, e);
-          std::optional<membership_event> d;
-          {
-            std::lock_guard<std::mutex> guard{mtx_};
-            d = core_.end_drain(e.node);
-          }
-          if (d) {
-            tell(*b, *d);
-            report(*d);
-          }
-          continue;
+          report(e);
         }
-        tell(*b, e);
-        report(e);
       }
       b->done.set_value();
+    }
+  }
+
+  /// cluster::remove, on the notifier: the member must still be up and no follower may need it
+  /// (else invalid_argument, nothing drained); draining, the followers drain it, drained. A
+  /// follower that fails to drain: the member is up again and the error goes to remove().
+  void drain(batch& b) {
+    auto& address = b.removing;
+    membership_event e;
+    try {
+      {
+        std::lock_guard<std::mutex> guard{mtx_};
+        auto st = core_.state_of(address);
+        if (!st || *st != member::state::up)
+          throw invalid_argument("cluster::remove: " + address + " is " +
+                                 (st ? to_string(*st) : "not a member") + ", not up");
+      }
+      for (auto& w : b.to)
+        if (auto f = w.lock(); f && f->needs(address))
+          throw invalid_argument("cluster::remove: " + address +
+                                 " has the last producers of a runner that follows the cluster: "
+                                 "add another node first, or close that runner; nothing was "
+                                 "drained");
+      std::lock_guard<std::mutex> guard{mtx_};
+      e = core_.begin_drain(address);
+    } catch (...) {
+      b.first_error = std::current_exception();
+      return;
+    }
+    report(e);
+    tell(b, e);
+    std::optional<membership_event> d;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (b.first_error)
+        core_.cancel_drain(address);
+      else
+        d = core_.end_drain(address);
+    }
+    if (d) {
+      tell(b, *d);
+      report(*d);
     }
   }
 
   bool pause(std::chrono::milliseconds d) {
     std::unique_lock<std::mutex> lock{mtx_};
     return !cv_.wait_for(lock, d, [&] { return stopping_; });
+  }
+
+  /// The loops, never ending the process on an exception (logged; the loop goes on).
+  void guarded_watch_loop() {
+    while (!stopping()) {
+      try {
+        watch_loop();
+        return;
+      } catch (const std::exception& e) {
+        log(log_level::error, std::string{"cluster watcher: "} + e.what());
+      } catch (...) {
+        log(log_level::error, "cluster watcher: an unknown exception");
+      }
+      pause(o_.heartbeat);
+    }
+  }
+  void guarded_reconnect_loop() {
+    while (!stopping()) {
+      try {
+        reconnect_loop();
+        return;
+      } catch (const std::exception& e) {
+        log(log_level::error, std::string{"cluster reconnector: "} + e.what());
+      } catch (...) {
+        log(log_level::error, "cluster reconnector: an unknown exception");
+      }
+      pause(o_.reconnect_every);
+    }
   }
 
   void watch_loop() {
@@ -317,26 +383,23 @@ class cluster_state {
               },
               [](const caf::error&) {});  // silent: counted by lost_after
       }
-      std::vector<std::pair<caf::node_id, std::uint64_t>> leaving;
-      {
-        std::lock_guard<std::mutex> guard{sink_->mtx};
-        leaving.swap(sink_->notices);
-      }
       std::shared_ptr<batch> b;
       {
         std::lock_guard<std::mutex> guard{mtx_};
         auto now = clock::now();
-        std::vector<membership_event> events;
+        auto events = take_notices_locked(now);
         auto add = [&](std::vector<membership_event> more) {
           events.insert(events.end(), more.begin(), more.end());
         };
-        for (auto& [where, incarnation] : leaving)
-          for (auto& m : core_.members())
-            if (auto i = handles_.find(m.address); i != handles_.end() && i->second.node() == where)
-              add(core_.answered(m.address, incarnation, m.devices, now, false, true));
-        for (auto& x : answers)
-          add(core_.answered(x.address, x.hello.incarnation, devices_at(x.address, x.hello.devices),
-                             now, false, x.hello.leaving));
+        for (auto& x : answers) {
+          std::vector<device> offered;
+          try {
+            offered = devices_at(x.address, x.hello.devices);
+          } catch (const std::exception&) {
+            continue;  // a device this program does not know: not a sign of life to use
+          }
+          add(core_.answered(x.address, x.hello.incarnation, offered, now, false, x.hello.leaving));
+        }
         add(core_.tick(now));
         if (!events.empty()) b = enqueue(std::move(events));
       }
@@ -369,13 +432,25 @@ class cluster_state {
         } catch (const std::exception&) {
           continue;  // not back yet
         }
+        std::vector<device> devices;
+        try {
+          devices = devices_at(address, offered);
+        } catch (const std::exception& e) {
+          log(log_level::warn, "cluster: " + address +
+                                   " offers a device this program does not "
+                                   "know (" +
+                                   e.what() + "); not used");
+          continue;
+        }
         std::shared_ptr<batch> b;
         {
           std::lock_guard<std::mutex> guard{mtx_};
-          bool fenced = core_.fenced(address, incarnation);
-          auto events = core_.answered(address, incarnation, devices_at(address, offered),
-                                       clock::now(), false, leaving);
-          if (!fenced) {
+          auto now = clock::now();
+          // Notices first: a node that drained itself has left, whatever answers now.
+          auto events = take_notices_locked(now);
+          auto more = core_.answered(address, incarnation, devices, now, false, leaving);
+          events.insert(events.end(), more.begin(), more.end());
+          if (core_.accepts(address, incarnation)) {
             handles_[address] = handle;
             watch(handle);
           }
@@ -384,6 +459,23 @@ class cluster_state {
         if (b) cv_.notify_all();
       }
     }
+  }
+
+  /// Under mtx_: the leaving notices received so far, applied (draining events).
+  std::vector<membership_event> take_notices_locked(clock::time_point now) {
+    std::vector<std::pair<caf::node_id, std::uint64_t>> notices;
+    {
+      std::lock_guard<std::mutex> guard{sink_->mtx};
+      notices.swap(sink_->notices);
+    }
+    std::vector<membership_event> events;
+    for (auto& [where, incarnation] : notices)
+      for (auto& m : core_.members())
+        if (auto i = handles_.find(m.address); i != handles_.end() && i->second.node() == where) {
+          auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
+          events.insert(events.end(), more.begin(), more.end());
+        }
+    return events;
   }
 
   /// Asks the node to tell the listener when it drains itself.
@@ -402,19 +494,49 @@ class cluster_state {
   mutable std::mutex mtx_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  bool watch_ = false;
   membership core_;
   std::map<std::string, caf::actor> handles_;  ///< the members' node actors
   std::vector<std::weak_ptr<cluster_follower>> followers_;
   std::deque<std::shared_ptr<batch>> queue_;
   std::shared_ptr<leaving_sink> sink_ = std::make_shared<leaving_sink>();
   caf::actor listener_;  ///< hears members that drain themselves (watching clusters only)
+};
+
+/// A cluster's shared state: the core, and the threads that hold it. Its end stops them and
+/// waits for them (when it ends on one of them, in on_change, that one finishes by itself).
+class cluster_state {
+ public:
+  cluster_state(tls t, cluster_options o, bool watch)
+      : core(std::make_shared<cluster_core>(std::move(t), std::move(o), watch)) {
+    notifier_ = std::thread{[c = core] { c->notify_loop(); }};
+    if (core->watching()) watcher_ = std::thread{[c = core] { c->guarded_watch_loop(); }};
+    if (core->reconnecting())
+      reconnector_ = std::thread{[c = core] { c->guarded_reconnect_loop(); }};
+  }
+  cluster_state(const cluster_state&) = delete;
+  cluster_state& operator=(const cluster_state&) = delete;
+  ~cluster_state() {
+    core->stop();
+    for (auto* t : {&watcher_, &reconnector_, &notifier_}) {
+      if (!t->joinable()) continue;
+      if (t->get_id() == std::this_thread::get_id())
+        t->detach();  // the last copy ended in on_change: the notifier ends by itself
+      else
+        t->join();
+    }
+  }
+
+  const std::shared_ptr<cluster_core> core;
+
+ private:
   std::thread notifier_, watcher_, reconnector_;
 };
 
 cluster_snapshot follow(const std::shared_ptr<cluster_state>& c,
                         const std::shared_ptr<cluster_follower>& f) {
   if (!c) throw invalid_argument("a runner needs a connected cluster (cluster::connect)");
-  return c->follow(f);
+  return c->core->follow(f);
 }
 
 }  // namespace troupe::detail
@@ -439,7 +561,7 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
   cluster c;
   c.state_ = std::make_shared<detail::cluster_state>(std::move(t), unwatched(deadline), false);
-  for (auto& address : nodes) c.state_->join(address, false);
+  for (auto& address : nodes) c.state_->core->join(address, false);
   return c;
 }
 
@@ -448,39 +570,39 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t, cluster_o
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
   cluster c;
   c.state_ = std::make_shared<detail::cluster_state>(std::move(t), std::move(o), true);
-  for (auto& address : nodes) c.state_->join(address, false);
+  for (auto& address : nodes) c.state_->core->join(address, false);
   return c;
 }
 
 void cluster::add(const std::string& node) {
   if (!state_) throw invalid_argument("cluster::add on a cluster that is not connected");
-  state_->join(node, true);
+  state_->core->join(node, true);
 }
 
 void cluster::remove(const std::string& node) {
   if (!state_) throw invalid_argument("cluster::remove on a cluster that is not connected");
-  state_->remove(node);
+  state_->core->remove(node);
 }
 
 std::vector<device> cluster::devices() const {
-  return state_ ? state_->devices() : std::vector<device>{};
+  return state_ ? state_->core->devices() : std::vector<device>{};
 }
 
 std::vector<std::string> cluster::nodes() const {
-  return state_ ? state_->nodes() : std::vector<std::string>{};
+  return state_ ? state_->core->nodes() : std::vector<std::string>{};
 }
 
 std::vector<member> cluster::members() const {
-  return state_ ? state_->members() : std::vector<member>{};
+  return state_ ? state_->core->members() : std::vector<member>{};
 }
 
 std::size_t cluster::fenced_answers() const {
-  return state_ ? state_->fenced_answers() : 0;
+  return state_ ? state_->core->fenced_answers() : 0;
 }
 
 const tls& cluster::tls_settings() const {
   static const tls none;
-  return state_ ? state_->settings() : none;
+  return state_ ? state_->core->settings() : none;
 }
 
 }  // namespace troupe

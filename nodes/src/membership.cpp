@@ -82,6 +82,7 @@ std::vector<membership_event> membership::answered(const std::string& address,
     case member::state::drained:
       if (leaving) return out;  // not back yet
       if (!joining) {
+        if (removed_.count(address) != 0) return out;
         // Drained on its own word (a rolling restart): its next process rejoins. Removed by
         // cluster::remove: only add() makes it a member again.
         if (self_drained_.count(address) == 0 || incarnation == m->incarnation) return out;
@@ -94,20 +95,27 @@ std::vector<membership_event> membership::answered(const std::string& address,
         return out;
       }
       self_drained_.erase(address);
+      removed_.erase(address);
       m->incarnation = incarnation;
       m->devices = devices;
       m->what = member::state::up;
       seen = now;
       out.push_back(event(membership_event::joined, *m));
       return out;
-    case member::state::lost:
+    case member::state::lost: {
       if (leaving) return out;
+      bool was_removed = removed_.count(address) != 0;
+      if (was_removed) {           // lost while cluster::remove drained it:
+        if (!joining) return out;  // only add() makes it a member again
+        removed_.erase(address);
+      }
       m->incarnation = incarnation;
       m->devices = devices;
       m->what = member::state::up;
       seen = now;
-      out.push_back(event(membership_event::rejoined, *m));
+      out.push_back(event(was_removed ? membership_event::joined : membership_event::rejoined, *m));
       return out;
+    }
     case member::state::up:
     case member::state::draining:
       if (m->incarnation == incarnation) {
@@ -116,6 +124,8 @@ std::vector<membership_event> membership::answered(const std::string& address,
           m->what = member::state::draining;
           self_drained_.insert(address);
           out.push_back(event(membership_event::draining, *m));
+        } else if (leaving) {
+          self_drained_.insert(address);  // removed, and now leaving too: silent is drained
         }
         return out;
       }
@@ -127,6 +137,7 @@ std::vector<membership_event> membership::answered(const std::string& address,
         m->what = member::state::drained;
         out.push_back(event(membership_event::drained, *m));
         self_drained_.erase(address);
+        if (removed_.count(address) != 0) return out;  // only add() brings it back
       } else {
         bool was_draining = m->what == member::state::draining;
         out.push_back(lose(*m));
@@ -166,6 +177,7 @@ membership_event membership::begin_drain(const std::string& address) {
     throw invalid_argument("cluster::remove: " + address + " is " + to_string(m->what) +
                            ", not up");
   m->what = member::state::draining;
+  removed_.insert(address);
   return event(membership_event::draining, *m);
 }
 
@@ -178,7 +190,10 @@ std::optional<membership_event> membership::end_drain(const std::string& address
 
 void membership::cancel_drain(const std::string& address) {
   auto* m = find(address);
-  if (m != nullptr && m->what == member::state::draining) m->what = member::state::up;
+  if (m != nullptr && m->what == member::state::draining) {
+    m->what = member::state::up;
+    removed_.erase(address);
+  }
 }
 
 bool membership::accepts(const std::string& address, std::uint64_t incarnation) const {
@@ -200,8 +215,9 @@ std::optional<member::state> membership::state_of(const std::string& address) co
 std::vector<std::string> membership::lost() const {
   std::vector<std::string> out;
   for (auto& m : members_)
-    if (m.what == member::state::lost ||
-        (m.what == member::state::drained && self_drained_.count(m.address) != 0))
+    if (removed_.count(m.address) == 0 &&
+        (m.what == member::state::lost ||
+         (m.what == member::state::drained && self_drained_.count(m.address) != 0)))
       out.push_back(m.address);
   return out;
 }

@@ -268,6 +268,10 @@ std::size_t node::drain(std::chrono::milliseconds deadline) {
         .receive([&](std::int64_t n) { left = n; },
                  [&](const caf::error&) {});  // stopped meanwhile (a second signal)
   }
+  // The clusters that watch this node were told it leaves (drain_atom): give that notice a
+  // moment on the wire before the connections close, so that a node without producers is not
+  // taken for lost.
+  std::this_thread::sleep_for(std::chrono::milliseconds{100});
   stop();
   return left < 0 ? 0 : static_cast<std::size_t>(left);
 }

@@ -289,9 +289,9 @@ class typed_producer final : public producer_ops {
             std::size_t at = 0;
             for (std::size_t i = 0; i < parts.size(); ++i) {
               auto from = ys.begin() + static_cast<std::ptrdiff_t>(at);
-              std::vector<out> mine(std::make_move_iterator(from),
-                                    std::make_move_iterator(
-                                        from + static_cast<std::ptrdiff_t>(sizes[i])));
+              std::vector<out> mine(
+                  std::make_move_iterator(from),
+                  std::make_move_iterator(from + static_cast<std::ptrdiff_t>(sizes[i])));
               outs[i].outputs = batch::of(std::move(mine));
               at += sizes[i];
             }

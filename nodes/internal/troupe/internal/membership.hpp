@@ -17,6 +17,8 @@
 // - A node that drains itself (node::drain, SIGTERM) answers `leaving`: up -> draining (its
 //   coordinators drain its producers on the node's word, not the cluster's); once it is silent
 //   it is drained, not lost, and a new incarnation at its address rejoins (a rolling restart).
+// - A member drained by remove() never comes back by itself (not even when it was lost while it
+//   drained, or drains itself meanwhile): only add() makes it a member again.
 #pragma once
 
 #include <chrono>
@@ -57,6 +59,10 @@ class membership {
   [[nodiscard]] bool fenced(const std::string& address, std::uint64_t incarnation) const;
   /// The state of the member at `address` (nullopt: never a member).
   [[nodiscard]] std::optional<member::state> state_of(const std::string& address) const;
+  /// Whether the member at `address` was drained (or is draining) by cluster::remove.
+  [[nodiscard]] bool removed(const std::string& address) const {
+    return removed_.count(address) != 0;
+  }
   /// Whether the member at `address` drains (or drained) on its own word (node::drain).
   [[nodiscard]] bool leaves_by_itself(const std::string& address) const {
     return self_drained_.count(address) != 0;
@@ -83,6 +89,7 @@ class membership {
   std::set<std::pair<std::string, std::uint64_t>> fenced_;  ///< incarnations given up on
   std::size_t fenced_answers_ = 0;
   std::set<std::string> self_drained_;  ///< draining or drained on their own word
+  std::set<std::string> removed_;       ///< drained by cluster::remove: only add() brings back
 };
 
 }  // namespace troupe::detail
