@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The HTTP inference server (examples/serve.cpp) as a client sees it: a prediction; 400 for a bad
+# body; 404 elsewhere; 504 for a request whose X-Deadline-Ms passes while it waits behind a slow
+# batch; 503 when more requests wait than --max-queued; SIGTERM stops it with exit 0.
+set -euo pipefail
+bin=$1
+dir=$(mktemp -d)
+pid=
+cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true; rm -rf "$dir"; }
+trap cleanup EXIT
+# One producer whose every call takes 300 ms: requests queue behind it.
+"$bin" --listen 127.0.0.1:0 --devices cpu --call-us 300000 --max-batch 4 --max-delay-us 0 \
+  --max-queued 4 2> "$dir/err" > "$dir/out" &
+pid=$!
+for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
+port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
+[ -n "$port" ] || { cat "$dir/err"; exit 1; }
+python3 - "$port" <<'PY'
+import http.client, sys, threading
+port = int(sys.argv[1])
+def call(path, body=None, headers=None, method="POST"):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request(method, path, body=body, headers=headers or {})
+    r = c.getresponse()
+    return r.status, r.read().decode()
+x = ",".join(str(i / 10) for i in range(16))
+status, body = call("/predict", x)
+assert status == 200 and '"class": ' in body, (status, body)
+print("predict:", body.strip())
+assert call("/predict", "1,2,3")[0] == 400
+assert call("/nothing", method="GET")[0] == 404
+assert call("/health", method="GET")[0] == 200
+# A slow batch runs (300 ms); a request with a 20 ms deadline queued behind it: 504, and it
+# comes back before the batch has ended (the first request's answer is not there yet).
+order = []
+def slow():
+    s, _ = call("/predict", x)
+    order.append(("slow", s))
+t = threading.Thread(target=slow)
+t.start()
+import time
+time.sleep(0.05)
+s, _ = call("/predict", x, {"X-Deadline-Ms": "20"})
+order.append(("deadline", s))
+t.join()
+assert order[0] == ("deadline", 504), order
+assert order[1] == ("slow", 200), order
+print("deadline: 504 before the running batch ended")
+# Flood: more waiting requests than --max-queued (4): some are refused with 503 at once.
+codes = []
+lock = threading.Lock()
+def one():
+    s, _ = call("/predict", x)
+    with lock:
+        codes.append(s)
+ts = [threading.Thread(target=one) for _ in range(24)]
+for t in ts: t.start()
+for t in ts: t.join()
+assert 503 in codes and 200 in codes, codes
+assert set(codes) <= {200, 503}, codes
+print("flood:", codes.count(200), "served,", codes.count(503), "refused with 503")
+PY
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+pid=
+[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
+grep -q "result: " "$dir/out"
+echo "serve: predict, 400, 404, 504 before the batch, 503 under a flood, SIGTERM exit 0: ok"
