@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <troupe/detail/cluster_state.hpp>
 #include <troupe/node.hpp>
 
 #include "node_process.hpp"
@@ -183,6 +184,11 @@ TEST(Cluster, ANodeAddedMidJobTakesItemsInThatJob) {
   }
   EXPECT_NE(ms[0].incarnation, ms[1].incarnation);
   EXPECT_THROW(c.add(b.address()), troupe::invalid_argument);  // a member already
+  // Observers see the members (troupe::metrics reads these).
+  bool seen = false;
+  for (auto& v : troupe::detail::cluster_views())
+    if (v.members.size() == 2 && v.members[1].address == b.address()) seen = true;
+  EXPECT_TRUE(seen);
 }
 
 TEST(Cluster, ANodeRemovedMidJobDrainsAndGetsNothingAfterwards) {

@@ -77,6 +77,12 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   EXPECT_EQ(series_of(after), series_of(text)) << "a label took a job";
   EXPECT_EQ(sample(after, "troupe_jobs_submitted_total" + r), 501);
   EXPECT_EQ(sample(after, "troupe_items_consumed_total" + r), 2500);
+  // Histograms: one job-time observation per job ended, one chunk-time observation per chunk.
+  EXPECT_EQ(sample(after, "troupe_job_seconds_count" + r), 501);
+  EXPECT_EQ(sample(after, "troupe_job_seconds_bucket{runner=\"" + id + "\",le=\"+Inf\"}"), 501);
+  EXPECT_GE(sample(after, "troupe_chunk_seconds_count" + r), 501);
+  EXPECT_GT(sample(after, "troupe_last_item_timestamp_seconds" + r), 1.7e9);  // a unix time
+  EXPECT_EQ(sample(after, "troupe_late_answers_total" + r), 0);
   // Every name: troupe_ or process_, and counters end in _total.
   for (auto& s : series_of(after)) {
     auto name = s.substr(0, s.find('{'));

@@ -43,6 +43,12 @@ runner_snapshot runtime::snapshot() const {
   s.devices = devices();
   s.stats = stats();
   s.queued_items = stats_->queued.load();
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    s.chunk_seconds = stats_->chunk_seconds;
+    s.job_seconds = stats_->job_seconds;
+    s.last_item_unix_seconds = stats_->last_item_unix_seconds;
+  }
   std::lock_guard<std::mutex> guard{mtx_};
   s.open = open_;
   s.jobs_submitted = next_job_ - 1;

@@ -56,6 +56,7 @@ void scheduler::conclude(job_state& j) {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->value.items += j.sent_to_consumer - j.consumed;
     stats_->value.runs += 1;
+    stats_->job_seconds.observe(std::chrono::duration<double>(clock_now() - j.started).count());
   }
   auto consumed = j.consumed;
   j.consumed = j.sent_to_consumer;
@@ -128,7 +129,10 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
   j->source.reset();  // the caller's range must not be touched once the job has ended
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
-    if (!j->concluded) stats_->value.runs += 1;
+    if (!j->concluded) {
+      stats_->value.runs += 1;
+      stats_->job_seconds.observe(std::chrono::duration<double>(clock_now() - j->started).count());
+    }
     if (e) stats_->value.failed_runs += 1;
   }
   if (!j->concluded || e) publish_report(*j);

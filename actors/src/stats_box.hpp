@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "troupe/detail/introspect.hpp"
 #include "troupe/options.hpp"
 
 namespace troupe::detail {
@@ -16,6 +17,11 @@ struct stats_box {
   /// Items of running jobs (of known size) not yet pulled for a producer: what
   /// options::max_queued_items bounds. submit() adds, the scheduler takes away.
   std::atomic<std::uint64_t> queued{0};
+  // For observers (under mtx, touched by the scheduler once per chunk and per job):
+  seconds_histogram chunk_seconds{
+      {0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30}};
+  seconds_histogram job_seconds{{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 60, 300, 3600}};
+  double last_item_unix_seconds = 0;
 };
 
 }  // namespace troupe::detail

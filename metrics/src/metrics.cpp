@@ -16,10 +16,12 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <sstream>
 #include <thread>
 #include <vector>
 
+#include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/introspect.hpp"
 #include "troupe/detail/json.hpp"
 #include "troupe/error.hpp"
@@ -48,6 +50,22 @@ void add(MetricFamily& f, labels l, double v) {
     m.counter.value = v;
   else
     m.gauge.value = v;
+  f.metric.push_back(std::move(m));
+}
+
+void add_histogram(MetricFamily& f, labels l, const detail::seconds_histogram& h) {
+  ClientMetric m;
+  m.label = std::move(l);
+  m.histogram.sample_count = h.count;
+  m.histogram.sample_sum = h.sum;
+  std::uint64_t cumulative = 0;
+  for (std::size_t i = 0; i < h.counts.size(); ++i) {
+    cumulative += h.counts[i];
+    ClientMetric::Bucket b;
+    b.cumulative_count = cumulative;
+    b.upper_bound = i < h.bounds.size() ? h.bounds[i] : std::numeric_limits<double>::infinity();
+    m.histogram.bucket.push_back(b);
+  }
   f.metric.push_back(std::move(m));
 }
 
@@ -138,6 +156,19 @@ std::vector<MetricFamily> collect() {
   auto p_up =
       family("troupe_producer_up", "1 while a producer takes work, else 0.", MetricType::Gauge);
   auto by_state = family("troupe_producers", "Producer slots by state.", MetricType::Gauge);
+  auto chunk_time = family("troupe_chunk_seconds",
+                           "Time a producer spent on one chunk (one observation per chunk).",
+                           MetricType::Histogram);
+  auto job_time = family("troupe_job_seconds",
+                         "Time from submit() to a job's end (one observation per job ended).",
+                         MetricType::Histogram);
+  auto last_item = family("troupe_last_item_timestamp_seconds",
+                          "When a producer last answered a chunk with outputs (unix time; 0: "
+                          "never): a stall shows as its age.",
+                          MetricType::Gauge);
+  auto late = family("troupe_late_answers_total",
+                     "Answers dropped because their producer had been given up on (fenced).",
+                     MetricType::Counter);
   double open_count = 0;
   for (auto& r : runners) {
     open_count += r.open ? 1 : 0;
@@ -154,6 +185,10 @@ std::vector<MetricFamily> collect() {
     add(queued, rl, static_cast<double>(r.queued_items));
     add(duplicated, rl, static_cast<double>(s.duplicated_items));
     add(splits, rl, static_cast<double>(s.split_calls));
+    add(late, rl, static_cast<double>(s.late_answers));
+    add_histogram(chunk_time, rl, r.chunk_seconds);
+    add_histogram(job_time, rl, r.job_seconds);
+    add(last_item, rl, r.last_item_unix_seconds);
     double up = 0, lost = 0, quarantined = 0, removed = 0;
     for (auto& p : s.producers) {
       labels pl{{"device", p.where.str()}, {"producer", std::to_string(p.index)}, {"runner", id}};
@@ -176,8 +211,24 @@ std::vector<MetricFamily> collect() {
     add(by_state, {{"runner", id}, {"state", "removed"}}, removed);
   }
   add(open, {}, open_count);
-  for (auto* f : {&build, &open, &submitted, &completed, &running, &items, &queued, &duplicated,
-                  &splits, &p_items, &p_busy, &p_restarts, &p_up, &by_state})
+  auto members = family("troupe_cluster_members",
+                        "Nodes a live cluster of this process knows, by state.", MetricType::Gauge);
+  auto fenced =
+      family("troupe_cluster_fenced_answers_total",
+             "Answers of node processes a cluster had given up on, dropped.", MetricType::Counter);
+  for (auto& c : detail::cluster_views()) {
+    auto id = std::to_string(c.id);
+    for (auto st : {member::state::up, member::state::draining, member::state::drained,
+                    member::state::lost}) {
+      double n = 0;
+      for (auto& m : c.members) n += m.what == st ? 1 : 0;
+      add(members, {{"cluster", id}, {"state", to_string(st)}}, n);
+    }
+    add(fenced, {{"cluster", id}}, static_cast<double>(c.fenced_answers));
+  }
+  for (auto* f : {&build,      &open,       &submitted, &completed, &running, &items,      &queued,
+                  &duplicated, &splits,     &late,      &p_items,   &p_busy,  &p_restarts, &p_up,
+                  &by_state,   &chunk_time, &job_time,  &last_item, &members, &fenced})
     out.push_back(std::move(*f));
   process_metrics(out);
   return out;
@@ -238,6 +289,12 @@ async function tick(){
     }
     html += "</table>";
   }
+  for (const c of (s.clusters || [])){
+    html += `<h2>cluster ${c.id}</h2><table><tr><th>node</th><th>state</th><th>incarnation</th><th>devices</th></tr>`;
+    for (const m of c.members)
+      html += `<tr class="${m.state==="up"?"":m.state==="lost"?"down":"removed"}"><td>${esc(m.address)}</td><td>${esc(m.state)}</td><td>${esc(m.incarnation)}</td><td>${m.devices}</td></tr>`;
+    html += "</table>";
+  }
   document.getElementById("runners").innerHTML = html || "<p>no runner in this process</p>";
   document.getElementById("when").textContent = "updated " + new Date().toLocaleTimeString();
   last = s;
@@ -273,6 +330,22 @@ std::string status_json() {
         << ",\"quarantined\":" << (p.quarantined ? "true" : "false")
         << ",\"restarts\":" << p.restarts << "}";
       first_p = false;
+    }
+    o << "]}";
+  }
+  o << "],\"clusters\":[";
+  first = true;
+  for (auto& c : detail::cluster_views()) {
+    o << (first ? "" : ",") << "{\"id\":" << c.id << ",\"fenced_answers\":" << c.fenced_answers
+      << ",\"members\":[";
+    first = false;
+    bool first_m = true;
+    for (auto& m : c.members) {
+      o << (first_m ? "" : ",") << "{\"address\":" << detail::json_quote(m.address)
+        << ",\"incarnation\":" << detail::json_quote(std::to_string(m.incarnation))
+        << ",\"state\":" << detail::json_quote(to_string(m.what))
+        << ",\"devices\":" << m.devices.size() << "}";
+      first_m = false;
     }
     o << "]}";
   }

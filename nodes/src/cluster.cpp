@@ -503,12 +503,32 @@ class cluster_core {
   caf::actor listener_;  ///< hears members that drain themselves (watching clusters only)
 };
 
+/// The clusters alive in this process, for observers (cluster_views).
+struct cluster_registry {
+  std::mutex mtx;
+  std::uint64_t next_id = 1;
+  std::vector<std::pair<std::uint64_t, std::weak_ptr<cluster_core>>> live;
+};
+
+cluster_registry& registry() {
+  static cluster_registry r;
+  return r;
+}
+
 /// A cluster's shared state: the core, and the threads that hold it. Its end stops them and
 /// waits for them (when it ends on one of them, in on_change, that one finishes by itself).
 class cluster_state {
  public:
   cluster_state(tls t, cluster_options o, bool watch)
       : core(std::make_shared<cluster_core>(std::move(t), std::move(o), watch)) {
+    {
+      auto& r = registry();
+      std::lock_guard<std::mutex> guard{r.mtx};
+      r.live.erase(std::remove_if(r.live.begin(), r.live.end(),
+                                  [](const auto& x) { return x.second.expired(); }),
+                   r.live.end());
+      r.live.emplace_back(r.next_id++, core);
+    }
     notifier_ = std::thread{[c = core] { c->notify_loop(); }};
     if (core->watching()) watcher_ = std::thread{[c = core] { c->guarded_watch_loop(); }};
     if (core->reconnecting())
@@ -532,6 +552,19 @@ class cluster_state {
  private:
   std::thread notifier_, watcher_, reconnector_;
 };
+
+std::vector<cluster_view> cluster_views() {
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<cluster_core>>> live;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> guard{r.mtx};
+    for (auto& [id, w] : r.live)
+      if (auto c = w.lock()) live.emplace_back(id, std::move(c));
+  }
+  std::vector<cluster_view> out;
+  for (auto& [id, c] : live) out.push_back(cluster_view{id, c->members(), c->fenced_answers()});
+  return out;
+}
 
 cluster_snapshot follow(const std::shared_ptr<cluster_state>& c,
                         const std::shared_ptr<cluster_follower>& f) {

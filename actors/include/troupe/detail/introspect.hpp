@@ -11,6 +11,24 @@
 
 namespace troupe::detail {
 
+/// A histogram of seconds with fixed bucket bounds (Prometheus' le, upper bounds inclusive).
+struct seconds_histogram {
+  std::vector<double> bounds;         ///< ascending upper bounds; +Inf is implicit
+  std::vector<std::uint64_t> counts;  ///< per bucket (bounds.size() + 1, the last for +Inf)
+  double sum = 0;
+  std::uint64_t count = 0;
+
+  explicit seconds_histogram(std::vector<double> b = {})
+      : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double seconds) {
+    std::size_t i = 0;
+    while (i < bounds.size() && seconds > bounds[i]) ++i;
+    counts[i] += 1;
+    sum += seconds;
+    count += 1;
+  }
+};
+
 struct runner_snapshot {
   std::uint64_t id = 0;  ///< the runner's number in this process (1, 2, ...), never reused
   bool open = false;
@@ -20,6 +38,12 @@ struct runner_snapshot {
   std::uint64_t jobs_submitted = 0;
   /// Items of running jobs (of known size) not yet handed to a producer.
   std::uint64_t queued_items = 0;
+  /// Time producers spent on each chunk (one observation per chunk answered).
+  seconds_histogram chunk_seconds;
+  /// Time from submit() to the job's end (one observation per job ended).
+  seconds_histogram job_seconds;
+  /// When the last output was worked (unix seconds; 0: none yet): stalls show as its age.
+  double last_item_unix_seconds = 0;
 };
 
 /// Every runner alive in this process, oldest first.

@@ -2,6 +2,7 @@
 // implement (actors/src/runtime_follow.cpp). Not included by <troupe/troupe.hpp>.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,15 @@ struct cluster_snapshot {
   std::vector<device> devices;
   tls settings;
 };
+
+/// What an observer (troupe::metrics_text, the status page) reads of a live cluster.
+struct cluster_view {
+  std::uint64_t id = 0;  ///< its number in this process (1, 2, ...), never reused
+  std::vector<member> members;
+  std::size_t fenced_answers = 0;
+};
+/// Every cluster alive in this process, oldest first.
+std::vector<cluster_view> cluster_views();
 
 /// Registers `f` and returns the devices it starts with (see cluster_snapshot).
 cluster_snapshot follow(const std::shared_ptr<cluster_state>& c,
