@@ -15,6 +15,10 @@ import threading
 from typing import List
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Keep every Ray process on loopback: Ray otherwise picks the node's outward address for its own
+# gRPC traffic even for a one-machine instance (on Linux it ignores _node_ip_address="127.0.0.1"
+# and resolves it back). With "clusters" off it uses 127.0.0.1, as it does on macOS.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import numpy as np
 from ray import serve
@@ -84,7 +88,6 @@ def main():
     ray.init(
         num_cpus=args.num_cpus,
         include_dashboard=False,
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
     )
     serve.start(http_options={"host": args.host, "port": args.port})

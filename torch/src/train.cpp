@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "ring_plane.hpp"
+#include "train_core.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
@@ -87,59 +88,36 @@ typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
 [[maybe_unused]] const bool train_msg_registered =
     (register_batch_type<train_msg>("troupe.train_msg"), true);
 
-// -- the fixed summation tree over shard indices ------------------------------------------------
-// Node (l, i) covers shards [i << l, (i + 1) << l) clipped to [0, S). Its value is its left
-// child's plus its right child's, or its left child's alone when the right one covers nothing.
-// Every node's value is thus one fixed expression of the leaves, whoever computes it.
+// -- the fixed summation tree over shard indices (train_core.hpp), on tensors --------------------
 
-int tree_top(std::uint64_t shards) {
-  int top = 0;
-  while ((std::uint64_t{1} << top) < shards) ++top;
-  return top;
-}
+using train_core::node_key;
+using train_core::tree_top;
 
-std::uint64_t node_begin(int l, std::uint64_t i) {
-  return i << l;
-}
-std::uint64_t node_end(int l, std::uint64_t i, std::uint64_t shards) {
-  return std::min(shards, (i + 1) << l);
-}
-
-template <class Leaf>
-at::Tensor tree_value(int l, std::uint64_t i, std::uint64_t shards, Leaf& leaf) {
-  if (l == 0) return leaf(i);
-  auto left = tree_value(l - 1, 2 * i, shards, leaf);
-  if (node_begin(l - 1, 2 * i + 1) >= shards) return left;
-  auto right = tree_value(l - 1, 2 * i + 1, shards, leaf);
-  return left.add_(right);
+/// Adds y into x (x is the caller's to reuse).
+at::Tensor add_into(at::Tensor x, at::Tensor y) {
+  return x.add_(y);
 }
 
 /// The largest tree nodes inside [a, b), computed in shard order, for the coordinator.
 template <class Leaf>
-void tree_blocks(int l, std::uint64_t i, std::uint64_t a, std::uint64_t b, std::uint64_t shards,
-                 Leaf& leaf, train_msg& out) {
-  auto lo = node_begin(l, i), hi = node_end(l, i, shards);
-  if (hi <= a || lo >= b || lo >= hi) return;
-  if (a <= lo && hi <= b) {
-    out.tensors.push_back(tree_value(l, i, shards, leaf).cpu());
+void tree_blocks(std::uint64_t a, std::uint64_t b, std::uint64_t shards, Leaf& leaf,
+                 train_msg& out) {
+  auto add = &add_into;
+  for (auto [l, i] : train_core::tree_blocks(a, b, shards)) {
+    out.tensors.push_back(train_core::tree_value<at::Tensor>(l, i, shards, leaf, add).cpu());
     out.nodes.push_back(static_cast<std::uint64_t>(l));
     out.nodes.push_back(i);
-    return;
   }
-  tree_blocks(l - 1, 2 * i, a, b, shards, leaf, out);
-  tree_blocks(l - 1, 2 * i + 1, a, b, shards, leaf, out);
 }
-
-using node_key = std::pair<int, std::uint64_t>;
 
 at::Tensor tree_combine(int l, std::uint64_t i, std::uint64_t shards,
                         std::map<node_key, at::Tensor>& have) {
-  if (auto it = have.find({l, i}); it != have.end()) return it->second;
-  if (l == 0) throw protocol_error("shard " + std::to_string(i) + "'s gradient is missing");
-  auto left = tree_combine(l - 1, 2 * i, shards, have);
-  if (node_begin(l - 1, 2 * i + 1) >= shards) return left;
-  auto right = tree_combine(l - 1, 2 * i + 1, shards, have);
-  return left.add_(right);
+  auto add = &add_into;
+  try {
+    return train_core::tree_combine<at::Tensor>(l, i, shards, have, add);
+  } catch (const train_core::missing_shard& e) {
+    throw protocol_error(e.what());
+  }
 }
 
 // -- the replica actor --------------------------------------------------------------------------
@@ -328,8 +306,7 @@ struct replica_state {
     }
     if (mode == reduction::deterministic) {
       auto leaf = [&](std::uint64_t s) { return shard_grad(m, s, out.losses[s - m.first_shard]); };
-      tree_blocks(tree_top(m.total_shards), 0, m.first_shard, m.end_shard, m.total_shards, leaf,
-                  out);
+      tree_blocks(m.first_shard, m.end_shard, m.total_shards, leaf, out);
     } else {
       // Into buffers of this replica's own: the coordinator reads the sum (and may add the
       // others' into it) before it sends this step's update, and this replica writes them again
@@ -1217,33 +1194,13 @@ struct trainer::impl {
   /// When there are at least as many shards as replicas, each gets one before the rest is
   /// split: a replica measured slow once (a hiccup) would otherwise get none, and so never be
   /// measured again.
+  /// Shards [a, b) among `who` by their measured speed (train_core::split).
   std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> split(
       std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even) {
-    std::vector<double> w;
-    double known = 0;
-    std::size_t n_known = 0;
-    for (auto i : who)
-      if (members[i].rate > 0) known += members[i].rate, ++n_known;
-    double fallback = n_known ? known / static_cast<double>(n_known) : 1.0;
-    double total = 0;
-    for (auto i : who) {
-      w.push_back(even || members[i].rate <= 0 ? (even ? 1.0 : fallback) : members[i].rate);
-      total += w.back();
-    }
+    std::vector<double> rates;
+    for (auto i : who) rates.push_back(members[i].rate);
     std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> out;
-    const std::uint64_t each = b - a >= who.size() ? 1 : 0;
-    const auto rest = static_cast<double>(b - a - each * who.size());
-    double cum = 0;
-    auto lo = a;
-    for (std::size_t k = 0; k < who.size(); ++k) {
-      cum += w[k];
-      auto hi = k + 1 == who.size()
-                    ? b
-                    : a + each * (k + 1) + static_cast<std::uint64_t>(rest * cum / total + 0.5);
-      hi = std::clamp(hi, lo, b);
-      if (hi > lo) out.push_back({who[k], {lo, hi}});
-      lo = hi;
-    }
+    for (auto& x : train_core::split(a, b, who, rates, even)) out.push_back({x.who, {x.a, x.b}});
     return out;
   }
 
