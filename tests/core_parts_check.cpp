@@ -1,11 +1,16 @@
 // The scheduler's parts (fair share, the producer model, the reorder window and in-flight table,
-// the statistics) compile on their own, with a payload of the test's choosing, and include no
-// CAF header: tests/core_parts_no_caf.sh compiles this file and fails if one is reached.
+// the statistics) and the training coordinator's (train_core.hpp: the summation tree, the shard
+// planner) and the membership of a live cluster (membership.hpp) compile on their own, with a
+// payload of the test's choosing, and include no CAF header: tests/core_parts_no_caf.sh compiles
+// this file and fails if one is reached.
 #include "fair_share.hpp"
 #include "producer_model.hpp"
 #include "scheduler_parts.hpp"
 #include "stats_box.hpp"
 #include "trace.hpp"
+// The training coordinator's pure parts, and a live cluster's membership, too.
+#include "../torch/src/train_core.hpp"
+#include "troupe/internal/membership.hpp"
 
 namespace {
 struct payload {
