@@ -42,6 +42,7 @@
 #include "test_util.hpp"
 
 TROUPE_REGISTER_JOB(remote_squares);
+TROUPE_REGISTER_JOB(remote_batch_squares);
 TROUPE_REGISTER_JOB(remote_blobs);
 TROUPE_REGISTER_JOB(remote_index);
 #ifdef TROUPE_WITH_TORCH
@@ -1202,4 +1203,26 @@ TEST(NodesTls, RefusalsSayWhy) {
   auto intruder = coordinate(a.address(), tls_flags(tls_of("intruder")));
   EXPECT_NE(intruder.find("(TLS: "), std::string::npos) << intruder;
   EXPECT_NE(intruder.find("certificate"), std::string::npos) << intruder;
+}
+
+TEST(Nodes, BatchProducersOnANodeWithBatchingGiveTheLocalResult) {
+  // Dynamic batching shares calls across jobs on local producers; a node's producers get
+  // chunks as without it: the same results, for many small jobs at once and one large one.
+  node_process a{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  auto devices = c.devices();
+  devices.push_back("cpu");
+  troupe::options opts;
+  opts.batching.max_items = 8;
+  opts.batching.max_delay = std::chrono::microseconds{500};
+  troupe::unordered_runner<remote_batch_squares> runner{devices, {}, opts};
+  std::vector<troupe::job_handle<std::int64_t>> jobs;
+  for (std::int64_t i = 0; i < 200; ++i)
+    jobs.push_back(runner.submit(std::vector<std::int64_t>{i}));
+  for (std::int64_t i = 0; i < 200; ++i) EXPECT_EQ(jobs[static_cast<std::size_t>(i)].get(), i * i);
+  EXPECT_EQ(runner.run(iota(5000)), sum_of_squares(5000));
+  std::uint64_t remote = 0;
+  for (auto& p : runner.stats().producers)
+    if (!p.where.is_local()) remote += p.items;
+  EXPECT_GT(remote, 0u) << "the node took no item";
 }

@@ -36,6 +36,18 @@ struct remote_squares {
   };
 };
 
+/// A batch producer (work(span)): the same squares, one call per chunk.
+struct remote_batch_squares {
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      std::vector<std::int64_t> ys;
+      for (auto x : xs) ys.push_back(x * x);
+      return ys;
+    }
+  };
+  using consumer = remote_squares::consumer;
+};
+
 /// Large items (megabytes each): they cross the network as bulk fragments, both ways.
 struct remote_blobs {
   struct producer {

@@ -581,3 +581,32 @@ TEST(Simulation, ALivelockedSimulationNeverTouchesARangeFreedBeforeIt) {
 }
 
 }  // namespace
+
+namespace {
+struct sim_batch_squares {
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      std::vector<std::int64_t> ys;
+      for (auto x : xs) ys.push_back(x * x);
+      return ys;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+}  // namespace
+
+TEST(Simulation, BatchProducersWithBatchingGiveTheLocalResult) {
+  simulation sim{11};
+  four_nodes(sim);
+  troupe::options opts;
+  opts.batching.max_items = 8;
+  opts.batching.max_delay = std::chrono::microseconds{200};
+  auto r = sim.unordered_runner<sim_batch_squares>(sim.devices(), {}, opts);
+  EXPECT_EQ(r.run(iota(3000)), sum_of_squares(3000));
+  troupe::unordered_runner<sim_batch_squares> local{2, {}, opts};
+  EXPECT_EQ(local.run(iota(3000)), sum_of_squares(3000));
+}
