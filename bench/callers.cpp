@@ -95,22 +95,28 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-slow", skip_slow, "leave out parts 3 and 4");
   CLI11_PARSE(app, argc, argv);
 
-  {  // 1. 1-item round trips
-    troupe::unordered_runner<squares> runner{2};
-    for (int i = 0; i < 200; ++i) runner.run({std::int64_t{i}});  // warm up
-    std::vector<double> us;
-    auto t0 = clock_type::now();
-    for (int i = 0; i < round_trips; ++i) {
-      auto t = clock_type::now();
-      runner.run({std::int64_t{i}});
-      us.push_back(ms_since(t) * 1000);
+  // 1. 1-item round trips, without and with dynamic batching (max_delay 0: what the batcher
+  // adds to a lone request), in turn.
+  for (int round = 0; round < 2; ++round)
+    for (bool batched : {false, true}) {
+      troupe::options o;
+      if (batched) o.batching.max_items = 8;  // max_delay 0
+      troupe::unordered_runner<squares> runner{2, {}, o};
+      for (int i = 0; i < 200; ++i) runner.run({std::int64_t{i}});  // warm up
+      std::vector<double> us;
+      auto t0 = clock_type::now();
+      for (int i = 0; i < round_trips; ++i) {
+        auto t = clock_type::now();
+        runner.run({std::int64_t{i}});
+        us.push_back(ms_since(t) * 1000);
+      }
+      auto total = ms_since(t0);
+      std::cout << "1-item run() on an idle runner (2 CPU producers"
+                << (batched ? ", batching max_items 8, max_delay 0" : "") << "), " << round_trips
+                << " calls: p50 " << percentile(us, 0.5) << " us, p90 " << percentile(us, 0.9)
+                << " us, p99 " << percentile(us, 0.99) << " us; " << round_trips / total * 1000
+                << " calls/s\n";
     }
-    auto total = ms_since(t0);
-    std::cout << "1-item run() on an idle runner (2 CPU producers), " << round_trips
-              << " calls: p50 " << percentile(us, 0.5) << " us, p90 " << percentile(us, 0.9)
-              << " us, p99 " << percentile(us, 0.99) << " us; " << round_trips / total * 1000
-              << " calls/s\n";
-  }
 
   {  // 2. many live jobs
     troupe::unordered_runner<squares> runner{2};

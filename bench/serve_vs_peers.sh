@@ -143,7 +143,7 @@ run_troupe() {  # NAME MAX_BATCH PORT
   local name=$1 port=$3
   echo "== $name" >&2
   "$TROUPE_SERVE" --listen "127.0.0.1:$port" --devices cpu --max-batch "$2" --max-delay-us 2000 \
-    --call-us 2000 --item-us 100 2>"$TMP/serve.err" &
+    --call-us 2000 --item-us 100 >"$TMP/serve.err" 2>&1 &
   SPID=$!; STOP_CMD="kill -TERM $SPID"
   if wait_answer "http://127.0.0.1:$port/predict" "$TMP/body.txt" text/plain '"class"'; then
     measure "$name" "http://127.0.0.1:$port/predict" "$PEERS/post.lua" "$TMP/body.txt" text/plain
