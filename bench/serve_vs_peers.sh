@@ -86,11 +86,35 @@ busy_cpu() {
   awk -v t="$(getconf CLK_TCK)" '/^cpu /{print ($2+$3+$4+$7+$8+$9)/t; exit}' /proc/stat
 }
 
+alive() {  # PID: running, not a zombie
+  local st; st=$(awk '{sub(/.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$st" ] && [ "$st" != Z ]
+}
+
+# PID and all its descendants.
+tree_pids() {
+  local todo=("$1") p
+  while [ ${#todo[@]} -gt 0 ]; do
+    p=${todo[0]}; todo=("${todo[@]:1}")
+    echo "$p"
+    # shellcheck disable=SC2207
+    todo+=($(ps -o pid= --ppid "$p"))
+  done
+}
+
+# Stops the server, then waits for every process of its tree (tritonserver outlives PyTriton's
+# Python side by up to its 30 s exit timeout); what is left after 45 s gets SIGKILL, by PID.
 stop_server() {
   if [ -n "$SPID" ]; then
+    local tree; tree=$(tree_pids "$SPID")
     eval "$STOP_CMD" >/dev/null 2>&1 || true
-    for _ in $(seq 120); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.5; done
-    kill -0 "$SPID" 2>/dev/null && kill -KILL "$SPID" 2>/dev/null
+    for _ in $(seq 90); do
+      local left=""
+      for p in $tree; do alive "$p" && left="$left $p"; done
+      [ -z "$left" ] && break
+      sleep 0.5
+    done
+    for p in $tree; do alive "$p" && kill -KILL "$p" 2>/dev/null; done
     wait "$SPID" 2>/dev/null
   fi
   SPID=""

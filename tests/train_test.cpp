@@ -1,15 +1,22 @@
 // troupe::data_parallel (docs/api.md, "Training"): identical replicas, equality with a plain
 // LibTorch loop, deterministic results whatever the replicas, failures (a throwing backward, a
 // node SIGKILLed mid-step, a frozen node), local steps + averaging, save/load, added devices.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <troupe/node.hpp>
@@ -104,6 +111,9 @@ at::Tensor trained(const std::vector<troupe::device>& devices,
 class node_process : public test_util::node_process {
  public:
   node_process() : test_util::node_process(TROUPE_TRAIN_EXAMPLE, "cpu") {}
+  /// On `serve` ("127.0.0.1:PORT"): a node that comes back on its address.
+  explicit node_process(const std::string& serve)
+      : test_util::node_process(TROUPE_TRAIN_EXAMPLE, "cpu", {}, serve) {}
   std::string device() const { return address() + "/cpu"; }
 };
 
@@ -847,4 +857,77 @@ TEST(Train, ReplicasOnGpusStayIdenticalAndMatchTheCpuLoop) {
     // GPU kernels sum in another order than the CPU's: close, not equal.
     EXPECT_LT(relative_difference(flat(dp.parameters()), plain_result(batches, 16)), 1e-4);
   }
+}
+
+namespace {
+
+/// A loopback port nobody listens on now.
+std::string free_loopback_address() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0)
+    throw std::runtime_error("no free port");
+  ::close(fd);
+  return "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+}
+
+}  // namespace
+
+TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
+  // 2 replicas on nodes and one local, deterministic; a third node joins at step 5, one node is
+  // SIGKILLed and restarted on its address at step 10, one is drained at step 15: after 20
+  // steps the parameters are bit-identical to a run on one local replica.
+  auto batches = make_batches(20, 64);
+  auto expected = trained({"cpu"}, batches, opts(8, true));
+  auto address = free_loopback_address();
+  std::optional<node_process> a;
+  a.emplace(address);
+  node_process b, c;
+  std::mutex mtx;
+  std::condition_variable cv;
+  std::vector<troupe::membership_event> events;
+  troupe::cluster_options co;
+  co.on_change = [&](const troupe::membership_event& e) {
+    std::lock_guard<std::mutex> guard{mtx};
+    events.push_back(e);
+    cv.notify_all();
+  };
+  auto cl = troupe::cluster::connect({a->address(), b.address()}, {}, co);
+  dp_t dp{cl, small_cfg(), opts(8, true)};
+  EXPECT_EQ(dp.devices().size(), 2u);
+  dp.add_devices({"cpu"});
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    if (i == 5) {
+      cl.add(c.address());  // returns once the replica there has the current state
+      EXPECT_EQ(dp.devices().size(), 4u);
+    }
+    if (i == 10) {
+      a->kill(SIGKILL);
+      {
+        test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
+        while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+      }
+      a.reset();
+      a.emplace(address);
+      test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
+      std::unique_lock<std::mutex> lock{mtx};
+      cv.wait(lock, [&] {
+        return std::any_of(events.begin(), events.end(), [&](const troupe::membership_event& e) {
+          return e.what == troupe::membership_event::rejoined && e.node == address;
+        });
+      });
+    }
+    if (i == 15) cl.remove(b.address());  // between steps: its replica leaves
+    dp.step(batches[i]);
+    expect_replicas_identical(dp);
+  }
+  auto ds = dp.devices();
+  EXPECT_EQ(ds.size(), 3u);  // a (restarted), c, and the local one
+  EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{b.address() + "/cpu"}), 0);
+  EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{address + "/cpu"}), 1);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
 }

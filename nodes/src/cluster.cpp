@@ -592,8 +592,7 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
   if (deadline.count() <= 0)
     throw invalid_argument("cluster::connect: the deadline must be positive");
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
-  cluster c;
-  c.state_ = std::make_shared<detail::cluster_state>(std::move(t), unwatched(deadline), false);
+  cluster c{std::make_shared<detail::cluster_state>(std::move(t), unwatched(deadline), false)};
   for (auto& address : nodes) c.state_->core->join(address, false);
   return c;
 }
@@ -601,8 +600,7 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
 cluster cluster::connect(const std::vector<std::string>& nodes, tls t, cluster_options o) {
   detail::check(o);
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
-  cluster c;
-  c.state_ = std::make_shared<detail::cluster_state>(std::move(t), std::move(o), true);
+  cluster c{std::make_shared<detail::cluster_state>(std::move(t), std::move(o), true)};
   for (auto& address : nodes) c.state_->core->join(address, false);
   return c;
 }

@@ -18,6 +18,7 @@
 #include <caf/event_based_actor.hpp>
 #include <caf/scoped_actor.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -29,6 +30,7 @@
 
 #include "ring_plane.hpp"
 #include "train_core.hpp"
+#include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
@@ -757,6 +759,91 @@ bool register_replica_job(const std::string& name, const std::type_info& job, re
 // -- the coordinator ----------------------------------------------------------------------------
 
 struct trainer::impl {
+  /// data_parallel built from a live cluster: the cluster's changes, applied between steps (a
+  /// change waits for the step under way: `calls`). Registered before the trainer exists; the
+  /// changes it hears until attach() are kept and applied then.
+  struct follower final : cluster_follower {
+    void on_event(const membership_event& e) override {
+      impl* p = nullptr;
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        if (!attached) {
+          pending.push_back(e);
+          return;
+        }
+        if (target == nullptr) return;
+        p = target;
+        busy += 1;
+      }
+      struct done_t {
+        const follower* f;
+        ~done_t() {
+          std::lock_guard<std::mutex> guard{f->mtx};
+          f->busy -= 1;
+          f->idle.notify_all();
+        }
+      } done{this};
+      p->follow_change(e);
+    }
+    [[nodiscard]] bool needs(const std::string& node) const override {
+      impl* p = nullptr;
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        if (target == nullptr) return false;
+        p = target;
+        busy += 1;
+      }
+      struct done_t {
+        const follower* f;
+        ~done_t() {
+          std::lock_guard<std::mutex> guard{f->mtx};
+          f->busy -= 1;
+          f->idle.notify_all();
+        }
+      } done{this};
+      return p->only_on(node);
+    }
+    void attach(impl* p) {
+      std::lock_guard<std::mutex> guard{mtx};
+      target = p;
+      attached = true;
+      for (auto& e : pending) {
+        try {
+          p->follow_change(e);
+        } catch (const std::exception& x) {
+          log(log_level::warn, std::string{"data_parallel could not follow its cluster ("} +
+                                   to_string(e.what) + " of " + e.node + "): " + x.what());
+        }
+      }
+      pending.clear();
+    }
+    void detach() noexcept {
+      std::unique_lock<std::mutex> lock{mtx};
+      target = nullptr;
+      attached = true;
+      pending.clear();
+      idle.wait(lock, [this] { return busy == 0; });
+    }
+    mutable std::mutex mtx;
+    mutable std::condition_variable idle;
+    mutable std::size_t busy = 0;
+    impl* target = nullptr;
+    bool attached = false;
+    std::vector<membership_event> pending;
+  };
+  /// One call at a time (the caller's, or a cluster's change between steps).
+  std::recursive_mutex calls;
+  std::shared_ptr<cluster_state> cluster;  ///< the cluster it follows, if any
+  std::shared_ptr<follower> follows;
+  /// Replicas on `devices` (constructed in order), given the others' state.
+  void add(const std::vector<device>& devices);
+  /// The replicas on `devices` leave (between steps).
+  void remove(const std::vector<device>& devices);
+  /// A cluster's change: joined / rejoined nodes get replicas, draining ones leave.
+  void follow_change(const membership_event& e);
+  /// Whether every live replica is on `node`.
+  bool only_on(const std::string& node);
+
   struct member {
     device d;
     caf::actor a;
@@ -1449,15 +1536,88 @@ trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::
   p.copy_state(std::vector<std::size_t>(fresh.begin() + 1, fresh.end()));
 }
 
+trainer::trainer(const cluster& c, config cfg, train_options o, std::string job, replica_maker make,
+                 std::string signature) {
+  auto f = std::make_shared<impl::follower>();
+  auto snap = troupe::detail::follow(c.state(), f);
+  if (snap.devices.empty())
+    throw invalid_argument("the cluster has no member that is up: no device to train on");
+  *this = trainer(std::move(snap.devices), std::move(cfg), o, std::move(job), make,
+                  std::move(signature));
+  impl_->cluster = c.state();
+  impl_->follows = f;
+  f->attach(impl_.get());
+}
+
 trainer::trainer(trainer&&) noexcept = default;
 trainer& trainer::operator=(trainer&&) noexcept = default;
-trainer::~trainer() = default;
+trainer::~trainer() {
+  if (impl_ && impl_->follows) impl_->follows->detach();  // first: a change may be under way
+}
+
+void trainer::impl::follow_change(const membership_event& e) {
+  std::lock_guard<std::recursive_mutex> guard{calls};
+  auto on_node = [&] {
+    std::vector<device> there;
+    for (auto& m : members)
+      if (m.alive && !m.d.is_local() && m.d.node() == e.node) there.push_back(m.d);
+    return there;
+  };
+  switch (e.what) {
+    case membership_event::joined:
+    case membership_event::rejoined: {
+      nodes.erase(e.node);  // a restarted node is another process: connect anew
+      if (e.what == membership_event::rejoined)  // the old process's replicas are gone
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (members[i].alive && !members[i].d.is_local() && members[i].d.node() == e.node)
+            drop(i);
+      auto here = on_node();
+      std::vector<device> fresh;
+      for (auto& d : e.devices) {
+        auto i = std::find(here.begin(), here.end(), d);
+        if (i != here.end())
+          here.erase(i);
+        else
+          fresh.push_back(d);
+      }
+      if (!fresh.empty()) add(fresh);
+      return;
+    }
+    case membership_event::draining: {
+      auto there = on_node();
+      if (!there.empty()) remove(there);
+      return;
+    }
+    case membership_event::lost:
+      // Given up on by the cluster: its replicas are lost now (the next step does not wait for
+      // them), whatever they answer later is not used.
+      nodes.erase(e.node);
+      for (std::size_t i = 0; i < members.size(); ++i)
+        if (members[i].alive && !members[i].d.is_local() && members[i].d.node() == e.node) drop(i);
+      return;
+    case membership_event::drained:
+      return;
+  }
+}
+
+bool trainer::impl::only_on(const std::string& node) {
+  std::lock_guard<std::recursive_mutex> guard{calls};
+  bool any = false;
+  for (auto& m : members) {
+    if (!m.alive) continue;
+    if (m.d.is_local() || m.d.node() != node) return false;
+    any = true;
+  }
+  return any;
+}
 
 double trainer::step(batch samples, mode m) {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   return impl_->step(samples, m);
 }
 
 void trainer::average_parameters() {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto& p = *impl_;
   auto live = p.alive();
   if (live.empty()) throw node_error("no replica left: every one was lost or removed");
@@ -1479,6 +1639,7 @@ void trainer::average_parameters() {
 }
 
 std::vector<at::Tensor> trainer::parameters() {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto& p = *impl_;
   for (auto who : p.alive()) {
     auto got = p.get_params({who});
@@ -1488,6 +1649,7 @@ std::vector<at::Tensor> trainer::parameters() {
 }
 
 std::vector<at::Tensor> trainer::replica_parameters() {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto& p = *impl_;
   std::vector<at::Tensor> out;
   for (auto& [who, msg] : p.get_params(p.alive())) out.push_back(flat(msg.tensors));
@@ -1495,6 +1657,7 @@ std::vector<at::Tensor> trainer::replica_parameters() {
 }
 
 void trainer::save(const std::string& path) {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto& p = *impl_;
   for (auto who : p.alive()) {
     train_msg get;
@@ -1511,6 +1674,7 @@ void trainer::save(const std::string& path) {
 }
 
 void trainer::load(const std::string& path) {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto& p = *impl_;
   std::ifstream in(path, std::ios::binary);
   if (!in) throw invalid_argument("cannot read " + path);
@@ -1524,7 +1688,17 @@ void trainer::load(const std::string& path) {
 }
 
 void trainer::add_devices(const std::vector<device>& devices) {
-  auto& p = *impl_;
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
+  impl_->add(devices);
+}
+
+void trainer::remove_devices(const std::vector<device>& devices) {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
+  impl_->remove(devices);
+}
+
+void trainer::impl::add(const std::vector<device>& devices) {
+  auto& p = *this;
   auto fresh = p.start(devices);
   try {
     p.copy_state(fresh);
@@ -1535,8 +1709,8 @@ void trainer::add_devices(const std::vector<device>& devices) {
   }
 }
 
-void trainer::remove_devices(const std::vector<device>& devices) {
-  auto& p = *impl_;
+void trainer::impl::remove(const std::vector<device>& devices) {
+  auto& p = *this;
   std::vector<std::size_t> removed;
   for (auto& d : devices) {
     bool found = false;
@@ -1557,6 +1731,7 @@ void trainer::remove_devices(const std::vector<device>& devices) {
 }
 
 std::vector<device> trainer::devices() const {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   std::vector<device> out;
   for (auto& m : impl_->members)
     if (m.alive) out.push_back(m.d);
@@ -1564,6 +1739,7 @@ std::vector<device> trainer::devices() const {
 }
 
 train_stats trainer::stats() const {
+  std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   auto s = impl_->stats;
   for (auto& m : impl_->members) s.replicas.push_back(m.st);
   return s;

@@ -215,6 +215,9 @@ class cluster {
   }
 
  private:
+  // No default constructor: a cluster comes from connect() (and `{}` never means a cluster, so
+  // runner(devices...) and data_parallel({...}, ...) calls stay unambiguous).
+  explicit cluster(std::shared_ptr<detail::cluster_state> s) : state_(std::move(s)) {}
   std::shared_ptr<detail::cluster_state> state_;
 };
 

@@ -32,6 +32,7 @@
 #include "troupe/detail/runtime.hpp"
 #include "troupe/device.hpp"
 #include "troupe/error.hpp"
+#include "troupe/node.hpp"
 #include "troupe/register.hpp"
 #include "troupe/tensor.hpp"
 
@@ -195,11 +196,14 @@ bool register_replica_job(const std::string& name, const std::type_info& job, re
                           std::string signature);
 
 /// The training runtime: replicas (actors, local or on nodes), shard assignment, reduction,
-/// recovery. Not thread-safe: one caller at a time.
+/// recovery. One call at a time (a cluster's change waits for the step under way).
 class trainer {
  public:
   trainer(std::vector<device> devices, config cfg, train_options o, std::string job,
           replica_maker make, std::string signature);
+  /// Over a live cluster's members, following it between steps.
+  trainer(const cluster& c, config cfg, train_options o, std::string job, replica_maker make,
+          std::string signature);
   trainer(trainer&&) noexcept;
   trainer& operator=(trainer&&) noexcept;
   ~trainer();
@@ -238,6 +242,14 @@ class data_parallel {
   data_parallel(std::vector<device> devices, config cfg = {}, train_options o = {})
       : t_(std::move(devices), std::move(cfg), o, registered_job_name_of(),
            &detail::replica_impl<Job>::create, detail::replica_signature(typeid(sample_type))) {}
+  /// One replica per device of the cluster's members that are up, following the cluster between
+  /// steps (docs/api.md, "Pools that change"): a node that joins or rejoins (restarted) gets
+  /// replicas at the next step boundary, given the current parameters and optimizer state; one
+  /// drained by cluster::remove leaves between steps; one lost is recomputed as always. With
+  /// `deterministic`, the parameters do not depend on any of it.
+  data_parallel(const cluster& c, config cfg = {}, train_options o = {})
+      : t_(c, std::move(cfg), o, registered_job_name_of(), &detail::replica_impl<Job>::create,
+           detail::replica_signature(typeid(sample_type))) {}
 
   /// One synchronous step: the batch's shards spread over the replicas (faster ones take more),
   /// gradients of the batch's mean loss reduced once, replica::step() on every replica. Returns
