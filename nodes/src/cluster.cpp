@@ -410,18 +410,34 @@ class cluster_core {
   }
 
   void reconnect_loop() {
-    while (pause(o_.reconnect_every)) {
+    // Each address at most once per reconnect_every; but one that drained itself (a rolling
+    // restart: its next process is expected within moments) every heartbeat, so that it is
+    // back in the running jobs soon after it listens again.
+    std::map<std::string, clock::time_point> next_try;
+    while (pause(std::min(o_.heartbeat, o_.reconnect_every))) {
       // Lost members, and members silent for two heartbeats: a node restarted on the same
       // address answers a connect as a new incarnation long before lost_after.
       std::vector<std::string> lost;
+      std::set<std::string> eager;
+      auto now = clock::now();
       {
         std::lock_guard<std::mutex> guard{mtx_};
         lost = core_.lost();
-        auto quiet = core_.silent(clock::now(), 2 * o_.heartbeat);
+        auto quiet = core_.silent(now, 2 * o_.heartbeat);
         lost.insert(lost.end(), quiet.begin(), quiet.end());
+        for (auto& a : lost)
+          if (core_.leaves_by_itself(a)) eager.insert(a);
       }
+      for (auto i = next_try.begin(); i != next_try.end();)  // members back: forgotten
+        i = std::find(lost.begin(), lost.end(), i->first) == lost.end() ? next_try.erase(i)
+                                                                        : std::next(i);
       for (auto& address : lost) {
         if (stopping()) return;
+        if (!eager.count(address)) {
+          auto& at = next_try[address];
+          if (now < at) continue;
+          at = now + o_.reconnect_every;
+        }
         std::vector<std::string> offered;
         std::uint64_t incarnation = 0;
         bool leaving = false;
