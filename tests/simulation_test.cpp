@@ -411,7 +411,7 @@ std::string check_one_schedule(std::uint64_t seed) {
     run_all(r);
   }
   auto t = sim.trace();
-  for (const char* event : {" lost (", "heartbeats", "thaw", "slow ", "delay "})
+  for (const char* event : {" lost (", "heartbeats", "thaw", "slow ", "delay ", "drain "})
     if (t.find(event) != std::string::npos) outcomes()[std::string{"with"} + event] += 1;
   auto out = why.str();
   if (!out.empty()) {
@@ -609,4 +609,26 @@ TEST(Simulation, BatchProducersWithBatchingGiveTheLocalResult) {
   EXPECT_EQ(r.run(iota(3000)), sum_of_squares(3000));
   troupe::unordered_runner<sim_batch_squares> local{2, {}, opts};
   EXPECT_EQ(local.run(iota(3000)), sum_of_squares(3000));
+}
+
+TEST(Simulation, ADrainedNodesProducersAreRemovedNotLostAndTheResultIsExact) {
+  simulation sim{5};
+  four_nodes(sim);
+  auto events = std::make_shared<std::vector<troupe::producer_event>>();
+  troupe::options opts;
+  opts.on_event = [events](const troupe::producer_event& e) { events->push_back(e); };
+  auto r = sim.ordered_runner<squares_with_merge>(sim.devices(), {}, opts);
+  sim.at_chunk(2).drain("b:1");
+  EXPECT_EQ(r.run(iota(3000)), sum_of_squares(3000));
+  EXPECT_NE(sim.trace().find("drain b:1"), std::string::npos) << sim.trace();
+  auto s = r.stats();
+  std::size_t removed = 0;
+  for (auto& p : s.producers)
+    if (p.where.node() == "b:1") {
+      EXPECT_TRUE(p.removed);
+      removed += 1;
+    }
+  EXPECT_EQ(removed, 2u);
+  for (auto& e : *events) EXPECT_NE(e.what, troupe::producer_event::kind::lost);
+  EXPECT_EQ(r.run(iota(100)), sum_of_squares(100)) << "the others go on";
 }

@@ -38,11 +38,12 @@ enum fault_kind : int {
   slow_fault,
   partition_fault,
   heal_fault,
-  delay_fault
+  delay_fault,
+  drain_fault
 };
 
 inline const char* fault_name(int k) {
-  static const char* names[] = {"kill", "freeze", "slow", "partition", "heal", "delay"};
+  static const char* names[] = {"kill", "freeze", "slow", "partition", "heal", "delay", "drain"};
   return names[k];
 }
 
@@ -309,6 +310,12 @@ class sim_state final : public sim_host {
       case delay_fault:
         n.delay = std::chrono::nanoseconds{static_cast<std::int64_t>(value)};
         record(what + " " + ms(n.delay));
+        return;
+      case drain_fault:
+        // node::drain (SIGTERM): each runner hears that the node's producers are leaving, as
+        // from a real node; they finish their chunks and end (removed, never lost).
+        record(what);
+        for (auto& s : owned_) caf::anon_send(s, leaving_atom::value, n.producers);
         return;
       default:
         return;

@@ -26,6 +26,9 @@ void fault_at::add(int kind, const std::string& node, double value) {
 void fault_at::kill(const std::string& node) {
   add(detail::kill_fault, node, 0);
 }
+void fault_at::drain(const std::string& node) {
+  add(detail::drain_fault, node, 0);
+}
 void fault_at::freeze(const std::string& node, std::chrono::nanoseconds d) {
   if (d.count() < 0 || d > std::chrono::hours{24 * 365})
     throw invalid_argument("simulation: freeze() needs a duration between 0 and a year");
@@ -140,7 +143,11 @@ void simulation::draw(const explore_options& eo) {
     return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
   };
   auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
-  // Losses (kills, long freezes, partitions) leave at least one node.
+  // Losses (kills, long freezes, partitions) leave at least one node. Drains are drawn from a
+  // copy of the generator, so that the schedules of the seeds before drains existed (and the
+  // seeds quoted in tests) stay what they were.
+  auto side = rng;
+  side.discard(4096);
   std::vector<std::string> order = names;
   std::shuffle(order.begin(), order.end(), rng);
   auto losses = pick(eo.nodes);  // 0 .. nodes - 1
@@ -157,6 +164,11 @@ void simulation::draw(const explore_options& eo) {
         after(std::chrono::microseconds{pick(20'000)}).partition(node);
         break;
     }
+  }
+  if (order.size() - losses >= 2 && std::uniform_real_distribution<double>(0, 1)(side) < 0.25) {
+    // A graceful leave (SIGTERM) of one of the nodes not lost; one undrained node remains.
+    auto& node = order[losses];
+    at_chunk(1 + std::uniform_int_distribution<std::size_t>(0, 3)(side)).drain(node);
   }
   for (std::size_t i = losses; i < order.size(); ++i) {
     auto& node = order[i];

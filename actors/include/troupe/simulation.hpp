@@ -42,6 +42,9 @@ class fault_at {
  public:
   /// The node's process dies: its producers are lost, their chunks go to the others.
   void kill(const std::string& node);
+  /// The node drains (node::drain, SIGTERM): every runner's producers there take no new work,
+  /// finish their chunks and end (removed, never lost; their outputs are delivered).
+  void drain(const std::string& node);
   /// The node stops answering for `d`. A freeze of limits::idle_timeout (1.5 s) or more is
   /// noticed by heartbeats then: the node is lost, as in a kill; a shorter one only delays.
   void freeze(const std::string& node, std::chrono::nanoseconds d);
@@ -88,7 +91,7 @@ struct explore_options {
   bool ordered = false;  ///< which runner
   std::uint64_t first_seed = 0;
   std::chrono::nanoseconds cost_per_item{std::chrono::microseconds{100}};
-  bool faults = true;  ///< draw kills, freezes, slow nodes and slow links (else only timing)
+  bool faults = true;  ///< draw kills, drains, freezes, slow nodes and slow links (else timing)
   config cfg;
   options opts;
 };
