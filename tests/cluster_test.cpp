@@ -65,9 +65,23 @@ class recorder {
       {
         std::lock_guard<std::mutex> guard{mtx_};
         events_.push_back(e);
+        at_.push_back(std::chrono::steady_clock::now());
       }
       cv_.notify_all();
     };
+  }
+  /// Remembers now (a fault injected).
+  void mark() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    mark_ = std::chrono::steady_clock::now();
+  }
+  /// Milliseconds from mark() to the first `lost` of `node` (-1: none).
+  double ms_after_freeze(const std::string& node) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    for (std::size_t i = 0; i < events_.size(); ++i)
+      if (events_[i].node == node && events_[i].what == troupe::membership_event::lost)
+        return std::chrono::duration<double, std::milli>(at_[i] - mark_).count();
+    return -1;
   }
   /// Waits (a watchdog bounds it) until `n` events of kind `k` about `node` were reported.
   void wait_for(troupe::membership_event::kind k, const std::string& node, std::size_t n = 1) {
@@ -102,6 +116,8 @@ class recorder {
   std::mutex mtx_;
   std::condition_variable cv_;
   std::vector<troupe::membership_event> events_;
+  std::vector<std::chrono::steady_clock::time_point> at_;
+  std::chrono::steady_clock::time_point mark_;
 };
 
 /// Items the producers on `node` made (over every slot it ever had).
@@ -167,8 +183,19 @@ TEST(Cluster, ANodeAddedMidJobTakesItemsInThatJob) {
   troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
   auto job = runner.submit(iota(200'000));
   wait_until(*tenth, "a tenth of the job");
+  auto asked = std::chrono::steady_clock::now();
   c.add(b.address());  // returns once the runner has producers there
+  auto added = std::chrono::steady_clock::now();
   EXPECT_EQ(runner.devices().size(), 4u);
+  {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the added node's first item"};
+    while (items_on(runner.stats(), b.address()) == 0 && !job.done())
+      std::this_thread::sleep_for(std::chrono::microseconds{200});
+  }
+  auto first = std::chrono::steady_clock::now();
+  auto in_ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  std::cout << "add(): " << in_ms(added - asked) << " ms until its producers were running, "
+            << in_ms(first - asked) << " ms until its first items were counted\n";
   EXPECT_EQ(job.get(), sum_of_squares(200'000));
   auto s = runner.stats();
   EXPECT_GT(items_on(s, b.address()), 0u) << "the node that joined took no item";
@@ -297,14 +324,19 @@ TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
   opts.speculative = false;
   opts.chunk_size = 1;
   auto sent = std::make_shared<std::atomic<bool>>(false);
-  opts.on_progress = [&a, sent](const troupe::progress& p) {
-    if (p.done >= 10 && !sent->exchange(true)) a.kill(SIGSTOP);  // mid-chunk: each takes 20 ms
+  opts.on_progress = [&a, &ev, sent](const troupe::progress& p) {
+    if (p.done >= 10 && !sent->exchange(true)) {
+      ev.mark();
+      a.kill(SIGSTOP);  // mid-chunk: each takes 20 ms
+    }
   };
   troupe::unordered_runner<remote_squares> runner{c, slow(20'000), opts};
   {
     test_util::watchdog dog{std::chrono::seconds{40}, "the job while node a is frozen"};
     EXPECT_EQ(runner.run(iota(200)), sum_of_squares(200));
   }
+  std::cout << "frozen node reported lost " << ev.ms_after_freeze(a.address())
+            << " ms after its SIGSTOP (heartbeat 100 ms, lost_after 1000 ms)\n";
   EXPECT_TRUE(a.alive()) << "still frozen, not dead";
   EXPECT_EQ(ev.count(troupe::membership_event::lost, a.address()), 1u);
   a.kill(SIGCONT);  // it finishes the chunk it held and answers: too late
