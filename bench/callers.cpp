@@ -1,6 +1,8 @@
 // Many callers on one runner (docs/api.md, "One pool, many jobs"), each figure from this one
 // process:
 //  1. round trip of a 1-item run() on an idle local runner (2 CPU producers): p50, p90, p99;
+// 1b. dynamic batching: 64 callers of 1-item jobs sharing calls of a 2 ms + 0.1 ms/item batch
+//     producer: the mean batch and how long items wait for their call;
 //  2. 16,000 live 3-item jobs submitted at once, drained, against the same jobs 64 at a time;
 //  3. promptness with a slow consumer (20 us per item): how long after submit() a 100 ms
 //     deadline throws, and how long get() takes after cancel();
@@ -15,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <iostream>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <troupe/troupe.hpp>
@@ -47,6 +50,28 @@ struct squares {
     void work(std::int64_t y) { sum += y; }
     std::int64_t end() { return sum; }
     std::int64_t sum = 0;
+  };
+};
+
+/// A batch model (2 ms a call + 0.1 ms an item, as a GPU forward pass) that records its calls.
+struct batch_model {
+  struct call {
+    clock_type::time_point start, end;
+    std::vector<std::int64_t> items;
+  };
+  static inline std::vector<call> calls;
+  static inline std::mutex mtx;
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      call c;
+      c.start = clock_type::now();
+      c.items.assign(xs.begin(), xs.end());
+      std::this_thread::sleep_for(2000us + 100us * static_cast<int>(xs.size()));
+      c.end = clock_type::now();
+      std::lock_guard<std::mutex> guard{mtx};
+      calls.push_back(std::move(c));
+      return {xs.begin(), xs.end()};
+    }
   };
 };
 
@@ -117,6 +142,50 @@ int main(int argc, char** argv) {
                 << " us, p99 " << percentile(us, 0.99) << " us; " << round_trips / total * 1000
                 << " calls/s\n";
     }
+
+  {  // 1b. dynamic batching: 16 and 64 callers of 1-item jobs, max_items 8, max_delay 2 ms.
+     // "Held": how long a call started after both its producer was free and its oldest item
+     // had been submitted (what the batcher adds by waiting for others; at most max_delay).
+    for (int callers : {16, 64}) {
+      constexpr int each = 40;
+      batch_model::calls.clear();
+      std::vector<clock_type::time_point> submitted(static_cast<std::size_t>(callers * each));
+      troupe::options o;
+      o.batching.max_items = 8;
+      o.batching.max_delay = 2000us;
+      o.speculative = false;
+      troupe::unordered_runner<batch_model> runner{1, {}, o};
+      std::vector<std::thread> threads;
+      for (int c = 0; c < callers; ++c)
+        threads.emplace_back([&, c] {
+          for (int i = 0; i < each; ++i) {
+            std::int64_t x = c * each + i;
+            submitted[static_cast<std::size_t>(x)] = clock_type::now();
+            runner.run({x});
+          }
+        });
+      for (auto& t : threads) t.join();
+      auto calls = batch_model::calls;
+      std::sort(calls.begin(), calls.end(), [](auto& a, auto& b) { return a.start < b.start; });
+      std::vector<double> held;
+      double items = 0;
+      for (std::size_t k = 0; k < calls.size(); ++k) {
+        auto oldest = clock_type::time_point::max();
+        for (auto x : calls[k].items)
+          oldest = std::min(oldest, submitted[static_cast<std::size_t>(x)]);
+        auto ready = k == 0 ? oldest : std::max(oldest, calls[k - 1].end);
+        held.push_back(std::chrono::duration<double, std::milli>(calls[k].start - ready).count());
+        items += static_cast<double>(calls[k].items.size());
+      }
+      std::cout << "batching, " << callers
+                << " callers of 1-item jobs, max_items 8, max_delay 2 ms, a 2 ms + 0.1 ms/item "
+                   "producer: mean batch "
+                << items / static_cast<double>(calls.size()) << "; a call held past its "
+                << "producer and oldest item being ready: p50 " << percentile(held, 0.5)
+                << " ms, p99 " << percentile(held, 0.99) << " ms, max " << percentile(held, 1.0)
+                << " ms\n";
+    }
+  }
 
   {  // 2. many live jobs
     troupe::unordered_runner<squares> runner{2};
