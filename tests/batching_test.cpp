@@ -259,3 +259,56 @@ TEST(Batching, APoisonedItemInASharedBatchFailsOnlyItsOwnJob) {
   EXPECT_EQ(model::calls[1], 8u) << "the 8 waiting requests shared one call";
   EXPECT_GE(runner.stats().split_calls, 1u);
 }
+
+TEST(Batching, RunOnACallersVectorIsBatchedToo) {
+  // run(xs) reads a caller's range in place (lent): the batcher copies such parts to share the
+  // call, so requests made the way most callers write them are batched as well.
+  model::reset();
+  latch hold;
+  model::hold_first = &hold;
+  troupe::unordered_runner<model> runner{1, {}, batched(8, 0us)};
+  auto busy = runner.submit(std::vector<std::int64_t>{1});
+  wait_first_started();
+  std::atomic<int> wrong{0}, calling{0};
+  std::vector<std::thread> callers;
+  for (std::int64_t c = 0; c < 8; ++c)
+    callers.emplace_back([&, c] {
+      std::vector<std::int64_t> xs{300 + c};  // an lvalue: run() lends it
+      calling += 1;
+      if (runner.run(xs) != (300 + c) * (300 + c)) wrong += 1;
+    });
+  {
+    watchdog dog{60s, "the callers"};
+    while (calling < 8) std::this_thread::sleep_for(1ms);
+  }
+  // Their requests queue behind the held call (a moment for the last ones to submit; if one is
+  // late it gets a call of its own, and the others still share one).
+  std::this_thread::sleep_for(50ms);
+  hold.open();
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(busy.get(), 1);
+  EXPECT_EQ(wrong, 0);
+  std::lock_guard<std::mutex> guard{model::mtx};
+  std::size_t biggest = 0;
+  for (std::size_t i = 1; i < model::calls.size(); ++i)
+    biggest = std::max(biggest, model::calls[i]);
+  EXPECT_GT(biggest, 1u) << "lent requests were never batched";
+}
+
+TEST(Batching, AStuckProducersBatchIsCopiedToAFreeOneAndTheJobEnds) {
+  // With batching, a free producer with nothing to batch still takes a copy of a late chunk
+  // (options::speculative, on by default): a producer stuck in work() does not hold the job.
+  model::reset();
+  latch hold;
+  model::hold_first = &hold;  // the first call, on whichever producer, never returns on its own
+  auto o = batched(8, 0us);
+  o.speculative = true;
+  troupe::unordered_runner<model> runner{2, {}, o};
+  {
+    watchdog dog{60s, "the job of a stuck producer"};
+    EXPECT_EQ(runner.run({5}), 25);
+  }
+  EXPECT_FALSE(hold.is_open()) << "the job ended only when the stuck call did";
+  EXPECT_EQ(runner.stats().duplicated_items, 1u);
+  hold.open();
+}

@@ -54,11 +54,12 @@ caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<produ
         if (w.group_size > 1) {
           // The scheduler sends a group's parts back to back (CAF keeps their order): one
           // call of the producer once the last one is here, then an answer for each.
-          if (w.group_pos != group->parts.size()) {  // cannot happen: answer the stragglers
+          if (w.group_pos != group->parts.size()) {  // cannot happen: each part on its own
             for (std::size_t i = 0; i < group->parts.size(); ++i)
               group->answers[i].deliver(st->work(group->parts[i]));
             group->parts.clear();
             group->answers.clear();
+            if (w.group_pos != 0) return st->work(w);
           }
           group->parts.push_back(w);
           group->answers.push_back(self->make_response_promise());

@@ -160,23 +160,38 @@ struct producer_state {
   }
 
   /// options::batching: consecutive chunks of any jobs in one call of the producer (work_parts),
-  /// each answered on its own; its share of the call's time by its items. Chunks that are lent,
-  /// folded or serialized go one by one, as without batching.
+  /// each answered on its own; its share of the call's time by its items. Parts of a caller's
+  /// range (lent) are copied first; folded or serialized chunks go one by one, as without
+  /// batching.
   std::vector<chunk_result> work_group(const std::vector<work_chunk>& ws) {
     std::vector<chunk_result> rs(ws.size());
     bool together = !serialize && producer != nullptr;
-    for (auto& w : ws) together = together && !w.fold && !w.items.lease();
+    for (auto& w : ws) together = together && !w.fold;
     if (!together) {
       for (std::size_t i = 0; i < ws.size(); ++i) rs[i] = work(ws[i]);
       return rs;
     }
     std::vector<batch> joined;
     std::vector<std::size_t> at;  ///< rs index of each joined part
-    for (std::size_t i = 0; i < ws.size(); ++i)
-      if (auto b = prepare(ws[i], rs[i])) {
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      auto w = ws[i];
+      if (w.items.lease()) {
+        // A part of a caller's range (run(xs) lends it): copied under its lease to share the
+        // call; a range taken back meanwhile ends that part only.
+        auto own = w.items.owned_slice(0, w.items.size());
+        if (!own) {
+          rs[i].run = w.run;
+          rs[i].first = w.first;
+          job_ended(rs[i]);
+          continue;
+        }
+        w.items = std::move(*own);
+      }
+      if (auto b = prepare(w, rs[i])) {
         joined.push_back(std::move(*b));
         at.push_back(i);
       }
+    }
     if (joined.empty()) return rs;
     std::vector<const batch*> parts;
     std::vector<std::uint64_t> firsts;

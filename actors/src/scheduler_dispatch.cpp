@@ -79,7 +79,9 @@ void scheduler::settle() {
 }
 
 bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
-  if (batching() && producers_[p].local) return dispatch_batch(p, now);
+  // A free producer with nothing to batch may still take a copy of a late chunk (a producer
+  // stuck in work() must not hold its items forever).
+  if (batching() && producers_[p].local) return dispatch_batch(p, now) || speculate(p, now);
   auto id = share_.pick(
       [&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },  // the window, say
       [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
