@@ -20,27 +20,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-class latch {
- public:
-  void open() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock{mtx_};
-    cv_.wait(lock, [this] { return open_; });
-  }
-  bool is_open() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    return open_;
-  }
-
- private:
-  std::mutex mtx_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+using test_util::latch;
 
 /// A model that takes a batch: what every call saw is recorded; the first call can be held on
 /// a latch (the producer busy with a batch while requests queue); an item `poison` throws.

@@ -30,28 +30,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-/// A promise any number of threads can wait for, once.
-class latch {
- public:
-  void open() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock{mtx_};
-    cv_.wait(lock, [this] { return open_; });
-  }
-  bool is_open() {
-    std::lock_guard<std::mutex> guard{mtx_};
-    return open_;
-  }
-
- private:
-  std::mutex mtx_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+using test_util::latch;
 
 /// Two threads that keep a core busy while a test runs: the core of the thread that creates
 /// them (they inherit its pinning), or both cores when it is not pinned. The threads beside

@@ -42,21 +42,6 @@ troupe::config slow(std::int64_t us) {
   return cfg;
 }
 
-/// A port nobody listens on now (for a node that must come back on the same address).
-std::string free_address() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sa.sin_port = 0;
-  socklen_t len = sizeof sa;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0)
-    throw std::runtime_error("no free port");
-  ::close(fd);
-  return "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
-}
-
 /// The membership events a cluster reported, and waits for them.
 class recorder {
  public:
@@ -253,7 +238,7 @@ TEST(Cluster, ANodeRemovedMidJobDrainsAndGetsNothingAfterwards) {
 }
 
 TEST(Cluster, ANodeKilledAndRestartedOnItsAddressRejoinsTheRunningJob) {
-  auto address = free_address();
+  auto address = test_util::free_loopback_address();
   std::optional<node_process> a;
   a.emplace("cpu,cpu", std::vector<std::string>{}, address);
   node_process b{"cpu,cpu"};
@@ -398,7 +383,9 @@ TEST(Cluster, TenJoinLeaveCyclesUnderARunningJobLoseNothingAndLeakNothing) {
 TEST(Cluster, EveryNodeRestartedInTurnWithSigtermUnderOneJobLosesNothing) {
   // A rolling restart: each node drains on SIGTERM (exit 0) and is started again on its
   // address; the runner follows: drained, then rejoined; never lost.
-  std::vector<std::string> addresses{free_address(), free_address(), free_address()};
+  std::vector<std::string> addresses{test_util::free_loopback_address(),
+                                     test_util::free_loopback_address(),
+                                     test_util::free_loopback_address()};
   std::vector<std::optional<node_process>> nodes(3);
   for (std::size_t i = 0; i < 3; ++i)
     nodes[i].emplace("cpu,cpu", std::vector<std::string>{}, addresses[i]);

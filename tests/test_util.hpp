@@ -1,7 +1,10 @@
 // Small helpers shared by the test files.
 #pragma once
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -13,6 +16,7 @@
 #include <iostream>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,5 +92,43 @@ class watchdog {
   bool done_ = false;
   std::thread thread_;
 };
+
+/// A gate any number of threads can wait for, opened once.
+class latch {
+ public:
+  void open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock{mtx_};
+    cv_.wait(lock, [this] { return open_; });
+  }
+  bool is_open() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return open_;
+  }
+
+ private:
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+/// "127.0.0.1:PORT" with a port nobody listens on now (a node that must come back on its
+/// address).
+inline std::string free_loopback_address() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("no free port");
+  return "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+}
 
 }  // namespace test_util

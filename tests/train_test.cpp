@@ -859,31 +859,13 @@ TEST(Train, ReplicasOnGpusStayIdenticalAndMatchTheCpuLoop) {
   }
 }
 
-namespace {
-
-/// A loopback port nobody listens on now.
-std::string free_loopback_address() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0)
-    throw std::runtime_error("no free port");
-  ::close(fd);
-  return "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
-}
-
-}  // namespace
-
 TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
   // 2 replicas on nodes and one local, deterministic; a third node joins at step 5, one node is
   // SIGKILLed and restarted on its address at step 10, one is drained at step 15: after 20
   // steps the parameters are bit-identical to a run on one local replica.
   auto batches = make_batches(20, 64);
   auto expected = trained({"cpu"}, batches, opts(8, true));
-  auto address = free_loopback_address();
+  auto address = test_util::free_loopback_address();
   std::optional<node_process> a;
   a.emplace(address);
   node_process b, c;

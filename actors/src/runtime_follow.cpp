@@ -30,14 +30,7 @@ class runtime_follower final : public cluster_follower {
       rt = rt_;
       busy_ += 1;  // detach() waits for it; needs() does not
     }
-    struct done_t {
-      runtime_follower* f;
-      ~done_t() {
-        std::lock_guard<std::mutex> guard{f->mtx_};
-        f->busy_ -= 1;
-        f->idle_.notify_all();
-      }
-    } done{this};
+    in_use done{this};
     apply(*rt, e);
   }
 
@@ -49,14 +42,7 @@ class runtime_follower final : public cluster_follower {
       if (rt == nullptr) return false;
       busy_ += 1;
     }
-    struct done_t {
-      const runtime_follower* f;
-      ~done_t() {
-        std::lock_guard<std::mutex> guard{f->mtx_};
-        f->busy_ -= 1;
-        f->idle_.notify_all();
-      }
-    } done{this};
+    in_use done{this};
     return rt->is_open() && rt->only_on(node);
   }
 
@@ -85,6 +71,16 @@ class runtime_follower final : public cluster_follower {
   }
 
  private:
+  /// A change (or needs()) under way in the runtime: detach() waits for its end.
+  struct in_use {
+    const runtime_follower* f;
+    ~in_use() {
+      std::lock_guard<std::mutex> guard{f->mtx_};
+      f->busy_ -= 1;
+      f->idle_.notify_all();
+    }
+  };
+
   static void apply(runtime& rt, const membership_event& e) {
     if (!rt.is_open()) return;
     switch (e.what) {

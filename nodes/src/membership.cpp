@@ -60,6 +60,14 @@ membership_event membership::lose(member& m) {
   return event(membership_event::lost, m);
 }
 
+void membership::up_again(member& m, time_point& seen, std::uint64_t incarnation,
+                          const std::vector<device>& devices, time_point now) {
+  m.incarnation = incarnation;
+  m.devices = devices;
+  m.what = member::state::up;
+  seen = now;
+}
+
 std::vector<membership_event> membership::answered(const std::string& address,
                                                    std::uint64_t incarnation,
                                                    const std::vector<device>& devices,
@@ -87,19 +95,13 @@ std::vector<membership_event> membership::answered(const std::string& address,
         // cluster::remove: only add() makes it a member again.
         if (self_drained_.count(address) == 0 || incarnation == m->incarnation) return out;
         self_drained_.erase(address);
-        m->incarnation = incarnation;
-        m->devices = devices;
-        m->what = member::state::up;
-        seen = now;
+        up_again(*m, seen, incarnation, devices, now);
         out.push_back(event(membership_event::rejoined, *m));
         return out;
       }
       self_drained_.erase(address);
       removed_.erase(address);
-      m->incarnation = incarnation;
-      m->devices = devices;
-      m->what = member::state::up;
-      seen = now;
+      up_again(*m, seen, incarnation, devices, now);
       out.push_back(event(membership_event::joined, *m));
       return out;
     case member::state::lost: {
@@ -109,10 +111,7 @@ std::vector<membership_event> membership::answered(const std::string& address,
         if (!joining) return out;  // only add() makes it a member again
         removed_.erase(address);
       }
-      m->incarnation = incarnation;
-      m->devices = devices;
-      m->what = member::state::up;
-      seen = now;
+      up_again(*m, seen, incarnation, devices, now);
       out.push_back(event(was_removed ? membership_event::joined : membership_event::rejoined, *m));
       return out;
     }
@@ -143,10 +142,7 @@ std::vector<membership_event> membership::answered(const std::string& address,
         out.push_back(lose(*m));
         if (was_draining) return out;
       }
-      m->incarnation = incarnation;
-      m->devices = devices;
-      m->what = member::state::up;
-      seen = now;
+      up_again(*m, seen, incarnation, devices, now);
       out.push_back(event(membership_event::rejoined, *m));
       return out;
   }

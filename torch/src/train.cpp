@@ -763,6 +763,15 @@ struct trainer::impl {
   /// change waits for the step under way: `calls`). Registered before the trainer exists; the
   /// changes it hears until attach() are kept and applied then.
   struct follower final : cluster_follower {
+    /// A change (or needs()) under way in the trainer: detach() waits for its end.
+    struct in_use {
+      const follower* f;
+      ~in_use() {
+        std::lock_guard<std::mutex> guard{f->mtx};
+        f->busy -= 1;
+        f->idle.notify_all();
+      }
+    };
     void on_event(const membership_event& e) override {
       impl* p = nullptr;
       {
@@ -775,14 +784,7 @@ struct trainer::impl {
         p = target;
         busy += 1;
       }
-      struct done_t {
-        const follower* f;
-        ~done_t() {
-          std::lock_guard<std::mutex> guard{f->mtx};
-          f->busy -= 1;
-          f->idle.notify_all();
-        }
-      } done{this};
+      in_use done{this};
       p->follow_change(e);
     }
     [[nodiscard]] bool needs(const std::string& node) const override {
@@ -793,14 +795,7 @@ struct trainer::impl {
         p = target;
         busy += 1;
       }
-      struct done_t {
-        const follower* f;
-        ~done_t() {
-          std::lock_guard<std::mutex> guard{f->mtx};
-          f->busy -= 1;
-          f->idle.notify_all();
-        }
-      } done{this};
+      in_use done{this};
       return p->only_on(node);
     }
     void attach(impl* p) {

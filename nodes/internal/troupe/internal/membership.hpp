@@ -81,6 +81,9 @@ class membership {
   member* find(const std::string& address);
   [[nodiscard]] const member* find(const std::string& address) const;
   membership_event lose(member& m);
+  /// The member is up again as `incarnation` (a join or a rejoin), seen now.
+  static void up_again(member& m, time_point& seen, std::uint64_t incarnation,
+                       const std::vector<device>& devices, time_point now);
   static membership_event event(membership_event::kind k, const member& m);
 
   std::chrono::milliseconds lost_after_;
