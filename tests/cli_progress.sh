@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Progress of an example on stderr (examples/common/progress.hpp): with stderr not a terminal,
 # plain periodic lines and a summary line, and stdout exactly as with --progress off; under a
-# pseudo-terminal (util-linux `script`), a bar redrawn in place with "\r". Exits 77 (skipped)
-# when `script` is missing, after the first part has passed.
+# pseudo-terminal (util-linux `script`), a bar redrawn in place with "\r"; in tmux (what a person
+# sees, capture-pane), a bar that moves, only grows and ends at 100 % with the summary. Exits 77
+# (skipped) when `script` or tmux is missing, after the parts before have passed.
 set -euo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -43,4 +44,38 @@ grep -q $'\r\e\[K *[0-9]*% \[#* *\] [0-9]*/3000' "$dir/tty" ||
 [ "$(grep -o $'\r\e\[K' "$dir/tty" | wc -l)" -ge 3 ] || { echo "the bar was not redrawn"; exit 1; }
 grep -q 'done: 3000 items in [0-9.]* s' "$dir/tty" || { echo "no summary on the terminal"; exit 1; }
 grep -q 'result: 8995500500' "$dir/tty"
+grep -q $'100% \\[################\\] 3000/3000' "$dir/tty" ||
+  { echo "the bar does not end at 100 %:"; cat -A "$dir/tty" | tail -3; exit 1; }
 echo "progress bar redrawn on a terminal: ok"
+
+# 3. What a person sees in a terminal (tmux, capture-pane): the bar moves, its percentage only
+#    grows, and the screen ends with the bar at 100 % and the summary.
+if ! command -v tmux > /dev/null; then
+  echo "skipped: no tmux"
+  exit 77
+fi
+sock="$dir/tmux.sock"
+tmux -S "$sock" new-session -d -x 120 -y 12 "$command; echo EXITED \$?; sleep 60"
+trap 'tmux -S "$sock" kill-server 2>/dev/null || true; rm -rf "$dir"' EXIT
+seen=()
+for _ in $(seq 1 600); do
+  screen=$(tmux -S "$sock" capture-pane -p)
+  pct=$(printf '%s\n' "$screen" | grep -oE '^ *[0-9]+% \[' | tail -1 | grep -oE '[0-9]+' || true)
+  [ -n "$pct" ] && seen+=("$pct")
+  if printf '%s\n' "$screen" | grep -q '^EXITED '; then break; fi
+  sleep 0.02
+done
+printf '%s\n' "$screen"
+printf '%s\n' "$screen" | grep -qx 'EXITED 0' || { echo "the example did not exit 0 in tmux"; exit 1; }
+printf '%s\n' "$screen" | grep -qE '^100% \[#+\] 3000/3000' ||
+  { echo "the screen does not end with the bar at 100 %"; exit 1; }
+printf '%s\n' "$screen" | grep -qE '^done: 3000 items in [0-9.]+ s' ||
+  { echo "no summary on the screen"; exit 1; }
+distinct=$(printf '%s\n' "${seen[@]}" | sort -un | wc -l)
+[ "$distinct" -ge 3 ] || { echo "the bar did not move: percentages seen ${seen[*]}"; exit 1; }
+prev=0
+for p in "${seen[@]}"; do
+  [ "$p" -ge "$prev" ] || { echo "the percentage went back: ${seen[*]}"; exit 1; }
+  prev=$p
+done
+echo "tmux: ${#seen[@]} captures, $distinct percentages, growing to 100 %, summary shown: ok"

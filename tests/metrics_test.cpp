@@ -81,6 +81,13 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   EXPECT_EQ(sample(after, "troupe_job_seconds_count" + r), 501);
   EXPECT_EQ(sample(after, "troupe_job_seconds_bucket{runner=\"" + id + "\",le=\"+Inf\"}"), 501);
   EXPECT_GE(sample(after, "troupe_chunk_seconds_count" + r), 501);
+  // Queue wait: one observation per chunk's first send; every answer was sent before.
+  auto first = sample(after, "troupe_chunks_sent_total{attempt=\"first\",runner=\"" + id + "\"}");
+  auto again = sample(after, "troupe_chunks_sent_total{attempt=\"again\",runner=\"" + id + "\"}");
+  EXPECT_GE(first, 501);
+  EXPECT_GE(again, 0);
+  EXPECT_EQ(sample(after, "troupe_queue_wait_seconds_count" + r), first);
+  EXPECT_GE(first + again, sample(after, "troupe_chunk_seconds_count" + r));
   EXPECT_GT(sample(after, "troupe_last_item_timestamp_seconds" + r), 1.7e9);  // a unix time
   EXPECT_EQ(sample(after, "troupe_late_answers_total" + r), 0);
   // Every name: troupe_ or process_, and counters end in _total.
@@ -133,6 +140,51 @@ std::string http_get(int port, const std::string& path) {
   while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
   close(fd);
   return out;
+}
+
+/// Items from 4 on wait for `release` (the job stays running while the test looks).
+struct held_squares {
+  static inline test_util::latch* release = nullptr;
+  struct producer {
+    producer(const troupe::device&, const troupe::config&) {}
+    std::int64_t work(std::int64_t x) {
+      if (x >= 4) release->wait();
+      return x * x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Metrics, StatusJsonListsRunningJobsWithTheirProgressAndForgetsEndedOnes) {
+  test_util::latch release;
+  held_squares::release = &release;
+  troupe::options opts;
+  opts.chunk_size = 1;
+  troupe::unordered_runner<held_squares> runner{1, {}, opts};
+  auto h = runner.submit(test_util::iota(10));
+  // Items 0..3 reach the consumer while 4 is held (progress is published at most every
+  // 100 ms: done is at most 4 of 10 meanwhile).
+  std::regex running(
+      "\"jobs\":\\[\\{\"id\":1"  // the runner's first job
+
+      ",\"done\":[0-4],\"total\":10,\"items_per_second\":");
+  auto status = troupe::status_json();
+  EXPECT_TRUE(std::regex_search(status, running)) << status;
+  EXPECT_FALSE(h.done()) << "listed while it runs";
+  release.open();
+  EXPECT_EQ(h.get(), 285);
+  // Ended: no longer listed, though its handle is kept.
+  EXPECT_NE(troupe::status_json().find("\"jobs\":[]"), std::string::npos) << troupe::status_json();
+  // Many ended jobs with their handles kept: none listed, and the list of a later running job
+  // stays within its cap.
+  std::vector<decltype(h)> kept;
+  for (int i = 0; i < 300; ++i) kept.push_back(runner.submit(test_util::iota(3)));
+  for (auto& k : kept) EXPECT_EQ(k.get(), 5);
+  EXPECT_NE(troupe::status_json().find("\"jobs\":[]"), std::string::npos);
 }
 
 TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {

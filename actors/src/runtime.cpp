@@ -377,6 +377,11 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
     }
   } undo{stats_->queued, counted};
   auto core = std::make_shared<job_core>(0, scheduler_);
+  {  // what progress() says until the scheduler's first report: nothing done, of this many
+    progress p;
+    p.total = source->total();
+    core->set_progress(p);
+  }
   core->gate()->succeeded = [weak = std::weak_ptr<job_core>(core)] {
     if (auto c = weak.lock()) c->finish(nullptr);
   };
@@ -396,6 +401,15 @@ std::shared_ptr<job_core> runtime::submit(std::shared_ptr<input_source> source,
   }
   core->set_id(next_job_++);
   if (sim_) sim_->adopt(core);
+  if (watched_.size() >= prune_watched_at_) {
+    auto gone = [](const std::weak_ptr<job_core>& w) {
+      auto c = w.lock();
+      return !c || c->ended();
+    };
+    watched_.erase(std::remove_if(watched_.begin(), watched_.end(), gone), watched_.end());
+    prune_watched_at_ = std::max<std::size_t>(64, 2 * watched_.size());
+  }
+  watched_.push_back(core);
   auto spec = std::make_shared<job_spec>();
   spec->core = core;
   spec->source = std::move(source);

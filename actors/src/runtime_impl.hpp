@@ -214,6 +214,11 @@ class runtime {
   std::uint64_t next_job_ = 1;
   std::shared_future<void> closed_;  ///< set once the scheduler has ended the producers
 
+  /// Jobs submitted, for snapshot()'s running jobs: ended and dropped ones are pruned when
+  /// the list doubles (amortized by submit()).
+  std::vector<std::weak_ptr<job_core>> watched_;
+  std::size_t prune_watched_at_ = 64;
+
   caf::actor scheduler_;
   caf::actor anchor_;  ///< owner of remote producers; nodes end them when it is gone
   std::shared_ptr<stats_box> stats_;

@@ -48,10 +48,22 @@ runner_snapshot runtime::snapshot() const {
     s.chunk_seconds = stats_->chunk_seconds;
     s.job_seconds = stats_->job_seconds;
     s.last_item_unix_seconds = stats_->last_item_unix_seconds;
+    s.chunks_sent = stats_->chunks_sent;
+    s.chunks_first_sent = stats_->chunks_first_sent;
+    s.queue_wait = stats_->queue_wait;
   }
-  std::lock_guard<std::mutex> guard{mtx_};
-  s.open = open_;
-  s.jobs_submitted = next_job_ - 1;
+  std::vector<std::shared_ptr<job_core>> jobs;
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    s.open = open_;
+    s.jobs_submitted = next_job_ - 1;
+    for (auto& w : watched_) {
+      if (jobs.size() == runner_snapshot::running_jobs_listed) break;
+      if (auto c = w.lock(); c && !c->ended()) jobs.push_back(std::move(c));
+    }
+  }
+  // Outside the runner's lock: a job's own lock is never taken under it.
+  for (auto& c : jobs) s.running_jobs.push_back({c->id(), c->current_progress()});
   return s;
 }
 

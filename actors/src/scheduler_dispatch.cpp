@@ -233,6 +233,13 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   j.next_item += x.items.size();
   unqueue(j, x.items.size());
   j.report.items = j.next_item;
+  {
+    // Items of a known-size input wait from the job's start; a generator's are made now.
+    auto waited = j.source->total() ? now - j.started : clock_type::duration::zero();
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->chunks_first_sent += 1;
+    stats_->queue_wait.observe(std::max(0.0, std::chrono::duration<double>(waited).count()));
+  }
   send(p, j, j.pieces.add(std::move(x)));
   return true;
 }
@@ -280,6 +287,10 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
   s.outstanding.push_back(rec);
   s.items += rec.items;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->chunks_sent += 1;
+  }
   if (trace_) trace_->dispatch(p, flow_id(j.id, id), rec.sent);
   auto cost =
       static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);

@@ -22,6 +22,12 @@ struct stats_box {
       {0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30}};
   seconds_histogram job_seconds{{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 60, 300, 3600}};
   double last_item_unix_seconds = 0;
+  /// Chunks handed to producers: every send (retries, re-dispatches and copies included), and
+  /// of those the first sends, whose wait queue_wait holds.
+  std::uint64_t chunks_sent = 0;
+  std::uint64_t chunks_first_sent = 0;
+  seconds_histogram queue_wait{
+      {0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300}};
 };
 
 }  // namespace troupe::detail

@@ -166,6 +166,8 @@ class progress_display {
                        rate(s.p.items_per_second) + ", " + std::to_string(s.shares.items.size()) +
                        " " + workers_;
     if (s.shares.lost > 0) line += ", " + std::to_string(s.shares.lost) + " lost";
+    // On a terminal the bar stays on its line at its final state (100 % for a finished job).
+    if (bar_) line = fit(bar_text(s)) + "\n" + line;
     write_all(line + "\n");
   }
 

@@ -166,6 +166,15 @@ std::vector<MetricFamily> collect() {
                           "When a producer last answered a chunk with outputs (unix time; 0: "
                           "never): a stall shows as its age.",
                           MetricType::Gauge);
+  auto queue_wait =
+      family("troupe_queue_wait_seconds",
+             "How long a chunk's items waited before it was first sent to a producer (from the "
+             "job's start for inputs of known size; 0 for generators, pulled when sent).",
+             MetricType::Histogram);
+  auto sent = family("troupe_chunks_sent_total",
+                     "Chunks sent to producers: attempt=first once per chunk, again for "
+                     "re-dispatches after a loss, retries and speculative copies.",
+                     MetricType::Counter);
   auto late = family("troupe_late_answers_total",
                      "Answers dropped because their producer had been given up on (fenced).",
                      MetricType::Counter);
@@ -188,6 +197,10 @@ std::vector<MetricFamily> collect() {
     add(late, rl, static_cast<double>(s.late_answers));
     add_histogram(chunk_time, rl, r.chunk_seconds);
     add_histogram(job_time, rl, r.job_seconds);
+    add_histogram(queue_wait, rl, r.queue_wait);
+    add(sent, {{"attempt", "first"}, {"runner", id}}, static_cast<double>(r.chunks_first_sent));
+    add(sent, {{"attempt", "again"}, {"runner", id}},
+        static_cast<double>(r.chunks_sent - std::min(r.chunks_sent, r.chunks_first_sent)));
     add(last_item, rl, r.last_item_unix_seconds);
     double up = 0, lost = 0, quarantined = 0, removed = 0;
     for (auto& p : s.producers) {
@@ -226,9 +239,10 @@ std::vector<MetricFamily> collect() {
     }
     add(fenced, {{"cluster", id}}, static_cast<double>(c.fenced_answers));
   }
-  for (auto* f : {&build,      &open,       &submitted, &completed, &running, &items,      &queued,
-                  &duplicated, &splits,     &late,      &p_items,   &p_busy,  &p_restarts, &p_up,
-                  &by_state,   &chunk_time, &job_time,  &last_item, &members, &fenced})
+  for (auto* f :
+       {&build,    &open,       &submitted, &completed, &running,    &items, &queued,   &duplicated,
+        &splits,   &late,       &p_items,   &p_busy,    &p_restarts, &p_up,  &by_state, &chunk_time,
+        &job_time, &queue_wait, &sent,      &last_item, &members,    &fenced})
     out.push_back(std::move(*f));
   process_metrics(out);
   return out;
@@ -259,11 +273,21 @@ td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:right}
 th:first-child,td:first-child{text-align:left}
 .bar{display:inline-block;height:.7em;background:#4a8;vertical-align:middle}
 .down{color:#b33}.removed{color:#888}
+.progress{display:inline-block;width:240px;height:.8em;background:#eee;vertical-align:middle}
+.progress span{display:block;height:100%;background:#48c}
+svg.spark{vertical-align:middle;background:#f6f6f6}
 </style></head>
 <body><h1>troupe</h1><div id="when">loading…</div><div id="runners"></div>
 <script>
 "use strict";
 let last = null;
+const rates = {};  // runner id -> the last 60 items/s samples (the sparkline)
+function spark(xs){
+  if (xs.length < 2) xs = [xs[0] || 0, xs[0] || 0];
+  const w = 180, h = 28, top = Math.max(1, ...xs);
+  const pts = xs.map((x,i)=>`${(i*w/(xs.length-1)).toFixed(1)},${(h-1-x/top*(h-2)).toFixed(1)}`).join(" ");
+  return `<svg class="spark" width="${w}" height="${h}" aria-label="items per second"><polyline fill="none" stroke="#48c" stroke-width="1.5" points="${pts}"/></svg>`;
+}
 function esc(s){return String(s).replace(/[&<>"]/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;","\"":"&quot;"}[c]));}
 function state(p){return p.removed?"removed":p.quarantined?"quarantined":p.alive?"up":"lost";}
 async function tick(){
@@ -276,8 +300,21 @@ async function tick(){
     const prev = last && last.runners.find(x=>x.id===r.id);
     const dt = prev ? now - last.time_seconds : 0;
     const rate = prev && dt>0 ? (r.items - prev.items)/dt : 0;
+    const hist = rates[r.id] = (rates[r.id] || []);
+    if (prev) { hist.push(rate); if (hist.length > 60) hist.shift(); }
     html += `<h2>runner ${r.id}${r.open?"":" (closed)"}</h2>`;
-    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)}</div>`;
+    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)} ${spark(hist)}</div>`;
+    if (r.jobs.length){
+      html += "<table><tr><th>job</th><th>progress</th><th>done</th><th>items/s</th><th>ETA</th></tr>";
+      for (const j of r.jobs){
+        const share = j.total ? Math.min(1, j.done/j.total) : null;
+        const eta = share !== null && j.items_per_second > 0 ? ((j.total-j.done)/j.items_per_second).toFixed(1)+" s" : "";
+        html += `<tr class="job" id="job-${r.id}-${j.id}"><td>${j.id}</td><td>`+
+                (share === null ? "running" : `<span class="progress"><span style="width:${(share*100).toFixed(1)}%"></span></span> ${(share*100).toFixed(0)}%`)+
+                `</td><td>${j.done}${j.total === null ? "" : "/"+j.total}</td><td>${j.items_per_second.toFixed(0)}</td><td>${eta}</td></tr>`;
+      }
+      html += "</table>";
+    }
     html += "<table><tr><th>producer</th><th>device</th><th>state</th><th>items</th><th>items/s</th><th>busy</th></tr>";
     for (const p of r.producers){
       const pp = prev && prev.producers.find(x=>x.index===p.index);
@@ -329,6 +366,15 @@ std::string status_json() {
         << ",\"removed\":" << (p.removed ? "true" : "false")
         << ",\"quarantined\":" << (p.quarantined ? "true" : "false")
         << ",\"restarts\":" << p.restarts << "}";
+      first_p = false;
+    }
+    o << "],\"jobs\":[";
+    first_p = true;
+    for (auto& j : r.running_jobs) {
+      o << (first_p ? "" : ",") << "{\"id\":" << j.id << ",\"done\":" << j.now.done
+        << ",\"total\":" << (j.now.total ? std::to_string(*j.now.total) : std::string{"null"})
+        << ",\"items_per_second\":" << number(j.now.items_per_second)
+        << ",\"elapsed_seconds\":" << number(j.now.elapsed_seconds) << "}";
       first_p = false;
     }
     o << "]}";

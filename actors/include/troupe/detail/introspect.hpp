@@ -29,6 +29,12 @@ struct seconds_histogram {
   }
 };
 
+/// A running job as an observer sees it (the status page's progress bars).
+struct job_snapshot {
+  std::uint64_t id = 0;  ///< the runner's job number (1, 2, ... in the order submitted)
+  progress now;
+};
+
 struct runner_snapshot {
   std::uint64_t id = 0;  ///< the runner's number in this process (1, 2, ...), never reused
   bool open = false;
@@ -44,6 +50,15 @@ struct runner_snapshot {
   seconds_histogram job_seconds;
   /// When the last output was worked (unix seconds; 0: none yet): stalls show as its age.
   double last_item_unix_seconds = 0;
+  /// Chunks handed to producers (every send) and first sends (of each chunk once).
+  std::uint64_t chunks_sent = 0;
+  std::uint64_t chunks_first_sent = 0;
+  /// How long a chunk's items waited before its first send: from the job's start for inputs of
+  /// known size (their items are there from submit()), none for generators (pulled when sent).
+  seconds_histogram queue_wait;
+  /// Running jobs, oldest first, at most running_jobs_listed of them.
+  std::vector<job_snapshot> running_jobs;
+  static constexpr std::size_t running_jobs_listed = 32;
 };
 
 /// Every runner alive in this process, oldest first.

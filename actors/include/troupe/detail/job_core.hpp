@@ -88,6 +88,8 @@ class job_core {
   // -- the caller's side --------------------------------------------------------------------
 
   [[nodiscard]] bool done() const;
+  /// done(), without the lock (for observers).
+  [[nodiscard]] bool ended() const noexcept { return ended_.load(std::memory_order_acquire); }
   /// Throws invalid_argument on troupe's own threads for an unfinished job and a wait longer
   /// than zero (it would wait for itself). milliseconds::max() waits forever.
   [[nodiscard]] bool wait_for(std::chrono::milliseconds d);
