@@ -1,4 +1,5 @@
-// The ring all-reduce's data plane (ring_plane.hpp).
+// The ring all-reduce's data plane (ring_plane.hpp): the listener and a ring's run (its thread);
+// keys, the chunks' slicing and the tests' switches are in ring_plane_keys.cpp.
 #include "ring_plane.hpp"
 
 #include <fcntl.h>
@@ -13,7 +14,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -105,57 +105,6 @@ void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t byt
           .add_(at::from_blob(const_cast<unsigned char*>(src), {count}, s_.buf.options()));
     }
   }
-}
-
-std::atomic<int> test_delay_ms{0};
-std::atomic<int> test_fail_rings{0};
-
-bool take_test_failure() noexcept {
-  int left = test_fail_rings.load();
-  while (left > 0 && !test_fail_rings.compare_exchange_weak(left, left - 1)) {
-  }
-  return left > 0;
-}
-
-key random_key() {
-  std::random_device rd;
-  key k{};
-  for (std::size_t i = 0; i < k.size(); i += 4) {
-    auto v = rd();
-    for (std::size_t j = 0; j < 4; ++j) k[i + j] = static_cast<std::uint8_t>(v >> (8 * j));
-  }
-  return k;
-}
-
-std::string to_hex(const key& k) {
-  static const char* digits = "0123456789abcdef";
-  std::string s;
-  for (auto b : k) {
-    s += digits[b >> 4];
-    s += digits[b & 15];
-  }
-  return s;
-}
-
-key from_hex(const std::string& s) {
-  if (s.size() != 32) throw std::invalid_argument("a ring key of the wrong length");
-  auto digit = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    throw std::invalid_argument("a ring key that is not hex");
-  };
-  key k{};
-  for (std::size_t i = 0; i < k.size(); ++i)
-    k[i] = static_cast<std::uint8_t>(digit(s[2 * i]) * 16 + digit(s[2 * i + 1]));
-  return k;
-}
-
-std::pair<std::int64_t, std::int64_t> chunk_range(std::int64_t numel, std::uint32_t pieces,
-                                                  std::uint32_t n, std::uint32_t piece,
-                                                  std::uint32_t k) {
-  auto pb = numel * piece / pieces, pe = numel * (piece + 1) / pieces;
-  auto len = pe - pb;
-  return {pb + len * k / n, pb + len * (k + 1) / n};
 }
 
 // -- listener -----------------------------------------------------------------------------------

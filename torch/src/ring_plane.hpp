@@ -1,7 +1,8 @@
 // The ring all-reduce's data plane between replicas on nodes: one TCP connection from each
 // replica to the next, the gradient written straight from and read straight into its tensor
 // (CAF's path copies every byte into its buffers on both sides). Membership, the ring's
-// order, recovery and errors stay with the actors (train.cpp); this moves bytes only.
+// order, recovery and errors stay with the actors (train_replica_actor.cpp, train_step.cpp);
+// this moves bytes only.
 // Design notes and the measurements behind it: docs/api.md ("Training: data_parallel": "The ring's
 // data", "How it works").
 #pragma once

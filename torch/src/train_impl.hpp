@@ -1,0 +1,278 @@
+// Data-parallel training: the coordinator (trainer::impl). Its requests to the replicas:
+// train_requests.cpp; a step: train_step.cpp; starting, adding and removing replicas, following
+// a cluster: train_members.cpp; trainer's public functions: train.cpp.
+#pragma once
+
+#include <caf/scoped_actor.hpp>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <type_traits>
+
+#include "train_msg.hpp"
+#include "troupe/detail/cluster_state.hpp"
+#include "troupe/internal/bulk.hpp"
+#include "troupe/log.hpp"
+
+namespace troupe::detail {
+
+struct trainer::impl {
+  /// data_parallel built from a live cluster: the cluster's changes, applied between steps (a
+  /// change waits for the step under way: `calls`). Registered before the trainer exists; the
+  /// changes it hears until attach() are kept and applied then.
+  struct follower final : cluster_follower {
+    /// A change (or needs()) under way in the trainer: detach() waits for its end.
+    struct in_use {
+      const follower* f;
+      ~in_use() {
+        std::lock_guard<std::mutex> guard{f->mtx};
+        f->busy -= 1;
+        f->idle.notify_all();
+      }
+    };
+    void on_event(const membership_event& e) override {
+      impl* p = nullptr;
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        if (!attached) {
+          pending.push_back(e);
+          return;
+        }
+        if (target == nullptr) return;
+        p = target;
+        busy += 1;
+      }
+      in_use done{this};
+      p->follow_change(e);
+    }
+    [[nodiscard]] bool needs(const std::string& node) const override {
+      impl* p = nullptr;
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        if (target == nullptr) return false;
+        p = target;
+        busy += 1;
+      }
+      in_use done{this};
+      return p->only_on(node);
+    }
+    void attach(impl* p) {
+      std::lock_guard<std::mutex> guard{mtx};
+      target = p;
+      attached = true;
+      for (auto& e : pending) {
+        try {
+          p->follow_change(e);
+        } catch (const std::exception& x) {
+          log(log_level::warn, std::string{"data_parallel could not follow its cluster ("} +
+                                   to_string(e.what) + " of " + e.node + "): " + x.what());
+        }
+      }
+      pending.clear();
+    }
+    void detach() noexcept {
+      std::unique_lock<std::mutex> lock{mtx};
+      target = nullptr;
+      attached = true;
+      pending.clear();
+      idle.wait(lock, [this] { return busy == 0; });
+    }
+    mutable std::mutex mtx;
+    mutable std::condition_variable idle;
+    mutable std::size_t busy = 0;
+    impl* target = nullptr;
+    bool attached = false;
+    std::vector<membership_event> pending;
+  };
+  /// One call at a time (the caller's, or a cluster's change between steps).
+  std::recursive_mutex calls;
+  std::shared_ptr<cluster_state> cluster;  ///< the cluster it follows, if any
+  std::shared_ptr<follower> follows;
+  /// Replicas on `devices` (constructed in order), given the others' state.
+  void add(const std::vector<device>& devices);
+  /// The replicas on `devices` leave (between steps).
+  void remove(const std::vector<device>& devices);
+  /// A cluster's change: joined / rejoined nodes get replicas, draining ones leave.
+  void follow_change(const membership_event& e);
+  /// Whether every live replica is on `node`.
+  bool only_on(const std::string& node);
+
+  struct member {
+    device d;
+    caf::actor a;
+    double rate = 0;  ///< shards per second, 0 before the first measurement
+    bool alive = true;
+    /// The port where it takes its left ring neighbour's data (ring_plane.hpp), 0: none.
+    std::uint16_t data_port = 0;
+    /// Its actor is gone or given up on (lost, stuck, retired): never waited for again.
+    bool gone = false;
+    replica_stats st;
+  };
+  /// A request on its way: to whom, and (backward) which shards.
+  struct pending {
+    std::size_t member = 0;
+    clock::time_point sent;
+    std::uint64_t a = 0, b = 0;
+  };
+  /// The first failed answer among a batch of requests (thrown once all answers are in).
+  struct first_failure {
+    std::optional<chunk_result> result;
+    std::size_t member = 0;
+    /// Keeps `r` when it failed and is the first to; true when it failed.
+    bool failed(const pending& p, const chunk_result& r) {
+      if (r.ok()) return false;
+      if (!result) {
+        result = r;
+        member = p.member;
+      }
+      return true;
+    }
+  };
+
+  config cfg;
+  train_options o;
+  std::string job;
+  replica_maker make = nullptr;
+  std::string signature;
+  bool networked = false;  ///< on the process's network system (else on the local one)
+  caf::actor_system* sys = nullptr;
+  std::unique_ptr<caf::scoped_actor> self;
+  caf::actor owner;  ///< nodes end our replicas when this actor ends
+  std::map<std::string, caf::actor> nodes;
+  std::vector<member> members;
+  std::uint64_t next_id = 1;
+  train_stats stats;
+  std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
+  bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
+  bool ring_timed_out = false;   ///< the last ring went past replica_timeout
+  /// A ring that timed out while every replica answered on its own (a pause, a flood): the next
+  /// ring_pause steps reduce through the coordinator; the pause doubles with every such ring
+  /// (up to 256 steps) and is back to 1 after a ring that completes.
+  std::uint64_t ring_pause = 1, ring_paused_until = 0;
+  /// Rings among replicas that all have a data port use it; false once such a ring failed
+  /// while no replica was lost (a port the others cannot reach): CAF's path from then on.
+  bool plane_ok = true;
+  bool plane_failed = false;  ///< the last ring was over the data plane and failed
+  /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
+  /// its own gradients. The next step() first copies the first replica's state to the others.
+  bool states_differ = false;
+  /// Gradients at least this large, with a replica on a node, are all-reduced in a ring.
+  static constexpr std::uint64_t ring_min_bytes = std::uint64_t{256} << 10;
+
+  bool use_ring(const std::vector<std::size_t>& live) const;
+  /// All-reduces the live replicas' partial sums of step `attempt` in a ring. False when a
+  /// replica was lost or failed meanwhile (the sums are then unusable).
+  bool ring_all_reduce(std::uint64_t attempt);
+
+  ~impl();
+  /// How long the destructor waits for local replicas to free what they hold.
+  static constexpr std::chrono::seconds release_wait{5};
+
+  std::vector<std::size_t> alive() const;
+  std::uint64_t send(std::size_t who, train_msg msg);
+  /// Takes `who` out of the step. Its actor is told to exit (`abandon`: it may be stuck, or is
+  /// gone already), or, a local one that is idle, left to `retire` (which waits for it to free
+  /// its tensors and device).
+  void drop(std::size_t who, bool abandon = true);
+  /// Drops `who`, replicas that are idle (they answered), and retires them.
+  void drop_idle(const std::vector<std::size_t>& who);
+  /// Local replicas among `who` free everything they hold (waited for, at most release_wait
+  /// for one still busy in user code, which is then left behind); the others are told to exit.
+  void retire(const std::vector<std::size_t>& who);
+
+  /// Waits for every request in `waiting`: `on_reply(id, pending, result, msg)` for answers,
+  /// `on_lost(pending)` for requests whose replica was lost (dropped first).
+  /// With `replica_timeout`, requests older than it are lost (their replicas dropped), unless
+  /// `on_late` is given: then it is called instead, and decides.
+  template <class OnReply, class OnLost, class OnLate = std::nullptr_t>
+  void wait(std::map<std::uint64_t, pending>& waiting, OnReply on_reply, OnLost on_lost,
+            OnLate on_late = nullptr) {
+    auto lose = [&](std::size_t who) {
+      drop(who);
+      std::vector<pending> gone;
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (it->second.member == who) {
+          gone.push_back(it->second);
+          it = waiting.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& p : gone) on_lost(p);
+    };
+    while (!waiting.empty()) {
+      auto on_result = [&](chunk_result& r) {
+        auto it = waiting.find(r.run);
+        if (it == waiting.end()) return;  // a request given up on
+        auto p = it->second;
+        waiting.erase(it);
+        train_msg msg;
+        if (r.ok()) {
+          try {
+            auto joined = bulk::resolve(r.outputs);
+            auto* b = joined.as<train_msg>();
+            if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
+            msg = std::move(b->items[0]);
+          } catch (const std::exception& e) {
+            r.code = errc::protocol_error;
+            r.what = e.what();
+          }
+        }
+        on_reply(p, r, msg);
+      };
+      auto on_down = [&](caf::down_msg& dm) {
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (members[i].alive && members[i].a.address() == dm.source) lose(i);
+      };
+      if (o.replica_timeout.count() > 0) {
+        auto first = clock::time_point::max();
+        for (auto& [id, p] : waiting) first = std::min(first, p.sent);
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            first + o.replica_timeout - clock::now());
+        bool late = false;
+        (*self)->receive(
+            on_result, on_down, [](const bulk::fragment&) {},
+            caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { late = true; });
+        if constexpr (!std::is_same_v<OnLate, std::nullptr_t>) {
+          if (late) on_late();
+        } else if (late) {
+          auto now = clock::now();
+          std::vector<std::size_t> slow;
+          for (auto& [id, p] : waiting)
+            if (now - p.sent >= o.replica_timeout) slow.push_back(p.member);
+          for (auto who : slow) lose(who);
+        }
+      } else {
+        (*self)->receive(on_result, on_down, [](const bulk::fragment&) {});
+      }
+    }
+  }
+
+  /// Sends `msg` to each of `who` and waits for all; returns the answers by member. Throws the
+  /// first error (after every answer is in); lost members are dropped.
+  /// `drop_failed`: when some (not all) of `who` fail, those are dropped (and retired) before
+  /// the error is thrown, so that the others stay identical (a command that changes state).
+  std::map<std::size_t, train_msg> everyone(const std::vector<std::size_t>& who,
+                                            const train_msg& msg, bool drop_failed = false);
+  [[noreturn]] void raise(const chunk_result& r, std::size_t who);
+  caf::actor node_actor(const std::string& address);
+  /// `fresh` in rounds that hold at most one replica per process (the caller's, or a node's):
+  /// the k-th round holds the k-th replica of each process, in member order.
+  std::vector<std::vector<std::size_t>> construction_rounds(const std::vector<std::size_t>& fresh);
+  /// Spawns and starts replicas on `devices`; returns their member indexes.
+  std::vector<std::size_t> start(const std::vector<device>& devices);
+  /// Copies the state (parameters, optimizer) of the first live replica not in `to` into `to`.
+  void copy_state(const std::vector<std::size_t>& to);
+  /// Splits shards [a, b) among `who` in proportion to their speed (even before it is known).
+  /// When there are at least as many shards as replicas, each gets one before the rest is
+  /// split: a replica measured slow once (a hiccup) would otherwise get none, and so never be
+  /// measured again.
+  /// Shards [a, b) among `who` by their measured speed (train_core::split).
+  std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> split(
+      std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even);
+  double step(const batch& samples, mode m);
+  std::map<std::size_t, train_msg> get_params(const std::vector<std::size_t>& who);
+};
+
+}  // namespace troupe::detail

@@ -1,0 +1,194 @@
+// Data-parallel training, the coordinator's members (train_impl.hpp): starting replicas (here
+// and on nodes), copying state to new ones, adding and removing devices, following a cluster.
+#include <algorithm>
+
+#include "train_impl.hpp"
+#include "troupe/detail/network.hpp"
+
+namespace troupe::detail {
+
+caf::actor trainer::impl::node_actor(const std::string& address) {
+  if (auto it = nodes.find(address); it != nodes.end()) return it->second;
+  auto a = connect_node(*sys, address, tls_for(address), std::chrono::seconds{5}, nullptr);
+  nodes[address] = a;
+  return a;
+}
+
+std::vector<std::vector<std::size_t>> trainer::impl::construction_rounds(
+    const std::vector<std::size_t>& fresh) {
+  std::map<std::string, std::size_t> seen;  // process ("" = this one) -> replicas so far
+  std::vector<std::vector<std::size_t>> rounds;
+  for (auto i : fresh) {
+    auto k = seen[members[i].d.is_local() ? std::string{} : members[i].d.node()]++;
+    if (rounds.size() <= k) rounds.resize(k + 1);
+    rounds[k].push_back(i);
+  }
+  return rounds;
+}
+
+std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices) {
+  std::vector<std::size_t> fresh;
+  for (auto& d : devices) {
+    caf::actor a;
+    if (d.is_local()) {
+      if (auto why = why_unavailable(d); !why.empty()) throw device_unavailable(why);
+      a = spawn_replica(*sys, d, cfg, make);
+    } else {
+      if (!networked)
+        throw invalid_argument(
+            "device " + d.str() +
+            " is on a node, but this data_parallel was built over local devices only: name a "
+            "node's device in the constructor's list to train over the network");
+      if (job.empty())
+        throw invalid_argument(
+            "replicas on nodes need the job registered: TROUPE_REGISTER_JOB(...) in this program "
+            "and the node's");
+      auto n = node_actor(d.node());
+      std::optional<caf::error> err;
+      (*self)
+          ->request(n, std::chrono::seconds{10},
+                    spawn_producer{job, signature, d.local().str(), cfg, members.size()}, owner)
+          .receive([&](caf::actor& r) { a = std::move(r); }, [&](caf::error& e) { err = e; });
+      if (err)
+        throw_error(error_code(*err) == errc::none ? errc::node_error : error_code(*err),
+                    "cannot start a replica on " + d.str() + ": " + error_text(*err));
+    }
+    (*self)->monitor(a);
+    member m;
+    m.d = d;
+    m.a = a;
+    m.st.device = d.str();
+    members.push_back(std::move(m));
+    fresh.push_back(members.size() - 1);
+  }
+  train_msg init;
+  init.code = static_cast<std::uint8_t>(op::init);
+  try {
+    // The replicas' constructors run one at a time in each process, in member order (replica
+    // 0 first): a constructor that seeds torch's global generator and builds its model
+    // (torch::manual_seed(s); net = Net();) must not have its draws interleaved with another
+    // replica's. Processes differ in their generators, so each round starts the next replica
+    // of every process at once.
+    for (auto& round : construction_rounds(fresh))
+      for (auto& [who, msg] : everyone(round, init)) {
+        if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
+        members[who].data_port =
+            msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
+      }
+  } catch (...) {
+    // The replicas that started are idle: freed before the exception leaves (the one that
+    // failed too; one stuck past replica_timeout was given up on already).
+    drop_idle(fresh);
+    throw;
+  }
+  for (auto i : fresh)
+    if (!members[i].alive)
+      throw node_error("replica on " + members[i].d.str() + " was lost while starting");
+  return fresh;
+}
+
+void trainer::impl::copy_state(const std::vector<std::size_t>& to) {
+  for (auto from : alive()) {
+    if (std::find(to.begin(), to.end(), from) != to.end()) continue;
+    train_msg get;
+    get.code = static_cast<std::uint8_t>(op::get_state);
+    auto got = everyone({from}, get);
+    if (got.empty()) continue;  // lost meanwhile: the next one
+    train_msg set;
+    set.code = static_cast<std::uint8_t>(op::set_state);
+    set.tensors = std::move(got.begin()->second.tensors);
+    everyone(to, set);
+    return;
+  }
+}
+
+void trainer::impl::add(const std::vector<device>& devices) {
+  auto& p = *this;
+  auto fresh = p.start(devices);
+  try {
+    p.copy_state(fresh);
+  } catch (...) {
+    // The new replicas did not get the others' state: they leave before the exception does.
+    p.drop_idle(fresh);
+    throw;
+  }
+}
+
+void trainer::impl::remove(const std::vector<device>& devices) {
+  auto& p = *this;
+  std::vector<std::size_t> removed;
+  for (auto& d : devices) {
+    bool found = false;
+    for (std::size_t i = 0; i < p.members.size() && !found; ++i) {
+      if (p.members[i].alive && p.members[i].d == d) {
+        p.members[i].alive = false;
+        (*p.self)->demonitor(p.members[i].a);
+        removed.push_back(i);
+        found = true;
+      }
+    }
+    if (!found) {
+      p.retire(removed);
+      throw invalid_argument("no replica on " + d.str() + " to remove");
+    }
+  }
+  p.retire(removed);  // between steps: idle, so a local one frees its tensors at once
+}
+
+void trainer::impl::follow_change(const membership_event& e) {
+  std::lock_guard<std::recursive_mutex> guard{calls};
+  auto on_node = [&] {
+    std::vector<device> there;
+    for (auto& m : members)
+      if (m.alive && !m.d.is_local() && m.d.node() == e.node) there.push_back(m.d);
+    return there;
+  };
+  switch (e.what) {
+    case membership_event::joined:
+    case membership_event::rejoined: {
+      nodes.erase(e.node);  // a restarted node is another process: connect anew
+      if (e.what == membership_event::rejoined)  // the old process's replicas are gone
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (members[i].alive && !members[i].d.is_local() && members[i].d.node() == e.node)
+            drop(i);
+      auto here = on_node();
+      std::vector<device> fresh;
+      for (auto& d : e.devices) {
+        auto i = std::find(here.begin(), here.end(), d);
+        if (i != here.end())
+          here.erase(i);
+        else
+          fresh.push_back(d);
+      }
+      if (!fresh.empty()) add(fresh);
+      return;
+    }
+    case membership_event::draining: {
+      auto there = on_node();
+      if (!there.empty()) remove(there);
+      return;
+    }
+    case membership_event::lost:
+      // Given up on by the cluster: its replicas are lost now (the next step does not wait for
+      // them), whatever they answer later is not used.
+      nodes.erase(e.node);
+      for (std::size_t i = 0; i < members.size(); ++i)
+        if (members[i].alive && !members[i].d.is_local() && members[i].d.node() == e.node) drop(i);
+      return;
+    case membership_event::drained:
+      return;
+  }
+}
+
+bool trainer::impl::only_on(const std::string& node) {
+  std::lock_guard<std::recursive_mutex> guard{calls};
+  bool any = false;
+  for (auto& m : members) {
+    if (!m.alive) continue;
+    if (m.d.is_local() || m.d.node() != node) return false;
+    any = true;
+  }
+  return any;
+}
+
+}  // namespace troupe::detail

@@ -1,0 +1,106 @@
+// Data-parallel training: what the coordinator (train_*.cpp) and its replicas (train_replica*.cpp)
+// share: their message, the fixed summation tree on tensors, and the replica's entry points.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "train_core.hpp"
+#include "troupe/protocol.hpp"
+#include "troupe/train.hpp"
+
+namespace troupe::detail {
+
+using clock = std::chrono::steady_clock;
+
+enum class op : std::uint8_t {
+  init,
+  backward,
+  apply,
+  get_params,
+  set_params,
+  get_state,
+  set_state,
+  ring_chunk,
+};
+/// fast: a partial sum per replica, summed by the coordinator; ring: partial sums kept by the
+/// replicas and all-reduced among them in a ring (replicas on nodes, large gradients);
+/// deterministic: a fixed tree over shard indices; local: every replica steps on its own.
+enum class reduction : std::uint8_t { fast, deterministic, local, ring };
+
+/// One command to a replica, or its answer.
+struct train_msg {
+  std::uint8_t code = 0;   ///< op
+  std::uint8_t mode = 0;   ///< reduction (backward, apply)
+  std::uint64_t step = 0;  ///< the coordinator's id of this attempt at a step (backward)
+  std::uint64_t total_shards = 0;
+  std::uint64_t first_shard = 0;
+  std::uint64_t end_shard = 0;
+  std::uint64_t shard_size = 0;
+  std::uint64_t first_sample = 0;  ///< global index of samples[0]
+  batch samples;
+  std::vector<at::Tensor> tensors;   ///< gradients, parameters, a state archive (bytes)
+  std::vector<std::uint64_t> nodes;  ///< deterministic: (level, index) of each gradient tensor
+  std::vector<double> losses;        ///< per shard
+  std::string text;                  ///< the replica's device (init)
+  std::int64_t busy_ns = 0;
+  double divisor = 1;  ///< apply: the gradient is the sum divided by this (on the replica)
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
+  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.step, x.total_shards,
+           x.first_shard, x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes,
+           x.losses, x.text, x.busy_ns, x.divisor);
+}
+
+// -- the fixed summation tree over shard indices (train_core.hpp), on tensors --------------------
+
+using train_core::node_key;
+using train_core::tree_top;
+
+/// Adds y into x (x is the caller's to reuse).
+inline at::Tensor add_into(at::Tensor x, at::Tensor y) {
+  return x.add_(y);
+}
+
+/// The largest tree nodes inside [a, b), computed in shard order, for the coordinator.
+template <class Leaf>
+void tree_blocks(std::uint64_t a, std::uint64_t b, std::uint64_t shards, Leaf& leaf,
+                 train_msg& out) {
+  auto add = &add_into;
+  for (auto [l, i] : train_core::tree_blocks(a, b, shards)) {
+    out.tensors.push_back(train_core::tree_value<at::Tensor>(l, i, shards, leaf, add).cpu());
+    out.nodes.push_back(static_cast<std::uint64_t>(l));
+    out.nodes.push_back(i);
+  }
+}
+
+inline at::Tensor tree_combine(int l, std::uint64_t i, std::uint64_t shards,
+                               std::map<node_key, at::Tensor>& have) {
+  auto add = &add_into;
+  try {
+    return train_core::tree_combine<at::Tensor>(l, i, shards, have, add);
+  } catch (const train_core::missing_shard& e) {
+    throw protocol_error(e.what());
+  }
+}
+
+// -- the replica actor (train_replica*.cpp) -------------------------------------------------------
+
+/// The tensors `xs`, flattened and concatenated into one.
+at::Tensor flat(const std::vector<at::Tensor>& xs);
+/// A byte tensor holding `s`.
+at::Tensor bytes_tensor(const std::string& s);
+/// Spawns a replica actor for device `d` of this process (detached: a thread of its own).
+caf::actor spawn_replica(caf::actor_system& sys, const device& d, const config& cfg,
+                         replica_maker make);
+
+}  // namespace troupe::detail
