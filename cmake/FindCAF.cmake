@@ -11,8 +11,13 @@
 # system CAF (Debian's
 # libcaf-dev) is used with a warning: it builds, but the network hardening is missing.
 # Sets CAF_TROUPE_PATCHED when the CAF found carries troupe's patches.
-set(TROUPE_CAF_PREFIX "$ENV{TROUPE_CAF_PREFIX}" CACHE PATH
-    "Prefix of CAF 0.17.6 with troupe's patches (tools/build_caf.sh)")
+# Only when not set already: under CMake < 3.21 policies (a consumer project's
+# cmake_minimum_required(VERSION 3.16)), set(CACHE) would drop the normal variable that
+# troupeConfig.cmake sets to the prefix troupe was built with (policy CMP0126).
+if(NOT DEFINED TROUPE_CAF_PREFIX)
+  set(TROUPE_CAF_PREFIX "$ENV{TROUPE_CAF_PREFIX}" CACHE PATH
+      "Prefix of CAF 0.17.6 with troupe's patches (tools/build_caf.sh)")
+endif()
 # A changed prefix must search again rather than keep the cached results of the old one.
 if(NOT "${TROUPE_CAF_PREFIX}" STREQUAL "${_TROUPE_CAF_SEARCHED}")
   unset(CAF_INCLUDE_DIR CACHE)

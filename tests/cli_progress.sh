@@ -55,7 +55,9 @@ if ! command -v tmux > /dev/null; then
   exit 77
 fi
 sock="$dir/tmux.sock"
-tmux -S "$sock" new-session -d -x 120 -y 12 "$command; echo EXITED \$?; sleep 60"
+# -f /dev/null: none of the user's tmux settings (default-shell, remain-on-exit) apply.
+tmux -S "$sock" -f /dev/null new-session -d -x 120 -y 12 \
+  "bash -c $(printf %q "$command; echo EXITED \$?; sleep 60")"
 trap 'tmux -S "$sock" kill-server 2>/dev/null || true; rm -rf "$dir"' EXIT
 seen=()
 for _ in $(seq 1 600); do

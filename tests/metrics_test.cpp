@@ -7,14 +7,24 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <caf/actor_system.hpp>
+#include <caf/event_based_actor.hpp>
+#include <caf/io/middleman.hpp>
+#include <caf/scoped_actor.hpp>
+#include <caf/send.hpp>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <regex>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <troupe/detail/network.hpp>
 #include <troupe/metrics.hpp>
+#include <troupe/protocol.hpp>
 
+#include "remote_jobs.hpp"
 #include "test_jobs.hpp"
 #include "test_util.hpp"
 
@@ -159,32 +169,160 @@ struct held_squares {
   };
 };
 
-TEST(Metrics, StatusJsonListsRunningJobsWithTheirProgressAndForgetsEndedOnes) {
+/// One producer taking one item at a time, held on item 4 until `release` opens.
+struct held_runner {
   test_util::latch release;
-  held_squares::release = &release;
-  troupe::options opts;
-  opts.chunk_size = 1;
-  troupe::unordered_runner<held_squares> runner{1, {}, opts};
+  troupe::unordered_runner<held_squares> runner{1, {}, one_item_chunks()};
+  held_runner() { held_squares::release = &release; }
+  static troupe::options one_item_chunks() {
+    troupe::options o;
+    o.chunk_size = 1;
+    return o;
+  }
+};
+
+TEST(Metrics, StatusJsonListsRunningJobsWithTheirProgressAndForgetsEndedOnes) {
+  held_runner held;
+  auto& runner = held.runner;
   auto h = runner.submit(test_util::iota(10));
   // Items 0..3 reach the consumer while 4 is held (progress is published at most every
   // 100 ms: done is at most 4 of 10 meanwhile).
   std::regex running(
       "\"jobs\":\\[\\{\"id\":1"  // the runner's first job
-
       ",\"done\":[0-4],\"total\":10,\"items_per_second\":");
   auto status = troupe::status_json();
   EXPECT_TRUE(std::regex_search(status, running)) << status;
   EXPECT_FALSE(h.done()) << "listed while it runs";
-  release.open();
+  held.release.open();
   EXPECT_EQ(h.get(), 285);
   // Ended: no longer listed, though its handle is kept.
   EXPECT_NE(troupe::status_json().find("\"jobs\":[]"), std::string::npos) << troupe::status_json();
-  // Many ended jobs with their handles kept: none listed, and the list of a later running job
-  // stays within its cap.
+  // Many ended jobs with their handles kept: none listed.
   std::vector<decltype(h)> kept;
   for (int i = 0; i < 300; ++i) kept.push_back(runner.submit(test_util::iota(3)));
   for (auto& k : kept) EXPECT_EQ(k.get(), 5);
   EXPECT_NE(troupe::status_json().find("\"jobs\":[]"), std::string::npos);
+}
+
+TEST(Metrics, StatusJsonListsTheOldestThirtyTwoRunningJobs) {
+  // 40 running jobs (the first holds the only producer; 300 ended ones before them, handles
+  // kept): exactly the 32 oldest running ones are listed, in order.
+  held_runner held;
+  auto& runner = held.runner;
+  std::vector<troupe::job_handle<std::int64_t>> ended, running;
+  for (int i = 0; i < 300; ++i) ended.push_back(runner.submit(test_util::iota(3)));
+  for (auto& k : ended) EXPECT_EQ(k.get(), 5);
+  for (int i = 0; i < 40; ++i) running.push_back(runner.submit(test_util::iota(10)));
+  auto status = troupe::status_json();
+  std::regex job("\\{\"id\":([0-9]+),\"done\":[0-9]+,\"total\":10,");
+  std::vector<int> ids;
+  for (std::sregex_iterator i(status.begin(), status.end(), job), e; i != e; ++i)
+    ids.push_back(std::stoi((*i)[1]));
+  std::vector<int> expected(32);
+  std::iota(expected.begin(), expected.end(), 301);  // jobs 301..332 of this runner
+  EXPECT_EQ(ids, expected) << status;
+  held.release.open();
+  for (auto& k : running) EXPECT_EQ(k.get(), 285);
+  EXPECT_NE(troupe::status_json().find("\"jobs\":[]"), std::string::npos);
+}
+
+TEST(Metrics, ANodeServedByThisProcessHasItsOwnNumbers) {
+  // A node in this process, and a runner over its two producers: the node's numbers while the
+  // runner lives and after it has gone; a refused request counted; the process's worked items.
+  test_util::watchdog dog{std::chrono::seconds{60}, "a node's metrics"};
+  auto node = troupe::node::serve("127.0.0.1:0", {"cpu", "cpu"});
+  auto at = node.address();
+  auto series = [&](const std::string& name) { return name + "{node=\"" + at + "\"}"; };
+  auto before_items = sample(troupe::metrics_text(), "troupe_worked_items_total");
+  {
+    troupe::options opts;
+    opts.speculative = false;  // no copies: each item worked once
+    troupe::unordered_runner<remote_squares> runner{
+        {troupe::device{at + "/cpu"}, troupe::device{at + "/cpu"}}, {}, opts};
+    EXPECT_EQ(runner.run(test_util::iota(1000)), test_util::sum_of_squares(1000));
+    auto text = troupe::metrics_text();
+    EXPECT_EQ(sample(text, series("troupe_node_producers")), 2) << text;
+    EXPECT_EQ(sample(text, series("troupe_node_coordinators")), 1);
+    EXPECT_EQ(sample(text, series("troupe_node_producers_spawned_total")), 2);
+    EXPECT_EQ(sample(text, series("troupe_node_spawns_refused_total")), 0);
+    EXPECT_EQ(sample(text, series("troupe_node_draining")), 0);
+    // Every item was worked by a producer living in this process (the node's).
+    EXPECT_EQ(sample(text, "troupe_worked_items_total") - before_items, 1000);
+    auto status = troupe::status_json();
+    EXPECT_NE(status.find("\"nodes\":[{\"address\":\"" + at + "\""), std::string::npos) << status;
+  }
+  // The runner is gone: its producers end on the node (the node hears it in its own time).
+  double left = -1;
+  for (int i = 0; i < 5000 && left != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{2});
+    left = sample(troupe::metrics_text(), series("troupe_node_producers"));
+  }
+  EXPECT_EQ(left, 0);
+  // A device the node does not offer: refused, and counted.
+  EXPECT_THROW((troupe::unordered_runner<remote_squares>{{troupe::device{at + "/cuda:7"}}}),
+               troupe::error);
+  auto text = troupe::metrics_text();
+  EXPECT_EQ(sample(text, series("troupe_node_spawns_refused_total")), 1) << text;
+  EXPECT_EQ(sample(text, series("troupe_node_producers_spawned_total")), 2);
+  node.stop();
+  EXPECT_EQ(troupe::metrics_text().find("troupe_node_producers{"), std::string::npos)
+      << "a stopped node is no longer listed";
+}
+
+TEST(NodesHostile, WatchRequestsInBulkAreCappedAndWatchersThatEndAreForgotten) {
+  // 1,100 actors each ask a node to watch them (as a cluster's listener does), one of them
+  // twice: the node keeps at most 1,024 (node_state::max_watchers), counts none twice, and
+  // forgets each one that ends. Seen through the node's own metric.
+  test_util::watchdog dog{std::chrono::seconds{60}, "watch requests in bulk"};
+  auto node = troupe::node::serve("127.0.0.1:0", {"cpu"});
+  auto at = node.address();
+  auto& sys = troupe::detail::network_system({});
+  auto colon = at.rfind(':');
+  auto target = sys.middleman().remote_actor(
+      at.substr(0, colon), static_cast<std::uint16_t>(std::stoi(at.substr(colon + 1))));
+  ASSERT_TRUE(target) << sys.render(target.error());
+  auto watchers = [&] {
+    return sample(troupe::metrics_text(), "troupe_node_watchers{node=\"" + at + "\"}");
+  };
+  auto until = [&](double want) {
+    double got = -1;
+    for (int i = 0; i < 10000 && got != want; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds{1});
+      got = watchers();
+    }
+    return got;
+  };
+  std::vector<caf::actor> crowd;
+  for (int i = 0; i < 1100; ++i) {
+    // An argument, however useless: CAF 0.17.6 needs one for a spawn of a function.
+    crowd.push_back(sys.spawn(
+        [](caf::event_based_actor*, bool) -> caf::behavior {
+          return {[](troupe::leaving_atom, std::uint64_t) {}};
+        },
+        true));
+    caf::send_as(crowd.back(), *target, troupe::watch_atom::value);
+    // The first one asks twice, before the cap is reached: kept once (were it kept twice, one
+    // entry would outlive it below).
+    if (i == 0) caf::send_as(crowd.back(), *target, troupe::watch_atom::value);
+  }
+  // A request after all of them is answered after all of them (one mailbox, in order).
+  caf::scoped_actor self{sys};
+  self->request(*target, std::chrono::seconds{30}, troupe::hello_atom::value)
+      .receive([](const troupe::node_hello&) {},
+               [](const caf::error& e) { FAIL() << "no hello: " << to_string(e); });
+  EXPECT_EQ(watchers(), 1024);
+  // Every one of them ends: the node forgets them all (it monitors each one it keeps).
+  for (auto& a : crowd) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  crowd.clear();
+  EXPECT_EQ(until(0), 0);
+  // Room again: a new watcher is kept.
+  auto late =
+      sys.spawn([](caf::event_based_actor*,
+                   bool) -> caf::behavior { return {[](troupe::leaving_atom, std::uint64_t) {}}; },
+                true);
+  caf::send_as(late, *target, troupe::watch_atom::value);
+  EXPECT_EQ(until(1), 1);
+  caf::anon_send_exit(late, caf::exit_reason::user_shutdown);
 }
 
 TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {

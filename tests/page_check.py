@@ -91,8 +91,8 @@ def main():
 
     work = tempfile.mkdtemp()
     err = open(os.path.join(work, "err"), "w+")
-    # About 20 s of work at most; the program is ended once the page has been checked.
-    proc = subprocess.Popen([example, "--devices", "cpu,cpu", "--items", "20000", "--work-ms", "1",
+    # About 100 s of work (far more than the checks take); ended once the page is checked.
+    proc = subprocess.Popen([example, "--devices", "cpu,cpu", "--items", "200000", "--work-ms", "1",
                              "--power", "2",
                              "--metrics", "127.0.0.1:0", "--progress", "off"],
                             stdout=subprocess.DEVNULL, stderr=err)
@@ -123,8 +123,8 @@ def main():
         else:
             fail("no running job with items done in /status.json: " + json.dumps(status))
         job = jobs[0]
-        if job["total"] != 20000:
-            fail("the job's total is %r, not 20000" % job["total"])
+        if job["total"] != 200000:
+            fail("the job's total is %r, not 200000" % job["total"])
         print("status.json valid against %s while job %d runs (%d/%d)" %
               (os.path.basename(schema_path), job["id"], job["done"], job["total"]))
 
@@ -137,17 +137,23 @@ def main():
                   "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
                   # the page polls every second: two polls so that rates and the sparkline show
                   "--virtual-time-budget=2500", "--window-size=1000,700"]
+        def still_running():
+            if proc.poll() is not None:
+                fail("the example ended (exit %r) before the page was checked" % proc.returncode)
+
+        still_running()
         dom = subprocess.run(common + ["--dump-dom", url], capture_output=True, text=True,
                              timeout=120)
         if dom.returncode != 0:
             fail("chromium --dump-dom exited %d:\n%s" % (dom.returncode, dom.stderr[-2000:]))
         html = dom.stdout
+        still_running()  # the DOM is of a page whose job was running
         for needle, what in [("<h2>runner ", "a runner's heading"),
                              ("<td>cpu</td>", "a producer's device"),
                              ('class="job"', "a running job's row"),
                              ('class="progress"', "a progress bar"),
-                             ("/20000</td>", "the job's done/total"),
-                             ('class="spark"', "the throughput sparkline")]:
+                             ("/200000</td>", "the job's done/total"),
+                             ("<polyline", "the throughput sparkline")]:
             if needle not in html:
                 fail("the rendered page has no %s (%r):\n%s" % (what, needle, html[-3000:]))
         producers = re.findall(r"<tr[^>]*><td>(\d+)</td><td>cpu</td><td>(up)</td>", html)
@@ -160,6 +166,7 @@ def main():
         print("rendered DOM: 2 producers (cpu, up), job progress %s%%, sparkline" % pct.group(2))
 
         # 3. A screenshot that is not blank: many colours, and the progress bar's blue.
+        still_running()
         shot = os.path.join(work, "page.png")
         # a longer look (virtual time) for a sparkline of several samples
         r = subprocess.run(common + ["--virtual-time-budget=6500", "--screenshot=" + shot, url],
@@ -177,7 +184,7 @@ def main():
                 blue += px == b"\x44\x88\xcc"
         if len(colours) < 8:
             fail("the screenshot is blank (%d colours)" % len(colours))
-        if blue == 0:
+        if blue == 0:  # the bar's colour only (the sparkline is #22aa66)
             fail("no progress-bar pixel (#4488cc) in the screenshot")
         print("screenshot %dx%d: %d colours, %d progress-bar pixels" % (width, height,
                                                                        len(colours), blue))

@@ -19,8 +19,13 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <troupe/detail/introspect.hpp>
 #include <troupe/node.hpp>
 #include <vector>
+
+#ifdef TROUPE_TEST_METRICS
+#include <troupe/metrics.hpp>
+#endif
 
 #include "common/classifier.hpp"
 #include "node_process.hpp"
@@ -140,6 +145,21 @@ TEST(Train, ReplicasAreBitIdenticalAfterEveryStep) {
   std::uint64_t shards = 0;
   for (auto& r : s.replicas) shards += r.shards;
   EXPECT_EQ(shards, 20u * 7);  // each shard computed once
+  // What observers read (published after each step): the same numbers, without the trainer's
+  // lock.
+  auto views = troupe::detail::trainers().views();
+  ASSERT_EQ(views.size(), 1u);
+  EXPECT_EQ(views[0].steps, 20u);
+  EXPECT_EQ(views[0].shards, 20u * 7);
+  EXPECT_EQ(views[0].replicas, 3u);
+  EXPECT_EQ(views[0].lost_replicas, 0u);
+#ifdef TROUPE_TEST_METRICS
+  auto text = troupe::metrics_text();
+  auto id = std::to_string(views[0].id);
+  EXPECT_NE(text.find("troupe_train_steps_total{trainer=\"" + id + "\"} 20\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("troupe_train_replicas{trainer=\"" + id + "\"} 3\n"), std::string::npos);
+#endif
 }
 
 TEST(Train, OneTwoAndThreeReplicasMatchAPlainLibTorchLoop) {

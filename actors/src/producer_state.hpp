@@ -4,6 +4,7 @@
 // simulated one (sim_producer.cpp), which adds virtual time and scripted faults around it.
 #pragma once
 
+#include <algorithm>
 #include <caf/actor.hpp>
 #include <caf/event_based_actor.hpp>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "troupe/config.hpp"
+#include "troupe/detail/introspect.hpp"
 #include "troupe/detail/job_actors.hpp"
 #include "troupe/detail/job_ops.hpp"
 #include "troupe/detail/runtime.hpp"
@@ -128,6 +130,15 @@ struct producer_state {
     }
   }
 
+  /// The process's work totals (metrics) take one worked chunk of `n` items.
+  static void count_worked(const chunk_result& r, std::size_t n) noexcept {
+    auto& t = process_work();
+    (r.ok() ? t.ok_chunks : t.failed_chunks).fetch_add(1, std::memory_order_relaxed);
+    t.items.fetch_add(n, std::memory_order_relaxed);
+    t.busy_ns.fetch_add(static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.busy_ns)),
+                        std::memory_order_relaxed);
+  }
+
   /// Waits for the device's queued work; the failure's description, if it failed.
   std::optional<std::string> synchronize() {
     if (!binding) return std::nullopt;
@@ -156,6 +167,7 @@ struct producer_state {
     last_end = std::chrono::steady_clock::now();
     r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
     finish(r, out, w, joined->size(), device_failure);
+    count_worked(r, joined->size());
     return r;
   }
 
@@ -223,6 +235,7 @@ struct producer_state {
           !outs[k].failed && !outs[k].wrong_type && !outs[k].consumer_failed && !outs[k].revoked;
       finish(r, outs[k], ws[at[k]], parts[k]->size(),
              worked ? device_failure : std::optional<std::string>{});
+      count_worked(r, parts[k]->size());
     }
     return rs;
   }

@@ -164,6 +164,8 @@ class runtime {
  private:
   /// This runner among those runner_snapshots() lists (from construction to destruction).
   void enlist();
+  /// A submitted job, for snapshot()'s running jobs (under mtx_).
+  void watch(const std::shared_ptr<job_core>& core);
   void delist();
   /// Spawns one producer per device: locally, or through the device's node.
   std::vector<caf::actor> spawn_all(const std::string& job, const tls& settings);

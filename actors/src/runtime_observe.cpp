@@ -36,6 +36,18 @@ void runtime::enlist() {
   l.live.push_back(this);
 }
 
+void runtime::watch(const std::shared_ptr<job_core>& core) {
+  if (watched_.size() >= prune_watched_at_) {
+    auto gone = [](const std::weak_ptr<job_core>& w) {
+      auto c = w.lock();
+      return !c || c->ended();
+    };
+    watched_.erase(std::remove_if(watched_.begin(), watched_.end(), gone), watched_.end());
+    prune_watched_at_ = std::max<std::size_t>(64, 2 * watched_.size());
+  }
+  watched_.push_back(core);
+}
+
 runner_snapshot runtime::snapshot() const {
   runner_snapshot s;
   s.id = observed_id_;
@@ -65,6 +77,16 @@ runner_snapshot runtime::snapshot() const {
   // Outside the runner's lock: a job's own lock is never taken under it.
   for (auto& c : jobs) s.running_jobs.push_back({c->id(), c->current_progress()});
   return s;
+}
+
+published_list<trainer_view>& trainers() {
+  static auto* list = new published_list<trainer_view>;  // never destroyed
+  return *list;
+}
+
+work_totals& process_work() noexcept {
+  static auto* totals = new work_totals;  // never destroyed: producers may outlive statics
+  return *totals;
 }
 
 std::vector<runner_snapshot> runner_snapshots() {

@@ -274,7 +274,9 @@ class scheduler {
   bool dispatch_batch(std::size_t p, clock_type::time_point now);
   [[nodiscard]] bool batching() const { return opts_.batching.max_items > 0; }
 
-  void send(std::size_t p, job_state& j, std::uint64_t id);
+  /// `first_wait`: a chunk's first send, how long its items waited (the queue-wait histogram).
+  void send(std::size_t p, job_state& j, std::uint64_t id,
+            std::optional<clock_type::duration> first_wait = std::nullopt);
 
   /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late), 100 us late. A
   /// time already passed wakes it 100 us from now: the caller computed `t` from a clock read

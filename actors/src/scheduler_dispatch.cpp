@@ -233,14 +233,9 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   j.next_item += x.items.size();
   unqueue(j, x.items.size());
   j.report.items = j.next_item;
-  {
-    // Items of a known-size input wait from the job's start; a generator's are made now.
-    auto waited = j.source->total() ? now - j.started : clock_type::duration::zero();
-    std::lock_guard<std::mutex> guard{stats_->mtx};
-    stats_->chunks_first_sent += 1;
-    stats_->queue_wait.observe(std::max(0.0, std::chrono::duration<double>(waited).count()));
-  }
-  send(p, j, j.pieces.add(std::move(x)));
+  // Items of a known-size input wait from the job's start; a generator's are made now.
+  send(p, j, j.pieces.add(std::move(x)),
+       j.source->total() ? now - j.started : clock_type::duration::zero());
   return true;
 }
 
@@ -264,7 +259,8 @@ std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slo
   return std::max(want, std::min(base, items_in(target / 40)));
 }
 
-void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
+void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
+                     std::optional<clock_type::duration> first_wait) {
   auto& s = producers_[p];
   auto& x = *j.pieces.find(id);
   // A caller's range is lent to local producers only: a node gets a copy (its message is
@@ -287,9 +283,13 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id) {
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
   s.outstanding.push_back(rec);
   s.items += rec.items;
-  {
+  {  // both counts at once: a scrape never sees a first send without its send
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->chunks_sent += 1;
+    if (first_wait) {
+      stats_->chunks_first_sent += 1;
+      stats_->queue_wait.observe(std::max(0.0, std::chrono::duration<double>(*first_wait).count()));
+    }
   }
   if (trace_) trace_->dispatch(p, flow_id(j.id, id), rec.sent);
   auto cost =

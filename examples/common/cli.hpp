@@ -113,7 +113,8 @@ inline void add_flags(CLI::App& app, flags& f) {
       ->each([&f](const std::string&) { f.devices_given = true; });
   app.add_option("--items", f.items, "how many input items");
   app.add_flag("--ordered", f.ordered, "use the ordered runner");
-  app.add_option("--work-ms", f.work_ms, "simulated device time per item, in ms");
+  app.add_option("--work-ms", f.work_ms,
+                 "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)");
   app.add_option("--work-timeout-ms", f.work_timeout_ms,
                  "give up on a producer that has not answered a chunk for this long (0: never)");
   app.add_option("--serve", f.serve, "run as a node on HOST:PORT until SIGINT/SIGTERM");
@@ -214,8 +215,19 @@ inline int check_flags(const flags& f) {
 }
 
 /// Sleeps for the simulated device time of one item.
+/// Device time: a sleep (a GPU's work leaves the CPU free), except below 0.1 ms, where a sleep
+/// would last tens of microseconds more than asked: there the CPU spins, as short work would.
 inline void simulate_work(double ms) {
-  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+  if (ms <= 0) return;
+  auto d = std::chrono::duration<double, std::milli>(ms);
+  if (ms >= 0.1) {
+    std::this_thread::sleep_for(d);
+    return;
+  }
+  auto until = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(d);
+  while (std::chrono::steady_clock::now() < until) {
+  }
 }
 
 /// Runs `body`, turning troupe's exceptions into a message and exit code 1.

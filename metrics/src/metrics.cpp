@@ -24,6 +24,7 @@
 #include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/introspect.hpp"
 #include "troupe/detail/json.hpp"
+#include "troupe/detail/node_view.hpp"
 #include "troupe/error.hpp"
 
 namespace troupe {
@@ -51,6 +52,24 @@ void add(MetricFamily& f, labels l, double v) {
   else
     m.gauge.value = v;
   f.metric.push_back(std::move(m));
+}
+
+/// A family whose samples are read from each of a list of views (one label tells them apart).
+template <class View>
+struct series {
+  const char* name;
+  const char* help;
+  MetricType type;
+  double (*value)(const View&);
+};
+template <class View, std::size_t N, class LabelOf>
+void add_series(std::vector<MetricFamily>& out, const series<View> (&table)[N],
+                const std::vector<View>& views, const char* label, LabelOf label_of) {
+  for (auto& x : table) {
+    auto f = family(x.name, x.help, x.type);
+    for (auto& v : views) add(f, {{label, label_of(v)}}, x.value(v));
+    out.push_back(std::move(f));
+  }
 }
 
 void add_histogram(MetricFamily& f, labels l, const detail::seconds_histogram& h) {
@@ -239,6 +258,74 @@ std::vector<MetricFamily> collect() {
     }
     add(fenced, {{"cluster", id}}, static_cast<double>(c.fenced_answers));
   }
+  // What the producers living in this process worked: a node's for its coordinators, and the
+  // local producers of this process's runners.
+  auto& work = detail::process_work();
+  auto worked_chunks = family("troupe_worked_chunks_total",
+                              "Chunks worked by the producers living in this process (a node's "
+                              "for its coordinators, and local ones), by outcome.",
+                              MetricType::Counter);
+  auto failed = static_cast<double>(work.failed_chunks.load(std::memory_order_relaxed));
+  add(worked_chunks, {{"outcome", "ok"}},
+      static_cast<double>(work.ok_chunks.load(std::memory_order_relaxed)));
+  add(worked_chunks, {{"outcome", "failed"}}, failed);
+  auto worked_items = family("troupe_worked_items_total",
+                             "Items in the chunks worked by the producers living in this process.",
+                             MetricType::Counter);
+  add(worked_items, {}, static_cast<double>(work.items.load(std::memory_order_relaxed)));
+  auto work_seconds = family("troupe_work_seconds_total",
+                             "Time the producers living in this process spent working chunks.",
+                             MetricType::Counter);
+  add(work_seconds, {}, static_cast<double>(work.busy_ns.load(std::memory_order_relaxed)) * 1e-9);
+  for (auto* f : {&worked_chunks, &worked_items, &work_seconds}) out.push_back(std::move(*f));
+  // The nodes this process serves (node::serve), by the address each listens on.
+  using node = detail::node_view;
+  static const series<node> node_series[] = {
+      {"troupe_node_producers",
+       "Producers a node of this process runs now, for all its coordinators.", MetricType::Gauge,
+       [](const node& n) { return static_cast<double>(n.producers); }},
+      {"troupe_node_coordinators", "Coordinators with producers on a node of this process now.",
+       MetricType::Gauge, [](const node& n) { return static_cast<double>(n.coordinators); }},
+      {"troupe_node_watchers", "Clusters watching a node of this process (told when it drains).",
+       MetricType::Gauge, [](const node& n) { return static_cast<double>(n.watchers); }},
+      {"troupe_node_draining", "1 while a node of this process drains, else 0.", MetricType::Gauge,
+       [](const node& n) { return n.draining ? 1.0 : 0.0; }},
+      {"troupe_node_producers_spawned_total",
+       "Producers a node of this process started for its coordinators.", MetricType::Counter,
+       [](const node& n) { return static_cast<double>(n.producers_spawned); }},
+      {"troupe_node_spawns_refused_total",
+       "Producer requests a node of this process refused (draining, limits, an unknown job, a "
+       "device it does not offer).",
+       MetricType::Counter, [](const node& n) { return static_cast<double>(n.spawns_refused); }},
+  };
+  add_series(out, node_series, detail::node_views(), "node",
+             [](const node& n) { return n.address; });
+  // data_parallel trainers of this process (published after each step), by their number.
+  using trainer = detail::trainer_view;
+  static const series<trainer> trainer_series[] = {
+      {"troupe_train_steps_total", "Training steps completed.", MetricType::Counter,
+       [](const trainer& t) { return static_cast<double>(t.steps); }},
+      {"troupe_train_shards_total", "Shards in the completed steps.", MetricType::Counter,
+       [](const trainer& t) { return static_cast<double>(t.shards); }},
+      {"troupe_train_recomputed_shards_total",
+       "Shards computed again on survivors after their replica was lost.", MetricType::Counter,
+       [](const trainer& t) { return static_cast<double>(t.recomputed_shards); }},
+      {"troupe_train_lost_replicas_total", "Replicas lost (node lost, timeout, failed step).",
+       MetricType::Counter, [](const trainer& t) { return static_cast<double>(t.lost_replicas); }},
+      {"troupe_train_ring_reductions_total",
+       "Steps whose gradients the replicas all-reduced among themselves in a ring.",
+       MetricType::Counter,
+       [](const trainer& t) { return static_cast<double>(t.ring_reductions); }},
+      {"troupe_train_reduce_seconds_total",
+       "Time summing gradients (coordinator or ring) and applying the update.", MetricType::Counter,
+       [](const trainer& t) { return t.reduce_seconds; }},
+      {"troupe_train_step_seconds_total", "Wall time of the completed steps.", MetricType::Counter,
+       [](const trainer& t) { return t.step_seconds; }},
+      {"troupe_train_replicas", "Replicas alive now.", MetricType::Gauge,
+       [](const trainer& t) { return static_cast<double>(t.replicas); }},
+  };
+  add_series(out, trainer_series, detail::trainers().views(), "trainer",
+             [](const trainer& t) { return std::to_string(t.id); });
   for (auto* f :
        {&build,    &open,       &submitted, &completed, &running,    &items, &queued,   &duplicated,
         &splits,   &late,       &p_items,   &p_busy,    &p_restarts, &p_up,  &by_state, &chunk_time,
@@ -286,7 +373,7 @@ function spark(xs){
   if (xs.length < 2) xs = [xs[0] || 0, xs[0] || 0];
   const w = 180, h = 28, top = Math.max(1, ...xs);
   const pts = xs.map((x,i)=>`${(i*w/(xs.length-1)).toFixed(1)},${(h-1-x/top*(h-2)).toFixed(1)}`).join(" ");
-  return `<svg class="spark" width="${w}" height="${h}" aria-label="items per second"><polyline fill="none" stroke="#48c" stroke-width="1.5" points="${pts}"/></svg>`;
+  return `<svg class="spark" width="${w}" height="${h}" aria-label="items per second"><polyline fill="none" stroke="#2a6" stroke-width="1.5" points="${pts}"/></svg>`;
 }
 function esc(s){return String(s).replace(/[&<>"]/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;","\"":"&quot;"}[c]));}
 function state(p){return p.removed?"removed":p.quarantined?"quarantined":p.alive?"up":"lost";}
@@ -296,6 +383,8 @@ async function tick(){
   catch(e){ document.getElementById("when").textContent = "no answer: " + e; return; }
   const now = s.time_seconds;
   let html = "";
+  for (const id of Object.keys(rates))  // runners that are gone
+    if (!s.runners.some(r=>String(r.id)===id)) delete rates[id];
   for (const r of s.runners){
     const prev = last && last.runners.find(x=>x.id===r.id);
     const dt = prev ? now - last.time_seconds : 0;
@@ -303,7 +392,7 @@ async function tick(){
     const hist = rates[r.id] = (rates[r.id] || []);
     if (prev) { hist.push(rate); if (hist.length > 60) hist.shift(); }
     html += `<h2>runner ${r.id}${r.open?"":" (closed)"}</h2>`;
-    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)} ${spark(hist)}</div>`;
+    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)} ${hist.length ? spark(hist) : ""}</div>`;
     if (r.jobs.length){
       html += "<table><tr><th>job</th><th>progress</th><th>done</th><th>items/s</th><th>ETA</th></tr>";
       for (const j of r.jobs){
@@ -332,7 +421,13 @@ async function tick(){
       html += `<tr class="${m.state==="up"?"":m.state==="lost"?"down":"removed"}"><td>${esc(m.address)}</td><td>${esc(m.state)}</td><td>${esc(m.incarnation)}</td><td>${m.devices}</td></tr>`;
     html += "</table>";
   }
-  document.getElementById("runners").innerHTML = html || "<p>no runner in this process</p>";
+  for (const n of (s.nodes || [])){
+    html += `<h2>node ${esc(n.address)}${n.draining?" (draining)":""}</h2>`+
+            `<div class="node">producers: ${n.producers} · coordinators: ${n.coordinators} · watching clusters: ${n.watchers} · started: ${n.producers_spawned} · refused: ${n.spawns_refused}</div>`;
+  }
+  if (s.work && (s.nodes || []).length)
+    html += `<div>worked here: ${s.work.chunks} chunks, ${s.work.items} items, ${s.work.busy_seconds.toFixed(1)} s busy</div>`;
+  document.getElementById("runners").innerHTML = html || "<p>no runner or node in this process</p>";
   document.getElementById("when").textContent = "updated " + new Date().toLocaleTimeString();
   last = s;
 }
@@ -395,7 +490,24 @@ std::string status_json() {
     }
     o << "]}";
   }
-  o << "]}";
+  o << "],\"nodes\":[";
+  first = true;
+  for (auto& n : detail::node_views()) {
+    o << (first ? "" : ",") << "{\"address\":" << detail::json_quote(n.address)
+      << ",\"incarnation\":" << detail::json_quote(std::to_string(n.incarnation))
+      << ",\"draining\":" << (n.draining ? "true" : "false") << ",\"producers\":" << n.producers
+      << ",\"coordinators\":" << n.coordinators << ",\"watchers\":" << n.watchers
+      << ",\"producers_spawned\":" << n.producers_spawned
+      << ",\"spawns_refused\":" << n.spawns_refused << "}";
+    first = false;
+  }
+  auto& work = detail::process_work();
+  o << "],\"work\":{\"chunks\":"
+    << work.ok_chunks.load(std::memory_order_relaxed) +
+           work.failed_chunks.load(std::memory_order_relaxed)
+    << ",\"failed_chunks\":" << work.failed_chunks.load(std::memory_order_relaxed)
+    << ",\"items\":" << work.items.load(std::memory_order_relaxed) << ",\"busy_seconds\":"
+    << number(static_cast<double>(work.busy_ns.load(std::memory_order_relaxed)) * 1e-9) << "}}";
   return o.str();
 }
 

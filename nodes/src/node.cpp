@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "troupe/detail/network.hpp"
+#include "troupe/detail/node_view.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/log.hpp"
@@ -51,6 +52,20 @@ struct node_state {
     return n;
   }
   [[nodiscard]] bool empty() const { return left() == 0; }
+  /// What observers read (node_views()): updated after every change of the fields above.
+  std::shared_ptr<detail::node_numbers> numbers;
+  void publish(int spawned = 0, int refused = 0) {
+    std::lock_guard<std::mutex> guard{numbers->mtx};
+    auto& v = numbers->view;
+    v.incarnation = incarnation;
+    v.draining = draining;
+    v.producers = static_cast<std::size_t>(left());
+    v.coordinators = 0;
+    for (auto& [owner, ps] : producers_of) v.coordinators += ps.empty() ? 0 : 1;
+    v.watchers = watchers.size();
+    v.producers_spawned += static_cast<std::uint64_t>(spawned);
+    v.spawns_refused += static_cast<std::uint64_t>(refused);
+  }
   /// Answers the drain's callers with the producers still there (0: all ended).
   void answer_drained() {
     for (auto& rp : drained) rp.deliver(left());
@@ -65,10 +80,12 @@ std::string join(const std::vector<std::string>& xs) {
 }
 
 caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devices,
-                         std::uint64_t incarnation) {
+                         std::uint64_t incarnation, std::shared_ptr<detail::node_numbers> numbers) {
   auto st = std::make_shared<node_state>();
   st->devices = std::move(devices);
   st->incarnation = incarnation;
+  st->numbers = std::move(numbers);
+  st->publish();
   // A coordinator that is gone (process killed, network cut) leaves no producer behind.
   st->max_producers_per_coordinator = network_limits().max_producers_per_coordinator;
   self->set_down_handler([self, st](caf::down_msg& dm) {
@@ -76,6 +93,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
                           [&](const caf::actor& a) { return a.address() == dm.source; });
     if (w != st->watchers.end()) {
       st->watchers.erase(w);
+      st->publish();
       return;
     }
     auto i = st->producers_of.find(dm.source);
@@ -91,6 +109,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
           if (j != st->producers_on.end() && j->second > 0) j->second -= 1;
         }
       }
+      st->publish();
       if (st->draining && st->empty()) st->answer_drained();
       return;
     }
@@ -101,6 +120,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
       if (j->second == 0) st->producers_on.erase(j);
     }
     st->producers_of.erase(i);
+    st->publish();
     if (st->draining && st->empty()) st->answer_drained();
   });
   self->attach_functor([st](const caf::error&) {
@@ -118,6 +138,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         // Each coordinator hears which of its producers are leaving: it sends them no new work,
         // lets their chunks finish and ends them (a graceful leave, not a loss).
         st->draining = true;
+        st->publish();
         for (auto& w : st->watchers) self->send(w, leaving_atom::value, st->incarnation);
         if (st->empty()) return std::int64_t{0};
         for (auto& [owner, ps] : st->producers_of) {
@@ -143,45 +164,48 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
           return;
         st->watchers.push_back(w);
         self->monitor(w);
+        st->publish();
       },
       [self, st](spawn_producer& req, const caf::actor& owner) -> caf::result<caf::actor> {
+        auto refuse = [&st](auto code, const std::string& why) {
+          st->publish(0, 1);
+          return make_error(code, why);
+        };
         if (st->draining)
-          return make_error(errc::node_error, "refused: this node is draining (shutting down)");
+          return refuse(errc::node_error, "refused: this node is draining (shutting down)");
         // The owner's end ends its producers (monitor below). Only an owner on the requester's
         // own node is known to end: a proxy for a node this one never connected to is never
         // reported down, and its producers would live (a thread each) forever.
         auto sender = self->current_sender();
         if (!owner || sender == nullptr || owner.node() != sender->node())
-          return make_error(errc::node_error,
-                            "refused: a producer's owner must be an actor of the requesting "
-                            "coordinator");
+          return refuse(errc::node_error,
+                        "refused: a producer's owner must be an actor of the requesting "
+                        "coordinator");
         auto& count = st->producers_on[owner.node()];
         if (count >= st->max_producers_per_coordinator)
-          return make_error(errc::node_error,
-                            "refused: this coordinator already has " + std::to_string(count) +
-                                " producers here (limits::max_producers_per_coordinator)");
+          return refuse(errc::node_error,
+                        "refused: this coordinator already has " + std::to_string(count) +
+                            " producers here (limits::max_producers_per_coordinator)");
         auto job = find_job(req.job);
         if (!job.spawn)
-          return make_error(errc::node_error, "this node does not run job '" + req.job +
-                                                  "' (it registers: " + join(registered_jobs()) +
-                                                  ")");
+          return refuse(errc::node_error, "this node does not run job '" + req.job +
+                                              "' (it registers: " + join(registered_jobs()) + ")");
         if (job.signature != req.signature)
-          return make_error(errc::node_error,
-                            "job '" + req.job + "' here takes " + job.signature +
-                                ", the coordinator's takes " + req.signature +
-                                ": build both programs from the same job definition");
+          return refuse(errc::node_error, "job '" + req.job + "' here takes " + job.signature +
+                                              ", the coordinator's takes " + req.signature +
+                                              ": build both programs from the same job definition");
         std::unique_ptr<device> d;
         try {
           d = std::make_unique<device>(req.device);
         } catch (const std::exception& e) {
-          return make_error(errc::invalid_argument, e.what());
+          return refuse(errc::invalid_argument, e.what());
         }
         if (!d->is_local() ||
             std::find(st->devices.begin(), st->devices.end(), *d) == st->devices.end()) {
           std::vector<std::string> offered;
           for (auto& x : st->devices) offered.push_back(x.str());
-          return make_error(errc::device_unavailable,
-                            "this node offers " + join(offered) + ", not " + req.device);
+          return refuse(errc::device_unavailable,
+                        "this node offers " + join(offered) + ", not " + req.device);
         }
         auto p = job.spawn(self->system(), *d, req.cfg, static_cast<std::size_t>(req.index));
         auto& mine = st->producers_of[owner.address()];
@@ -189,6 +213,7 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         mine.push_back(p);
         self->monitor(p);  // a producer ended by its coordinator (drain) leaves the list
         count += 1;
+        st->publish(1, 0);
         return p;
       },
   };
@@ -202,6 +227,8 @@ struct node::impl {
   std::string host;
   std::uint16_t port = 0;
   std::uint64_t incarnation = 0;
+  std::shared_ptr<detail::node_numbers> numbers = std::make_shared<detail::node_numbers>();
+  ~impl() { detail::served_nodes().remove(numbers.get()); }
 };
 
 node::node(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
@@ -227,7 +254,7 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
   auto p = std::make_unique<impl>();
   p->sys = &detail::network_system(t);
   p->incarnation = detail::new_incarnation();
-  p->actor = p->sys->spawn(node_actor, std::move(devices), p->incarnation);
+  p->actor = p->sys->spawn(node_actor, std::move(devices), p->incarnation, p->numbers);
   p->host = hp.host;
   auto port = t.enabled() ? caf::openssl::publish(p->actor, hp.port, hp.host.c_str(), true)
                           : p->sys->middleman().publish(p->actor, hp.port, hp.host.c_str(), true);
@@ -239,6 +266,11 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
   }
   p->port = *port;
   if (!t.enabled()) detail::note_plain_serve_host(hp.host);
+  {
+    std::lock_guard<std::mutex> guard{p->numbers->mtx};
+    p->numbers->view.address = p->host + ":" + std::to_string(p->port);
+  }
+  detail::served_nodes().add(p->numbers);
   return node{std::move(p)};
 }
 

@@ -11,6 +11,7 @@
 // (the replica actor), train_impl.hpp and train_requests/step/members.cpp (the coordinator).
 #include "troupe/train.hpp"
 
+#include <atomic>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/event_based_actor.hpp>
@@ -35,6 +36,28 @@ caf::actor_system& training_system() {
 }
 
 }  // namespace
+
+void trainer::impl::publish() noexcept try {
+  if (!numbers) {
+    static std::atomic<std::uint64_t> next_id{1};
+    auto n = std::make_shared<published<trainer_view>>();
+    n->view.id = next_id++;
+    trainers().add(n);
+    numbers = std::move(n);
+  }
+  auto replicas = alive().size();
+  std::lock_guard<std::mutex> guard{numbers->mtx};
+  auto& v = numbers->view;
+  v.steps = stats.steps;
+  v.shards = stats.shards;
+  v.recomputed_shards = stats.recomputed_shards;
+  v.lost_replicas = stats.lost_replicas;
+  v.ring_reductions = stats.ring_reductions;
+  v.reduce_seconds = stats.reduce_seconds;
+  v.step_seconds = stats.step_seconds;
+  v.replicas = replicas;
+} catch (...) {  // out of memory: observers keep the last numbers
+}
 
 trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::string job,
                  replica_maker make, std::string signature)
@@ -70,6 +93,7 @@ trainer::trainer(std::vector<device> devices, config cfg, train_options o, std::
       true);
   auto fresh = p.start(devices);
   p.copy_state(std::vector<std::size_t>(fresh.begin() + 1, fresh.end()));
+  p.publish();
 }
 
 trainer::trainer(const cluster& c, config cfg, train_options o, std::string job, replica_maker make,
@@ -93,6 +117,10 @@ trainer::~trainer() {
 
 double trainer::step(batch samples, mode m) {
   std::lock_guard<std::recursive_mutex> guard{impl_->calls};
+  struct publish_after {  // also after a step that threw (its losses count)
+    impl& p;
+    ~publish_after() { p.publish(); }
+  } after{*impl_};
   return impl_->step(samples, m);
 }
 
@@ -165,16 +193,19 @@ void trainer::load(const std::string& path) {
   // A replica whose load failed may hold the new parameters and its old optimizer state.
   p.everyone(p.alive(), set, /*drop_failed=*/true);
   p.states_differ = false;
+  p.publish();  // replicas whose load failed were dropped
 }
 
 void trainer::add_devices(const std::vector<device>& devices) {
   std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   impl_->add(devices);
+  impl_->publish();
 }
 
 void trainer::remove_devices(const std::vector<device>& devices) {
   std::lock_guard<std::recursive_mutex> guard{impl_->calls};
   impl_->remove(devices);
+  impl_->publish();
 }
 
 std::vector<device> trainer::devices() const {

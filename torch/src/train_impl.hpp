@@ -12,6 +12,7 @@
 
 #include "train_msg.hpp"
 #include "troupe/detail/cluster_state.hpp"
+#include "troupe/detail/introspect.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/log.hpp"
 
@@ -143,6 +144,10 @@ struct trainer::impl {
   std::vector<member> members;
   std::uint64_t next_id = 1;
   train_stats stats;
+  /// What metrics read (trainers()): published after each step and membership change.
+  std::shared_ptr<published<trainer_view>> numbers;
+  /// Never throws (called from destructors of scope guards); a failure leaves the old view.
+  void publish() noexcept;
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
   bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
   bool ring_timed_out = false;   ///< the last ring went past replica_timeout

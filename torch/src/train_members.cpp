@@ -137,6 +137,10 @@ void trainer::impl::remove(const std::vector<device>& devices) {
 
 void trainer::impl::follow_change(const membership_event& e) {
   std::lock_guard<std::recursive_mutex> guard{calls};
+  struct publish_after {  // the replicas it added, removed or dropped show at once
+    impl& p;
+    ~publish_after() { p.publish(); }
+  } after{*this};
   auto on_node = [&] {
     std::vector<device> there;
     for (auto& m : members)

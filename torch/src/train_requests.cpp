@@ -7,6 +7,7 @@
 namespace troupe::detail {
 
 trainer::impl::~impl() {
+  if (numbers) trainers().remove(numbers.get());
   if (self) {
     // Local replicas free their tensors and device state before the destructor returns: a
     // program that ends right after it must not tear LibTorch's CUDA state down under a

@@ -2,10 +2,12 @@
 // process: snapshots, taken under each runner's own locks. No CAF header here.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "troupe/detail/published.hpp"
 #include "troupe/device.hpp"
 #include "troupe/options.hpp"
 
@@ -60,6 +62,32 @@ struct runner_snapshot {
   std::vector<job_snapshot> running_jobs;
   static constexpr std::size_t running_jobs_listed = 32;
 };
+
+/// What the producers living in this process worked (local producers of its runners, and the
+/// producers a node serves for its coordinators): one update per chunk, relaxed atomics.
+struct work_totals {
+  std::atomic<std::uint64_t> ok_chunks{0};
+  std::atomic<std::uint64_t> failed_chunks{0};  ///< answered with an error
+  std::atomic<std::uint64_t> items{0};
+  std::atomic<std::uint64_t> busy_ns{0};
+};
+work_totals& process_work() noexcept;
+
+/// What an observer reads of a data_parallel trainer (troupe::torch publishes it after each
+/// step and membership change; the metrics library reads it without LibTorch).
+struct trainer_view {
+  std::uint64_t id = 0;  ///< its number in this process (1, 2, ...), never reused
+  std::uint64_t steps = 0;
+  std::uint64_t shards = 0;
+  std::uint64_t recomputed_shards = 0;
+  std::uint64_t lost_replicas = 0;
+  std::uint64_t ring_reductions = 0;
+  double reduce_seconds = 0;
+  double step_seconds = 0;
+  std::size_t replicas = 0;  ///< alive now
+};
+/// Every trainer alive in this process, oldest first.
+published_list<trainer_view>& trainers();
 
 /// Every runner alive in this process, oldest first.
 std::vector<runner_snapshot> runner_snapshots();
