@@ -148,6 +148,11 @@ int main(int argc, char** argv) {
             << "  troupe                    : " << troupe_bw << " MB/s\n"
             << "  plain TCP echo            : " << tcp_bw << " MB/s\n"
             << "  troupe / TCP              : " << 100 * troupe_bw / tcp_bw << " %\n";
+  // Issue 24's yardstick: the trivial items as bytes (an 8-byte number there and an 8-byte
+  // square back: 16 bytes per item) against the echo's bytes per second in this same run.
+  double trivial_bw = 16.0 * remote_rate / 1e6;
+  std::cout << "trivial items through 2 nodes as bytes (16 per item, both ways): " << trivial_bw
+            << " MB/s, " << 100 * trivial_bw / tcp_bw << " % of the TCP echo (target >= 60 %)\n";
 
   if (huge_mib > 0) {
     auto n = huge_mib * (std::int64_t{1} << 20) / 4;

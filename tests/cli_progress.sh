@@ -11,8 +11,9 @@ trap 'rm -rf "$dir"' EXIT
 # About 1.5 s: 3000 items of 1 ms on two producers; lines every 200 ms.
 args=(--devices cpu,cpu --items 3000 --work-ms 1)
 
-# 1. stderr to a file: plain lines (auto: the run lasts longer than the period) and the summary.
-"$bin" "${args[@]}" --progress-every-ms 200 > "$dir/out" 2> "$dir/err"
+# 1. stderr piped through cat: plain lines (auto: the run lasts longer than the period) and the
+#    summary.
+"$bin" "${args[@]}" --progress-every-ms 200 2>&1 > "$dir/out" | cat > "$dir/err"
 "$bin" "${args[@]}" --progress off > "$dir/out_off" 2> "$dir/err_off"
 cat "$dir/err"
 cmp "$dir/out" "$dir/out_off" || { echo "stdout differs with progress on and off"; exit 1; }

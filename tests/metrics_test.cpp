@@ -49,8 +49,7 @@ std::set<std::string> series_of(const std::string& text) {
   return out;
 }
 
-std::string runner_label(const troupe::unordered_runner<test_jobs::squares>&,
-                         const std::string& text) {
+std::string runner_label(const std::string& text) {
   // The newest runner is the one with the largest id among the troupe_runners' samples.
   std::regex re("troupe_jobs_submitted_total\\{runner=\"([0-9]+)\"\\}");
   std::string last;
@@ -62,7 +61,7 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   troupe::unordered_runner<test_jobs::squares> runner{2};
   EXPECT_EQ(runner.run(test_util::iota(1000)), test_util::sum_of_squares(1000));
   auto text = troupe::metrics_text();
-  auto id = runner_label(runner, text);
+  auto id = runner_label(text);
   ASSERT_FALSE(id.empty()) << text;
   auto r = "{runner=\"" + id + "\"}";
   EXPECT_EQ(sample(text, "troupe_items_consumed_total" + r), 1000) << text;
@@ -81,20 +80,20 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   EXPECT_EQ(sample(text, "troupe_build_info{version=\"0.1.0\"}"), 1);
   EXPECT_GT(sample(text, "process_resident_memory_bytes"), 0);
   EXPECT_GT(sample(text, "process_open_fds"), 0);
-  // 500 more jobs: more in the counters, not one more series.
-  for (int i = 0; i < 500; ++i) runner.run(test_util::iota(3));
+  // 1,000 more jobs: more in the counters, not one more series.
+  for (int i = 0; i < 1000; ++i) runner.run(test_util::iota(3));
   auto after = troupe::metrics_text();
   EXPECT_EQ(series_of(after), series_of(text)) << "a label took a job";
-  EXPECT_EQ(sample(after, "troupe_jobs_submitted_total" + r), 501);
-  EXPECT_EQ(sample(after, "troupe_items_consumed_total" + r), 2500);
+  EXPECT_EQ(sample(after, "troupe_jobs_submitted_total" + r), 1001);
+  EXPECT_EQ(sample(after, "troupe_items_consumed_total" + r), 4000);
   // Histograms: one job-time observation per job ended, one chunk-time observation per chunk.
-  EXPECT_EQ(sample(after, "troupe_job_seconds_count" + r), 501);
-  EXPECT_EQ(sample(after, "troupe_job_seconds_bucket{runner=\"" + id + "\",le=\"+Inf\"}"), 501);
-  EXPECT_GE(sample(after, "troupe_chunk_seconds_count" + r), 501);
+  EXPECT_EQ(sample(after, "troupe_job_seconds_count" + r), 1001);
+  EXPECT_EQ(sample(after, "troupe_job_seconds_bucket{runner=\"" + id + "\",le=\"+Inf\"}"), 1001);
+  EXPECT_GE(sample(after, "troupe_chunk_seconds_count" + r), 1001);
   // Queue wait: one observation per chunk's first send; every answer was sent before.
   auto first = sample(after, "troupe_chunks_sent_total{attempt=\"first\",runner=\"" + id + "\"}");
   auto again = sample(after, "troupe_chunks_sent_total{attempt=\"again\",runner=\"" + id + "\"}");
-  EXPECT_GE(first, 501);
+  EXPECT_GE(first, 1001);
   EXPECT_GE(again, 0);
   EXPECT_EQ(sample(after, "troupe_queue_wait_seconds_count" + r), first);
   EXPECT_GE(first + again, sample(after, "troupe_chunk_seconds_count" + r));
@@ -168,6 +167,21 @@ struct held_squares {
     std::int64_t sum = 0;
   };
 };
+
+TEST(Metrics, RetriesAndSkippedItemsAgreeWithTheJobsReports) {
+  troupe::unordered_runner<test_jobs::throws_on_item> runner{2};
+  troupe::job_options o;
+  o.on_error = troupe::error_policy::retry(2).then_skip();
+  auto h = runner.submit(test_util::iota(100), o);
+  h.get();
+  auto report = h.report();
+  ASSERT_EQ(report.failures.size(), 1u) << "item 42 fails every attempt";
+  auto text = troupe::metrics_text();
+  auto r = "{runner=\"" + runner_label(text) + "\"}";
+  EXPECT_EQ(sample(text, "troupe_retries_total" + r), static_cast<double>(report.retries));
+  EXPECT_EQ(report.retries, 2u);
+  EXPECT_EQ(sample(text, "troupe_skipped_items_total" + r), 1);
+}
 
 /// One producer taking one item at a time, held on item 4 until `release` opens.
 struct held_runner {

@@ -60,6 +60,8 @@ runner_snapshot runtime::snapshot() const {
     s.chunk_seconds = stats_->chunk_seconds;
     s.job_seconds = stats_->job_seconds;
     s.last_item_unix_seconds = stats_->last_item_unix_seconds;
+    s.retries = stats_->retries;
+    s.skipped_items = stats_->skipped_items;
     s.chunks_sent = stats_->chunks_sent;
     s.chunks_first_sent = stats_->chunks_first_sent;
     s.queue_wait = stats_->queue_wait;

@@ -164,6 +164,10 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
           again.first % 7 != 3)
         j.pieces.add_queued(std::move(again));
       j.report.retries += 1;
+      {
+        std::lock_guard<std::mutex> guard{stats_->mtx};
+        stats_->retries += 1;
+      }
       trace_instant(p, "retry", "job " + std::to_string(job) + " item " + std::to_string(f.index));
       continue;
     }
@@ -176,6 +180,10 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
       return;
     }
     j.report.failures.push_back(item_failure{f.index, f.what, s.where.str(), attempts});
+    {
+      std::lock_guard<std::mutex> guard{stats_->mtx};
+      stats_->skipped_items += 1;
+    }
     if (j.report.failures.size() > pol.max_failures) {
       end_job(job, std::make_exception_ptr(work_error(
                        "more than " + std::to_string(pol.max_failures) +

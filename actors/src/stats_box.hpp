@@ -24,6 +24,8 @@ struct stats_box {
   double last_item_unix_seconds = 0;
   /// Chunks handed to producers: every send (retries, re-dispatches and copies included), and
   /// of those the first sends, whose wait queue_wait holds.
+  std::uint64_t retries = 0;        ///< items tried again (error_policy::retry)
+  std::uint64_t skipped_items = 0;  ///< items skipped after failing (error_policy::skip)
   std::uint64_t chunks_sent = 0;
   std::uint64_t chunks_first_sent = 0;
   seconds_histogram queue_wait{

@@ -194,6 +194,12 @@ std::vector<MetricFamily> collect() {
                      "Chunks sent to producers: attempt=first once per chunk, again for "
                      "re-dispatches after a loss, retries and speculative copies.",
                      MetricType::Counter);
+  auto retries = family("troupe_retries_total",
+                        "Items tried again after producer::work threw on them (error_policy).",
+                        MetricType::Counter);
+  auto skipped = family("troupe_skipped_items_total",
+                        "Items skipped after failing every attempt (error_policy::skip).",
+                        MetricType::Counter);
   auto late = family("troupe_late_answers_total",
                      "Answers dropped because their producer had been given up on (fenced).",
                      MetricType::Counter);
@@ -217,6 +223,8 @@ std::vector<MetricFamily> collect() {
     add_histogram(chunk_time, rl, r.chunk_seconds);
     add_histogram(job_time, rl, r.job_seconds);
     add_histogram(queue_wait, rl, r.queue_wait);
+    add(retries, rl, static_cast<double>(r.retries));
+    add(skipped, rl, static_cast<double>(r.skipped_items));
     add(sent, {{"attempt", "first"}, {"runner", id}}, static_cast<double>(r.chunks_first_sent));
     add(sent, {{"attempt", "again"}, {"runner", id}},
         static_cast<double>(r.chunks_sent - std::min(r.chunks_sent, r.chunks_first_sent)));
@@ -326,10 +334,10 @@ std::vector<MetricFamily> collect() {
   };
   add_series(out, trainer_series, detail::trainers().views(), "trainer",
              [](const trainer& t) { return std::to_string(t.id); });
-  for (auto* f :
-       {&build,    &open,       &submitted, &completed, &running,    &items, &queued,   &duplicated,
-        &splits,   &late,       &p_items,   &p_busy,    &p_restarts, &p_up,  &by_state, &chunk_time,
-        &job_time, &queue_wait, &sent,      &last_item, &members,    &fenced})
+  for (auto* f : {&build,      &open,       &submitted, &completed,  &running,  &items,
+                  &queued,     &duplicated, &splits,    &late,       &p_items,  &p_busy,
+                  &p_restarts, &p_up,       &by_state,  &chunk_time, &job_time, &queue_wait,
+                  &sent,       &retries,    &skipped,   &last_item,  &members,  &fenced})
     out.push_back(std::move(*f));
   process_metrics(out);
   return out;

@@ -52,6 +52,8 @@ struct runner_snapshot {
   seconds_histogram job_seconds;
   /// When the last output was worked (unix seconds; 0: none yet): stalls show as its age.
   double last_item_unix_seconds = 0;
+  std::uint64_t retries = 0;        ///< items tried again after work() threw on them
+  std::uint64_t skipped_items = 0;  ///< items skipped after failing (error_policy)
   /// Chunks handed to producers (every send) and first sends (of each chunk once).
   std::uint64_t chunks_sent = 0;
   std::uint64_t chunks_first_sent = 0;
