@@ -262,6 +262,15 @@ TEST(Metrics, ANodeServedByThisProcessHasItsOwnNumbers) {
     EXPECT_EQ(sample(text, series("troupe_node_draining")), 0);
     // Every item was worked by a producer living in this process (the node's).
     EXPECT_EQ(sample(text, "troupe_worked_items_total") - before_items, 1000);
+    // 1,000 numbers of 8 bytes went to the node's producers, and 1,000 came back (no copies).
+    auto rl = runner_label(text);
+    EXPECT_EQ(
+        sample(text, "troupe_node_payload_bytes_total{direction=\"sent\",runner=\"" + rl + "\"}"),
+        8000);
+    EXPECT_EQ(sample(text, "troupe_node_payload_bytes_total{direction=\"received\",runner=\"" + rl +
+                               "\"}"),
+              8000);
+    EXPECT_EQ(sample(text, "troupe_node_chunks_unsized_total{runner=\"" + rl + "\"}"), 0);
     auto status = troupe::status_json();
     EXPECT_NE(status.find("\"nodes\":[{\"address\":\"" + at + "\""), std::string::npos) << status;
   }

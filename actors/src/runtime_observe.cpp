@@ -62,6 +62,9 @@ runner_snapshot runtime::snapshot() const {
     s.last_item_unix_seconds = stats_->last_item_unix_seconds;
     s.retries = stats_->retries;
     s.skipped_items = stats_->skipped_items;
+    s.node_bytes_sent = stats_->node_bytes_sent;
+    s.node_bytes_received = stats_->node_bytes_received;
+    s.node_chunks_unsized = stats_->node_chunks_unsized;
     s.chunks_sent = stats_->chunks_sent;
     s.chunks_first_sent = stats_->chunks_first_sent;
     s.queue_wait = stats_->queue_wait;

@@ -286,6 +286,13 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   {  // both counts at once: a scrape never sees a first send without its send
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->chunks_sent += 1;
+    if (!s.local) {
+      auto flat = x.items.get() ? x.items.get()->flat_bytes() : std::optional<std::size_t>{0};
+      if (flat)
+        stats_->node_bytes_sent += *flat;
+      else
+        stats_->node_chunks_unsized += 1;
+    }
     if (first_wait) {
       stats_->chunks_first_sent += 1;
       stats_->queue_wait.observe(std::max(0.0, std::chrono::duration<double>(*first_wait).count()));

@@ -32,6 +32,8 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     stats_->value.producers[p].busy += std::chrono::nanoseconds{r.busy_ns};
     stats_->value.split_calls += r.extra_calls;
     stats_->chunk_seconds.observe(static_cast<double>(r.busy_ns) * 1e-9);
+    if (!s.local && r.outputs.get())
+      if (auto flat = r.outputs.get()->flat_bytes()) stats_->node_bytes_received += *flat;
     if (r.ok() && !r.outputs.empty())
       stats_->last_item_unix_seconds =
           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())

@@ -26,6 +26,11 @@ struct stats_box {
   /// of those the first sends, whose wait queue_wait holds.
   std::uint64_t retries = 0;        ///< items tried again (error_policy::retry)
   std::uint64_t skipped_items = 0;  ///< items skipped after failing (error_policy::skip)
+  /// Items' payload to and from producers on nodes (numbers, tensors, strings: flat_bytes()),
+  /// and chunks of other types, whose size is not known without serializing them.
+  std::uint64_t node_bytes_sent = 0;
+  std::uint64_t node_bytes_received = 0;
+  std::uint64_t node_chunks_unsized = 0;
   std::uint64_t chunks_sent = 0;
   std::uint64_t chunks_first_sent = 0;
   seconds_histogram queue_wait{

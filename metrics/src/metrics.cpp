@@ -200,6 +200,15 @@ std::vector<MetricFamily> collect() {
   auto skipped = family("troupe_skipped_items_total",
                         "Items skipped after failing every attempt (error_policy::skip).",
                         MetricType::Counter);
+  auto node_bytes =
+      family("troupe_node_payload_bytes_total",
+             "Payload bytes of items sent to producers on nodes and of their outputs received "
+             "(numbers, tensors, strings: the items' own bytes, not the wire's framing).",
+             MetricType::Counter);
+  auto unsized = family("troupe_node_chunks_unsized_total",
+                        "Chunks sent to producers on nodes whose items have no flat size (not in "
+                        "troupe_node_payload_bytes_total).",
+                        MetricType::Counter);
   auto late = family("troupe_late_answers_total",
                      "Answers dropped because their producer had been given up on (fenced).",
                      MetricType::Counter);
@@ -224,6 +233,11 @@ std::vector<MetricFamily> collect() {
     add_histogram(job_time, rl, r.job_seconds);
     add_histogram(queue_wait, rl, r.queue_wait);
     add(retries, rl, static_cast<double>(r.retries));
+    add(node_bytes, {{"direction", "sent"}, {"runner", id}},
+        static_cast<double>(r.node_bytes_sent));
+    add(node_bytes, {{"direction", "received"}, {"runner", id}},
+        static_cast<double>(r.node_bytes_received));
+    add(unsized, rl, static_cast<double>(r.node_chunks_unsized));
     add(skipped, rl, static_cast<double>(r.skipped_items));
     add(sent, {{"attempt", "first"}, {"runner", id}}, static_cast<double>(r.chunks_first_sent));
     add(sent, {{"attempt", "again"}, {"runner", id}},
@@ -334,10 +348,11 @@ std::vector<MetricFamily> collect() {
   };
   add_series(out, trainer_series, detail::trainers().views(), "trainer",
              [](const trainer& t) { return std::to_string(t.id); });
-  for (auto* f : {&build,      &open,       &submitted, &completed,  &running,  &items,
-                  &queued,     &duplicated, &splits,    &late,       &p_items,  &p_busy,
-                  &p_restarts, &p_up,       &by_state,  &chunk_time, &job_time, &queue_wait,
-                  &sent,       &retries,    &skipped,   &last_item,  &members,  &fenced})
+  for (auto* f :
+       {&build,      &open,       &submitted, &completed,  &running, &items,      &queued,
+        &duplicated, &splits,     &late,      &p_items,    &p_busy,  &p_restarts, &p_up,
+        &by_state,   &chunk_time, &job_time,  &queue_wait, &sent,    &retries,    &skipped,
+        &node_bytes, &unsized,    &last_item, &members,    &fenced})
     out.push_back(std::move(*f));
   process_metrics(out);
   return out;

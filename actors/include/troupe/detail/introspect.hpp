@@ -54,6 +54,11 @@ struct runner_snapshot {
   double last_item_unix_seconds = 0;
   std::uint64_t retries = 0;        ///< items tried again after work() threw on them
   std::uint64_t skipped_items = 0;  ///< items skipped after failing (error_policy)
+  /// Payload bytes of items sent to producers on nodes and of outputs received from them (flat
+  /// types); chunks to nodes whose items have no flat size.
+  std::uint64_t node_bytes_sent = 0;
+  std::uint64_t node_bytes_received = 0;
+  std::uint64_t node_chunks_unsized = 0;
   /// Chunks handed to producers (every send) and first sends (of each chunk once).
   std::uint64_t chunks_sent = 0;
   std::uint64_t chunks_first_sent = 0;
