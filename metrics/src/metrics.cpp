@@ -1,14 +1,13 @@
-// Prometheus metrics of this process's runners (metrics.hpp), through Debian's prometheus-cpp:
-// its data model and text serializer, and its civetweb exposer for GET /metrics.
+// Prometheus metrics of this process (troupe::metrics_text, metrics.hpp): its runners, clusters,
+// served nodes, trainers and the process itself, in prometheus-cpp's data model and text
+// serializer (Debian's prometheus-cpp-dev). The other parts: status.cpp (/status.json),
+// status_page.cpp (the live page), server.cpp (serve_metrics).
 #include "troupe/metrics.hpp"
 
 #include <dirent.h>
-#include <httplib.h>
-#include <netdb.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,14 +17,11 @@
 #include <iterator>
 #include <limits>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/introspect.hpp"
-#include "troupe/detail/json.hpp"
 #include "troupe/detail/node_view.hpp"
-#include "troupe/error.hpp"
 
 namespace troupe {
 
@@ -362,263 +358,6 @@ std::vector<MetricFamily> collect() {
 
 std::string metrics_text() {
   return prometheus::TextSerializer{}.Serialize(collect());
-}
-
-namespace {
-
-std::string number(double v) {
-  std::ostringstream o;
-  o.precision(17);
-  o << v;
-  return o.str();
-}
-
-/// The live page: self-contained (no script or style from elsewhere), polls /status.json.
-const char* status_page = R"HTML(<!doctype html>
-<html><head><meta charset="utf-8"><title>troupe</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}
-td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:right}
-th:first-child,td:first-child{text-align:left}
-.bar{display:inline-block;height:.7em;background:#4a8;vertical-align:middle}
-.down{color:#b33}.removed{color:#888}
-.progress{display:inline-block;width:240px;height:.8em;background:#eee;vertical-align:middle}
-.progress span{display:block;height:100%;background:#48c}
-svg.spark{vertical-align:middle;background:#f6f6f6}
-</style></head>
-<body><h1>troupe</h1><div id="when">loading…</div><div id="runners"></div>
-<script>
-"use strict";
-let last = null;
-const rates = {};  // runner id -> the last 60 items/s samples (the sparkline)
-function spark(xs){
-  if (xs.length < 2) xs = [xs[0] || 0, xs[0] || 0];
-  const w = 180, h = 28, top = Math.max(1, ...xs);
-  const pts = xs.map((x,i)=>`${(i*w/(xs.length-1)).toFixed(1)},${(h-1-x/top*(h-2)).toFixed(1)}`).join(" ");
-  return `<svg class="spark" width="${w}" height="${h}" aria-label="items per second"><polyline fill="none" stroke="#2a6" stroke-width="1.5" points="${pts}"/></svg>`;
-}
-function esc(s){return String(s).replace(/[&<>"]/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;","\"":"&quot;"}[c]));}
-function state(p){return p.removed?"removed":p.quarantined?"quarantined":p.alive?"up":"lost";}
-async function tick(){
-  let s;
-  try { s = await (await fetch("status.json",{cache:"no-store"})).json(); }
-  catch(e){ document.getElementById("when").textContent = "no answer: " + e; return; }
-  const now = s.time_seconds;
-  let html = "";
-  for (const id of Object.keys(rates))  // runners that are gone
-    if (!s.runners.some(r=>String(r.id)===id)) delete rates[id];
-  for (const r of s.runners){
-    const prev = last && last.runners.find(x=>x.id===r.id);
-    const dt = prev ? now - last.time_seconds : 0;
-    const rate = prev && dt>0 ? (r.items - prev.items)/dt : 0;
-    const hist = rates[r.id] = (rates[r.id] || []);
-    if (prev) { hist.push(rate); if (hist.length > 60) hist.shift(); }
-    html += `<h2>runner ${r.id}${r.open?"":" (closed)"}</h2>`;
-    html += `<div>jobs running: ${r.jobs_running} · submitted: ${r.jobs_submitted} · items: ${r.items} · items/s: ${rate.toFixed(0)} ${hist.length ? spark(hist) : ""}</div>`;
-    if (r.jobs.length){
-      html += "<table><tr><th>job</th><th>progress</th><th>done</th><th>items/s</th><th>ETA</th></tr>";
-      for (const j of r.jobs){
-        const share = j.total ? Math.min(1, j.done/j.total) : null;
-        const eta = share !== null && j.items_per_second > 0 ? ((j.total-j.done)/j.items_per_second).toFixed(1)+" s" : "";
-        html += `<tr class="job" id="job-${r.id}-${j.id}"><td>${j.id}</td><td>`+
-                (share === null ? "running" : `<span class="progress"><span style="width:${(share*100).toFixed(1)}%"></span></span> ${(share*100).toFixed(0)}%`)+
-                `</td><td>${j.done}${j.total === null ? "" : "/"+j.total}</td><td>${j.items_per_second.toFixed(0)}</td><td>${eta}</td></tr>`;
-      }
-      html += "</table>";
-    }
-    html += "<table><tr><th>producer</th><th>device</th><th>state</th><th>items</th><th>items/s</th><th>busy</th></tr>";
-    for (const p of r.producers){
-      const pp = prev && prev.producers.find(x=>x.index===p.index);
-      const busy = pp && dt>0 ? Math.min(1,(p.busy_seconds-pp.busy_seconds)/dt) : 0;
-      const ips = pp && dt>0 ? (p.items-pp.items)/dt : 0;
-      const st = state(p);
-      html += `<tr class="${st==="up"?"":st==="removed"?"removed":"down"}"><td>${p.index}</td><td>${esc(p.device)}</td><td>${st}</td><td>${p.items}</td><td>${ips.toFixed(0)}</td>`+
-              `<td><span class="bar" style="width:${(busy*80).toFixed(0)}px"></span> ${(busy*100).toFixed(0)}%</td></tr>`;
-    }
-    html += "</table>";
-  }
-  for (const c of (s.clusters || [])){
-    html += `<h2>cluster ${c.id}</h2><table><tr><th>node</th><th>state</th><th>incarnation</th><th>devices</th></tr>`;
-    for (const m of c.members)
-      html += `<tr class="${m.state==="up"?"":m.state==="lost"?"down":"removed"}"><td>${esc(m.address)}</td><td>${esc(m.state)}</td><td>${esc(m.incarnation)}</td><td>${m.devices}</td></tr>`;
-    html += "</table>";
-  }
-  for (const n of (s.nodes || [])){
-    html += `<h2>node ${esc(n.address)}${n.draining?" (draining)":""}</h2>`+
-            `<div class="node">producers: ${n.producers} · coordinators: ${n.coordinators} · watching clusters: ${n.watchers} · started: ${n.producers_spawned} · refused: ${n.spawns_refused}</div>`;
-  }
-  if (s.work && (s.nodes || []).length)
-    html += `<div>worked here: ${s.work.chunks} chunks, ${s.work.items} items, ${s.work.busy_seconds.toFixed(1)} s busy</div>`;
-  document.getElementById("runners").innerHTML = html || "<p>no runner or node in this process</p>";
-  document.getElementById("when").textContent = "updated " + new Date().toLocaleTimeString();
-  last = s;
-}
-tick(); setInterval(tick, 1000);
-</script></body></html>
-)HTML";
-
-}  // namespace
-
-std::string status_json() {
-  auto runners = detail::runner_snapshots();
-  std::ostringstream o;
-  auto now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch());
-  o << "{\"time_seconds\":" << number(now.count()) << ",\"runners\":[";
-  bool first = true;
-  for (auto& r : runners) {
-    auto& s = r.stats;
-    o << (first ? "" : ",") << "{\"id\":" << r.id << ",\"open\":" << (r.open ? "true" : "false")
-      << ",\"jobs_submitted\":" << r.jobs_submitted
-      << ",\"jobs_running\":" << (r.jobs_submitted > s.runs ? r.jobs_submitted - s.runs : 0)
-      << ",\"jobs_failed\":" << s.failed_runs << ",\"items\":" << s.items
-      << ",\"queued_items\":" << r.queued_items << ",\"duplicated_items\":" << s.duplicated_items
-      << ",\"producers\":[";
-    first = false;
-    bool first_p = true;
-    for (auto& p : s.producers) {
-      o << (first_p ? "" : ",") << "{\"index\":" << p.index
-        << ",\"device\":" << detail::json_quote(p.where.str()) << ",\"items\":" << p.items
-        << ",\"busy_seconds\":" << number(std::chrono::duration<double>(p.busy).count())
-        << ",\"alive\":" << (p.alive ? "true" : "false")
-        << ",\"removed\":" << (p.removed ? "true" : "false")
-        << ",\"quarantined\":" << (p.quarantined ? "true" : "false")
-        << ",\"restarts\":" << p.restarts << "}";
-      first_p = false;
-    }
-    o << "],\"jobs\":[";
-    first_p = true;
-    for (auto& j : r.running_jobs) {
-      o << (first_p ? "" : ",") << "{\"id\":" << j.id << ",\"done\":" << j.now.done
-        << ",\"total\":" << (j.now.total ? std::to_string(*j.now.total) : std::string{"null"})
-        << ",\"items_per_second\":" << number(j.now.items_per_second)
-        << ",\"elapsed_seconds\":" << number(j.now.elapsed_seconds) << "}";
-      first_p = false;
-    }
-    o << "]}";
-  }
-  o << "],\"clusters\":[";
-  first = true;
-  for (auto& c : detail::cluster_views()) {
-    o << (first ? "" : ",") << "{\"id\":" << c.id << ",\"fenced_answers\":" << c.fenced_answers
-      << ",\"members\":[";
-    first = false;
-    bool first_m = true;
-    for (auto& m : c.members) {
-      o << (first_m ? "" : ",") << "{\"address\":" << detail::json_quote(m.address)
-        << ",\"incarnation\":" << detail::json_quote(std::to_string(m.incarnation))
-        << ",\"state\":" << detail::json_quote(to_string(m.what))
-        << ",\"devices\":" << m.devices.size() << "}";
-      first_m = false;
-    }
-    o << "]}";
-  }
-  o << "],\"nodes\":[";
-  first = true;
-  for (auto& n : detail::node_views()) {
-    o << (first ? "" : ",") << "{\"address\":" << detail::json_quote(n.address)
-      << ",\"incarnation\":" << detail::json_quote(std::to_string(n.incarnation))
-      << ",\"draining\":" << (n.draining ? "true" : "false") << ",\"producers\":" << n.producers
-      << ",\"coordinators\":" << n.coordinators << ",\"watchers\":" << n.watchers
-      << ",\"producers_spawned\":" << n.producers_spawned
-      << ",\"spawns_refused\":" << n.spawns_refused << "}";
-    first = false;
-  }
-  auto& work = detail::process_work();
-  o << "],\"work\":{\"chunks\":"
-    << work.ok_chunks.load(std::memory_order_relaxed) +
-           work.failed_chunks.load(std::memory_order_relaxed)
-    << ",\"failed_chunks\":" << work.failed_chunks.load(std::memory_order_relaxed)
-    << ",\"items\":" << work.items.load(std::memory_order_relaxed) << ",\"busy_seconds\":"
-    << number(static_cast<double>(work.busy_ns.load(std::memory_order_relaxed)) * 1e-9) << "}}";
-  return o.str();
-}
-
-namespace {
-
-/// Whether a socket without SO_REUSEPORT can bind host:port (IPv4 or IPv6 literal, or a name).
-bool port_free(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
-    return true;  // httplib's own bind reports a bad host
-  bool ok = true;
-  int fd = ::socket(res->ai_family, res->ai_socktype, res->ai_protocol);
-  if (fd >= 0) {
-    int yes = 1;  // TIME_WAIT sockets of an earlier server do not count; a listener does
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-    ok = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 || errno != EADDRINUSE;
-    ::close(fd);
-  }
-  freeaddrinfo(res);
-  return ok;
-}
-
-}  // namespace
-
-struct metrics_server::impl {
-  httplib::Server server;
-  std::thread thread;
-  std::string host;
-  int port = 0;
-  ~impl() {
-    server.stop();
-    if (thread.joinable()) thread.join();
-  }
-};
-
-metrics_server::metrics_server(std::unique_ptr<impl> i) : impl_(std::move(i)) {}
-metrics_server::metrics_server(metrics_server&&) noexcept = default;
-metrics_server& metrics_server::operator=(metrics_server&&) noexcept = default;
-metrics_server::~metrics_server() = default;
-
-std::string metrics_server::address() const {
-  return impl_ ? impl_->host + ":" + std::to_string(impl_->port) : std::string{};
-}
-
-metrics_server serve_metrics(const std::string& host_port) {
-  auto colon = host_port.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == host_port.size() ||
-      host_port.find_first_not_of("0123456789", colon + 1) != std::string::npos ||
-      host_port.size() - colon - 1 > 5)
-    throw invalid_argument("serve_metrics(\"" + host_port + "\"): expected HOST:PORT");
-  auto port = std::stoi(host_port.substr(colon + 1));
-  if (port > 65535)
-    throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is over 65535");
-  auto i = std::make_unique<metrics_server::impl>();
-  i->host = host_port.substr(0, colon);
-  auto& svr = i->server;
-  svr.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics_text(), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  svr.Get("/status.json", [](const httplib::Request&, httplib::Response& res) {
-    res.set_header("Cache-Control", "no-store");
-    res.set_content(status_json(), "application/json");
-  });
-  svr.Get("/", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(status_page, "text/html; charset=utf-8");
-  });
-  // Bounded: a scraper or a browser that holds its connection open is dropped after 5 s idle.
-  svr.set_keep_alive_timeout(5);
-  svr.set_read_timeout(5, 0);
-  svr.set_write_timeout(5, 0);
-  svr.set_payload_max_length(64 * 1024);  // GETs only: nothing big is ever accepted
-  // cpp-httplib binds with SO_REUSEPORT: a second server on a taken port would share it
-  // silently. A plain bind first says whether the port is free.
-  if (port != 0 && !port_free(i->host, port))
-    throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is taken");
-  i->port =
-      port == 0 ? svr.bind_to_any_port(i->host) : (svr.bind_to_port(i->host, port) ? port : -1);
-  if (i->port <= 0)
-    throw invalid_argument("serve_metrics(\"" + host_port +
-                           "\"): cannot listen there (a bad "
-                           "host, or the port is taken)");
-  i->thread = std::thread([s = &svr] { s->listen_after_bind(); });
-  // Until it runs, a stop() would be lost (and the destructor's join would wait forever).
-  while (!svr.is_running()) std::this_thread::sleep_for(std::chrono::microseconds{100});
-  return metrics_server{std::move(i)};
 }
 
 }  // namespace troupe
