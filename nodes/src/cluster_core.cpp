@@ -1,0 +1,169 @@
+// A live cluster's core (cluster_core.hpp): made and ended, members joined and removed (the
+// notifier does the work), and what the cluster reads of it.
+#include "cluster_core.hpp"
+
+#include <algorithm>
+#include <caf/event_based_actor.hpp>
+#include <caf/send.hpp>
+
+#include "troupe/detail/network.hpp"
+#include "troupe/error.hpp"
+#include "troupe/protocol.hpp"
+
+namespace troupe::detail {
+
+namespace {
+
+caf::behavior leaving_listener(caf::event_based_actor* self, std::shared_ptr<leaving_sink> sink) {
+  return {
+      [self, sink](leaving_atom, std::uint64_t incarnation) {
+        auto sender = self->current_sender();
+        if (!sender) return;
+        std::lock_guard<std::mutex> guard{sink->mtx};
+        if (sink->notices.size() < 4096) sink->notices.emplace_back(sender->node(), incarnation);
+      },
+  };
+}
+
+}  // namespace
+
+std::vector<device> devices_at(const std::string& address, const std::vector<std::string>& ds) {
+  std::vector<device> out;
+  for (auto& d : ds) out.emplace_back(address + "/" + d);
+  return out;
+}
+
+cluster_core::cluster_core(tls t, cluster_options o, bool watch)
+    : t_(std::move(t)), o_(std::move(o)), watch_(watch), core_(o_.lost_after) {
+  sys_ = &network_system(t_);
+  if (watch_) listener_ = sys_->spawn(leaving_listener, sink_);
+}
+
+cluster_core::~cluster_core() {
+  if (listener_) caf::anon_send_exit(listener_, caf::exit_reason::user_shutdown);
+}
+
+void cluster_core::stop() {
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+void cluster_core::join(const std::string& address, bool rethrow) {
+  refuse_on_notifier("cluster::add");
+  parse_host_port(address);
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    auto st = core_.state_of(address);
+    if (st && (*st == member::state::up || *st == member::state::draining))
+      throw invalid_argument("cluster::add: " + address + " is a member already (" +
+                             to_string(*st) + ")");
+  }
+  std::vector<std::string> offered;
+  std::uint64_t incarnation = 0;
+  bool leaving = false;
+  auto handle =
+      connect_node(*sys_, address, t_, o_.connect_timeout, &offered, &incarnation, &leaving);
+  if (leaving) throw node_error("cannot use node " + address + ": it is draining (shutting down)");
+  remember_tls(address, t_);
+  std::shared_ptr<batch> b;
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (core_.fenced(address, incarnation)) {
+      core_.answered(address, incarnation, {}, clock::now(), true);  // counted
+      throw node_error("cannot use node " + address +
+                       ": it answered as the process this cluster gave up on (incarnation " +
+                       std::to_string(incarnation) + "); restart it to make it a member again");
+    }
+    auto events =
+        core_.answered(address, incarnation, devices_at(address, offered), clock::now(), true);
+    handles_[address] = handle;
+    watch(handle);
+    if (events.empty()) return;  // a member already (a concurrent add)
+    b = enqueue(std::move(events));
+  }
+  cv_.notify_all();
+  b->done.get_future().wait();
+  if (rethrow && b->first_error) std::rethrow_exception(b->first_error);
+}
+
+void cluster_core::remove(const std::string& address) {
+  refuse_on_notifier("cluster::remove");
+  std::shared_ptr<batch> b;
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    auto st = core_.state_of(address);
+    if (!st) throw invalid_argument("cluster::remove: " + address + " is not a member");
+    if (*st != member::state::up)
+      throw invalid_argument("cluster::remove: " + address + " is " + to_string(*st) + ", not up");
+    b = enqueue({});
+    b->removing = address;
+  }
+  cv_.notify_all();
+  b->done.get_future().wait();
+  if (b->first_error) std::rethrow_exception(b->first_error);
+}
+
+cluster_snapshot cluster_core::follow(const std::shared_ptr<cluster_follower>& f) {
+  std::lock_guard<std::mutex> guard{mtx_};
+  prune();
+  followers_.push_back(f);
+  return {devices_locked(), t_};
+}
+
+std::vector<device> cluster_core::devices() const {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return devices_locked();
+}
+
+std::vector<std::string> cluster_core::nodes() const {
+  std::lock_guard<std::mutex> guard{mtx_};
+  std::vector<std::string> out;
+  for (auto& m : core_.members())
+    if (m.what == member::state::up) out.push_back(m.address);
+  return out;
+}
+
+std::vector<member> cluster_core::members() const {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return core_.members();
+}
+
+std::size_t cluster_core::fenced_answers() const {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return core_.fenced_answers();
+}
+
+std::vector<device> cluster_core::devices_locked() const {
+  std::vector<device> out;
+  for (auto& m : core_.members())
+    if (m.what == member::state::up) out.insert(out.end(), m.devices.begin(), m.devices.end());
+  return out;
+}
+
+void cluster_core::prune() {
+  followers_.erase(
+      std::remove_if(followers_.begin(), followers_.end(),
+                     [](const std::weak_ptr<cluster_follower>& w) { return w.expired(); }),
+      followers_.end());
+}
+
+void cluster_core::refuse_on_notifier(const char* what) {
+  if (on_notifier)
+    throw invalid_argument(std::string{what} +
+                           " inside on_change (or a runner's reaction to a change) would wait "
+                           "for itself: call it from another thread");
+}
+
+std::shared_ptr<cluster_core::batch> cluster_core::enqueue(std::vector<membership_event> events) {
+  auto b = std::make_shared<batch>();
+  b->events = std::move(events);
+  prune();
+  b->to = followers_;
+  queue_.push_back(b);
+  return b;
+}
+
+}  // namespace troupe::detail

@@ -1,0 +1,124 @@
+// A live cluster's core (cluster.cpp): everything its watcher, reconnector and notifier threads
+// share. Defined in cluster_core.cpp (joining, removing, reading), cluster_notify.cpp (the
+// notifier) and cluster_watch.cpp (the watcher and the reconnector).
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "troupe/detail/cluster_state.hpp"
+#include "troupe/internal/membership.hpp"
+
+namespace troupe::detail {
+
+std::vector<device> devices_at(const std::string& address, const std::vector<std::string>& ds);
+
+/// Members that said they drain themselves (node::drain, SIGTERM): their leave is a drain, not
+/// a loss. Filled by the listener actor, read by the watcher.
+struct leaving_sink {
+  std::mutex mtx;
+  std::vector<std::pair<caf::node_id, std::uint64_t>> notices;  ///< node, incarnation
+};
+
+/// The notifier thread (on_change and the followers run there): cluster::add and remove,
+/// which wait for it, are refused on it.
+extern thread_local bool on_notifier;
+
+/// Everything the cluster's threads share: they hold it, so that the last `cluster` copy may
+/// go anywhere, even inside on_change (cluster_state only stops them).
+class cluster_core {
+  friend class cluster_state;  // runs the loops
+
+ public:
+  cluster_core(tls t, cluster_options o, bool watch);
+  ~cluster_core();
+
+  [[nodiscard]] bool watching() const { return watch_; }
+  [[nodiscard]] bool reconnecting() const { return watch_ && o_.reconnect; }
+
+  void stop();
+
+  /// cluster::connect and cluster::add: `joining` a member (add: the first error of the
+  /// runners that follow is rethrown).
+  void join(const std::string& address, bool rethrow);
+
+  /// Drains `address` from every follower: decided on the notifier, between the other changes
+  /// (so that no loss or other drain slips between the check and the drain). Rethrows a
+  /// follower's refusal; the member is then up again.
+  void remove(const std::string& address);
+
+  cluster_snapshot follow(const std::shared_ptr<cluster_follower>& f);
+
+  std::vector<device> devices() const;
+  std::vector<std::string> nodes() const;
+  std::vector<member> members() const;
+  std::size_t fenced_answers() const;
+  const tls& settings() const { return t_; }
+
+ private:
+  using clock = std::chrono::steady_clock;
+
+  struct batch {
+    std::vector<membership_event> events;
+    std::vector<std::weak_ptr<cluster_follower>> to;  ///< the followers when it happened
+    std::promise<void> done;
+    std::exception_ptr first_error;
+    std::string removing;  ///< cluster::remove of this address (no events yet)
+  };
+
+  std::vector<device> devices_locked() const;
+  void prune();
+  static void refuse_on_notifier(const char* what);
+  /// Under mtx_: the events go to the runners that follow now.
+  std::shared_ptr<batch> enqueue(std::vector<membership_event> events);
+
+  // The notifier (cluster_notify.cpp).
+  void tell(batch& b, const membership_event& e);
+  void report(const membership_event& e);
+  void notify_loop();
+  /// cluster::remove, on the notifier: the member must still be up and no follower may need it
+  /// (else invalid_argument, nothing drained); draining, the followers drain it, drained. A
+  /// follower that fails to drain: the member is up again and the error goes to remove().
+  void drain(batch& b);
+
+  // The watcher and the reconnector (cluster_watch.cpp).
+  bool pause(std::chrono::milliseconds d);
+  /// The loops, never ending the process on an exception (logged; the loop goes on).
+  void guarded_watch_loop();
+  void guarded_reconnect_loop();
+  void watch_loop();
+  void reconnect_loop();
+  /// Under mtx_: the leaving notices received so far, applied (draining events).
+  std::vector<membership_event> take_notices_locked(clock::time_point now);
+  /// Asks the node to tell the listener when it drains itself.
+  void watch(const caf::actor& node);
+  bool stopping();
+
+  tls t_;
+  cluster_options o_;
+  caf::actor_system* sys_ = nullptr;
+  mutable std::mutex mtx_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  bool watch_ = false;
+  membership core_;
+  std::map<std::string, caf::actor> handles_;  ///< the members' node actors
+  std::vector<std::weak_ptr<cluster_follower>> followers_;
+  std::deque<std::shared_ptr<batch>> queue_;
+  std::shared_ptr<leaving_sink> sink_ = std::make_shared<leaving_sink>();
+  caf::actor listener_;  ///< hears members that drain themselves (watching clusters only)
+};
+
+}  // namespace troupe::detail

@@ -1,0 +1,195 @@
+// A live cluster's watcher (probes every member each heartbeat, and gives up on the silent
+// ones) and reconnector (tries lost members again) threads (cluster_core.hpp).
+#include <algorithm>
+#include <caf/scoped_actor.hpp>
+#include <caf/send.hpp>
+#include <iterator>
+#include <set>
+
+#include "cluster_core.hpp"
+#include "troupe/detail/network.hpp"
+#include "troupe/log.hpp"
+#include "troupe/protocol.hpp"
+
+namespace troupe::detail {
+
+bool cluster_core::pause(std::chrono::milliseconds d) {
+  std::unique_lock<std::mutex> lock{mtx_};
+  return !cv_.wait_for(lock, d, [&] { return stopping_; });
+}
+
+void cluster_core::guarded_watch_loop() {
+  while (!stopping()) {
+    try {
+      watch_loop();
+      return;
+    } catch (const std::exception& e) {
+      log(log_level::error, std::string{"cluster watcher: "} + e.what());
+    } catch (...) {
+      log(log_level::error, "cluster watcher: an unknown exception");
+    }
+    pause(o_.heartbeat);
+  }
+}
+
+void cluster_core::guarded_reconnect_loop() {
+  while (!stopping()) {
+    try {
+      reconnect_loop();
+      return;
+    } catch (const std::exception& e) {
+      log(log_level::error, std::string{"cluster reconnector: "} + e.what());
+    } catch (...) {
+      log(log_level::error, "cluster reconnector: an unknown exception");
+    }
+    pause(o_.reconnect_every);
+  }
+}
+
+void cluster_core::watch_loop() {
+  while (!stopping()) {
+    auto start = clock::now();
+    std::vector<std::pair<std::string, caf::actor>> targets;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      for (auto& a : core_.watched())
+        if (auto i = handles_.find(a); i != handles_.end()) targets.emplace_back(a, i->second);
+    }
+    struct answer {
+      std::string address;
+      node_hello hello;
+    };
+    std::vector<answer> answers;
+    if (!targets.empty()) {
+      caf::scoped_actor self{*sys_};
+      using req = decltype(self->request(targets[0].second, o_.heartbeat, hello_atom::value));
+      std::vector<req> pending;
+      for (auto& [a, h] : targets)
+        pending.push_back(self->request(h, o_.heartbeat, hello_atom::value));
+      for (std::size_t i = 0; i < pending.size(); ++i)
+        pending[i].receive(
+            [&](node_hello& h) {
+              answers.push_back({targets[i].first, std::move(h)});
+            },
+            [](const caf::error&) {});  // silent: counted by lost_after
+    }
+    std::shared_ptr<batch> b;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      auto now = clock::now();
+      auto events = take_notices_locked(now);
+      auto add = [&](std::vector<membership_event> more) {
+        events.insert(events.end(), more.begin(), more.end());
+      };
+      for (auto& x : answers) {
+        std::vector<device> offered;
+        try {
+          offered = devices_at(x.address, x.hello.devices);
+        } catch (const std::exception&) {
+          continue;  // a device this program does not know: not a sign of life to use
+        }
+        add(core_.answered(x.address, x.hello.incarnation, offered, now, false, x.hello.leaving));
+      }
+      add(core_.tick(now));
+      if (!events.empty()) b = enqueue(std::move(events));
+    }
+    if (b) cv_.notify_all();
+    auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
+    if (spent < o_.heartbeat && !pause(o_.heartbeat - spent)) return;
+  }
+}
+
+void cluster_core::reconnect_loop() {
+  // Each address at most once per reconnect_every; but one that drained itself (a rolling
+  // restart: its next process is expected within moments) every heartbeat, so that it is
+  // back in the running jobs soon after it listens again.
+  std::map<std::string, clock::time_point> next_try;
+  while (pause(std::min(o_.heartbeat, o_.reconnect_every))) {
+    // Lost members, and members silent for two heartbeats: a node restarted on the same
+    // address answers a connect as a new incarnation long before lost_after.
+    std::vector<std::string> lost;
+    std::set<std::string> eager;
+    auto now = clock::now();
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      lost = core_.lost();
+      auto quiet = core_.silent(now, 2 * o_.heartbeat);
+      lost.insert(lost.end(), quiet.begin(), quiet.end());
+      for (auto& a : lost)
+        if (core_.leaves_by_itself(a)) eager.insert(a);
+    }
+    for (auto i = next_try.begin(); i != next_try.end();)  // members back: forgotten
+      i = std::find(lost.begin(), lost.end(), i->first) == lost.end() ? next_try.erase(i)
+                                                                      : std::next(i);
+    for (auto& address : lost) {
+      if (stopping()) return;
+      if (!eager.count(address)) {
+        auto& at = next_try[address];
+        if (now < at) continue;
+        at = now + o_.reconnect_every;
+      }
+      std::vector<std::string> offered;
+      std::uint64_t incarnation = 0;
+      bool leaving = false;
+      caf::actor handle;
+      try {
+        handle =
+            connect_node(*sys_, address, t_, o_.connect_timeout, &offered, &incarnation, &leaving);
+      } catch (const std::exception&) {
+        continue;  // not back yet
+      }
+      std::vector<device> devices;
+      try {
+        devices = devices_at(address, offered);
+      } catch (const std::exception& e) {
+        log(log_level::warn, "cluster: " + address +
+                                 " offers a device this program does not "
+                                 "know (" +
+                                 e.what() + "); not used");
+        continue;
+      }
+      std::shared_ptr<batch> b;
+      {
+        std::lock_guard<std::mutex> guard{mtx_};
+        auto now = clock::now();
+        // Notices first: a node that drained itself has left, whatever answers now.
+        auto events = take_notices_locked(now);
+        auto more = core_.answered(address, incarnation, devices, now, false, leaving);
+        events.insert(events.end(), more.begin(), more.end());
+        if (core_.accepts(address, incarnation)) {
+          handles_[address] = handle;
+          watch(handle);
+        }
+        if (!events.empty()) b = enqueue(std::move(events));
+      }
+      if (b) cv_.notify_all();
+    }
+  }
+}
+
+std::vector<membership_event> cluster_core::take_notices_locked(clock::time_point now) {
+  std::vector<std::pair<caf::node_id, std::uint64_t>> notices;
+  {
+    std::lock_guard<std::mutex> guard{sink_->mtx};
+    notices.swap(sink_->notices);
+  }
+  std::vector<membership_event> events;
+  for (auto& [where, incarnation] : notices)
+    for (auto& m : core_.members())
+      if (auto i = handles_.find(m.address); i != handles_.end() && i->second.node() == where) {
+        auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
+        events.insert(events.end(), more.begin(), more.end());
+      }
+  return events;
+}
+
+void cluster_core::watch(const caf::actor& node) {
+  if (listener_) caf::send_as(listener_, node, watch_atom::value);
+}
+
+bool cluster_core::stopping() {
+  std::lock_guard<std::mutex> guard{mtx_};
+  return stopping_;
+}
+
+}  // namespace troupe::detail
