@@ -11,8 +11,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <numeric>
 #include <thread>
 #include <troupe/torch.hpp>
+#include <vector>
 
 #include "bench_jobs.hpp"
 #include "child_node.hpp"
@@ -45,17 +47,29 @@ double since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
+/// Best of 3: items from a generator (one at a time), or from a vector in memory (lent to
+/// local producers, copied block by block for nodes).
 template <class Runner>
-double items_per_second(Runner& runner, std::int64_t n) {
+double items_per_second(Runner& runner, std::int64_t n, bool from_vector) {
   double best = 1e9;
+  std::vector<std::int64_t> xs;
+  if (from_vector) {
+    xs.resize(static_cast<std::size_t>(n));
+    std::iota(xs.begin(), xs.end(), std::int64_t{0});
+  }
   for (int r = 0; r < 3; ++r) {
     std::int64_t i = 0;
     auto t0 = clock_type::now();
-    runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
-      if (i == n) return std::nullopt;
-      return i++;
-    }));
+    std::int64_t sum = 0;
+    if (from_vector)
+      sum = runner.run(xs);
+    else
+      sum = runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+        if (i == n) return std::nullopt;
+        return i++;
+      }));
     best = std::min(best, since(t0));
+    if (sum == 0 && n > 1) throw std::runtime_error("wrong sum");
   }
   return n / best;
 }
@@ -109,6 +123,10 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   app.add_option("--tensors", tensors, "64 MiB tensors sent through a node and back");
   app.add_option("--count", items, "trivial items");
+  bool from_vector = false;
+  app.add_flag("--vector", from_vector, "trivial items from a vector in memory (else a generator)");
+  std::size_t max_chunk_items = troupe::options{}.max_chunk_items;
+  app.add_option("--max-chunk-items", max_chunk_items, "options::max_chunk_items of the runners");
   std::int64_t huge_mib = 0;
   app.add_option("--huge-mib", huge_mib,
                  "also send one tensor of this many MiB through a node and back (4200: more "
@@ -120,12 +138,16 @@ int main(int argc, char** argv) {
   if (!f.tls_cert.empty())
     tls_args = {"--tls-cert", f.tls_cert, "--tls-key", f.tls_key, "--tls-ca", f.tls_ca};
   child_node a{argv[0], "cpu", tls_args}, b{argv[0], "cpu", tls_args};
-  troupe::unordered_runner<squares> local{2};
-  double local_rate = items_per_second(local, items);
+  troupe::options opts;
+  opts.max_chunk_items = max_chunk_items;
+  troupe::unordered_runner<squares> local{2, {}, opts};
+  double local_rate = items_per_second(local, items, from_vector);
   auto c = troupe::cluster::connect({a.address, b.address}, f.tls());
-  troupe::unordered_runner<squares> remote{c.devices()};
-  double remote_rate = items_per_second(remote, items);
-  std::cout << "trivial items (" << items << " x*x, 2 producers):\n"
+  troupe::unordered_runner<squares> remote{c.devices(), {}, opts};
+  double remote_rate = items_per_second(remote, items, from_vector);
+  std::cout << "trivial items (" << items << " x*x, 2 producers, from a "
+            << (from_vector ? "vector" : "generator") << ", max_chunk_items " << max_chunk_items
+            << "):\n"
             << "  local producers           : " << local_rate / 1e6 << " M items/s\n"
             << "  2 nodes over loopback     : " << remote_rate / 1e6 << " M items/s ("
             << 100 * remote_rate / local_rate << " % of local)\n";
