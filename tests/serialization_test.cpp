@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <troupe/node.hpp>
 #include <troupe/testing.hpp>
 #include <troupe/troupe.hpp>
 #include <vector>
@@ -109,6 +110,78 @@ TEST(Serialization, TheSerializeOptionPassesOnceTheFieldIsAdded) {
   EXPECT_EQ(wire.run(labelled<fixed_item>(n)), expected_sum<fixed_item>(n));
 }
 
+namespace {
+
+// A struct of plain data with no inspect(): its items cross the network as one block of bytes.
+struct point {
+  std::int32_t x = 0;
+  std::int32_t y = 0;
+  std::int64_t id = 0;
+};
+struct padded {  // 3 bytes of padding after `c`: not plain (its padding would be sent)
+  char c = 0;
+  std::int32_t i = 0;
+};
+struct holds_a_string {
+  std::string s;
+};
+static_assert(troupe::detail::plain_struct<point>);
+static_assert(troupe::detail::wire_serializable<point>);
+static_assert(!troupe::detail::plain_struct<padded>);
+static_assert(!troupe::detail::plain_struct<holds_a_string>);
+static_assert(!troupe::detail::plain_struct<std::int64_t>);  // numbers are raw_items already
+
+struct moved_points {
+  struct producer {
+    point work(point p) { return point{p.x + 1, p.y * 2, p.id}; }
+  };
+  struct consumer {
+    void work(point p) { sum += p.x + p.y + p.id; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+std::vector<point> some_points(int n) {
+  std::vector<point> out;
+  for (int i = 0; i < n; ++i) out.push_back(point{i, -i, 1000 + i});
+  return out;
+}
+std::int64_t moved_sum(int n) {
+  std::int64_t s = 0;
+  for (int i = 0; i < n; ++i) s += (i + 1) + (-i * 2) + (1000 + i);
+  return s;
+}
+
+}  // namespace
+
+TROUPE_REGISTER_JOB(moved_points);
+
+TEST(Serialization, PlainStructsCrossTheWireAsOneBlockOfBytes) {
+  auto back = troupe::testing::round_trip(point{3, -4, 1234567890123});
+  EXPECT_EQ(back.x, 3);
+  EXPECT_EQ(back.y, -4);
+  EXPECT_EQ(back.id, 1234567890123);
+  // Their payload is their bytes (what troupe_node_payload_bytes_total counts).
+  auto b = troupe::batch::of(some_points(100));
+  ASSERT_TRUE(b.get()->flat_bytes());
+  EXPECT_EQ(*b.get()->flat_bytes(), 100 * sizeof(point));
+  // A local run through the wire format, as on a node.
+  troupe::options opts;
+  opts.serialize = true;
+  troupe::ordered_runner<moved_points> wire{2, {}, opts};
+  EXPECT_EQ(wire.run(some_points(5000)), moved_sum(5000));
+}
+
+TEST(Serialization, PlainStructsThroughANodeGiveTheExactResult) {
+  test_util::watchdog dog{std::chrono::seconds{60}, "plain structs through a node"};
+  auto node = troupe::node::serve("127.0.0.1:0", {"cpu", "cpu"});
+  auto at = node.address();
+  troupe::unordered_runner<moved_points> runner{
+      {troupe::device{at + "/cpu"}, troupe::device{at + "/cpu"}}};
+  EXPECT_EQ(runner.run(some_points(20000)), moved_sum(20000));
+}
+
 TEST(Serialization, TheProbeCanSerializeToo) {
   troupe::testing::probe_options o;
   o.serialize = true;
@@ -119,12 +192,13 @@ TEST(Serialization, TheProbeCanSerializeToo) {
 }
 
 namespace {
-struct not_serializable {
+struct not_serializable {  // no inspect(), and not plain data (it holds a string)
   std::int64_t x = 0;
+  std::string label;
 };
 struct unserializable_job {
   struct producer {
-    std::int64_t work(not_serializable v) { return v.x; }
+    std::int64_t work(const not_serializable& v) { return v.x; }
   };
 };
 }  // namespace

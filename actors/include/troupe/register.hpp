@@ -35,11 +35,11 @@ struct has_replica<T, std::void_t<typename T::replica>> : std::true_type {};
 template <class Job>
 bool register_producer_job(const char* name) {
   using traits = detail::job_traits<Job>;
-  static_assert(caf::detail::is_serializable<typename traits::input_type>::value &&
-                    caf::detail::is_serializable<typename traits::output_type>::value,
-                "troupe: TROUPE_REGISTER_JOB needs input and output types that CAF can "
-                "serialize: give them an inspect() overload (include <troupe/torch.hpp> for "
-                "tensors)");
+  static_assert(detail::wire_serializable<typename traits::input_type> &&
+                    detail::wire_serializable<typename traits::output_type>,
+                "troupe: TROUPE_REGISTER_JOB needs input and output types that can cross the "
+                "network: give them an inspect() overload (include <troupe/torch.hpp> for "
+                "tensors), or make them structs of plain data (trivially copyable, no padding)");
   using in = typename traits::input_type;
   using out = typename traits::output_type;
   register_batch_type<in>();

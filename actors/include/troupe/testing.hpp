@@ -30,8 +30,9 @@ namespace troupe::testing {
 /// reads back fewer bytes than it wrote.
 template <class T>
 T round_trip(const T& x) {
-  static_assert(caf::detail::is_serializable<T>::value,
-                "troupe::testing::round_trip: T needs an inspect() overload (include "
+  static_assert(detail::wire_serializable<T>,
+                "troupe::testing::round_trip: T needs an inspect() overload, or to be a struct "
+                "of plain data (include "
                 "<troupe/torch.hpp> for tensors)");
   ensure_batch_type<T>();
   auto copy = round_trip_batch(batch::of(std::vector<T>{x}), "round_trip");

@@ -36,6 +36,25 @@ std::size_t bytes_left(caf::deserializer& source) noexcept;
 template <class T>
 constexpr bool raw_items = std::is_arithmetic<T>::value && !std::is_same<T, bool>::value;
 
+/// A struct of plain data with no inspect() overload: trivially copyable, default-constructible
+/// and without padding (every byte belongs to a value), e.g. struct point { float x, y; }. Its
+/// items cross the network as one block of bytes, like numbers. Its members must be values, not
+/// pointers (an address means nothing in another process): a struct that holds pointers needs
+/// an inspect() overload, and then goes field by field.
+template <class T>
+constexpr bool plain_struct =
+    std::is_class<T>::value&& std::is_trivially_copyable<T>::value&& std::is_default_constructible<
+        T>::value&& std::has_unique_object_representations<T>::value &&
+    !caf::detail::is_serializable<T>::value;
+
+/// Items written as one block of bytes: numbers, and plain structs.
+template <class T>
+constexpr bool wire_raw = raw_items<T> || plain_struct<T>;
+
+/// Items that can cross the network: an inspect() overload (CAF), or plain structs.
+template <class T>
+constexpr bool wire_serializable = caf::detail::is_serializable<T>::value || plain_struct<T>;
+
 template <class T, class = void>
 struct has_nbytes : std::false_type {};
 template <class T>
@@ -143,7 +162,7 @@ class batch_of final : public batch_base {
   [[nodiscard]] std::size_t size() const noexcept override { return items.size(); }
   [[nodiscard]] const std::type_info& item_type() const noexcept override { return typeid(T); }
   [[nodiscard]] std::optional<std::size_t> flat_bytes() const noexcept override {
-    if constexpr (detail::raw_items<T>) {
+    if constexpr (detail::wire_raw<T>) {
       return items.size() * sizeof(T);
     } else if constexpr (detail::flat_item<T>::value) {
       std::size_t n = 0;
@@ -154,7 +173,7 @@ class batch_of final : public batch_base {
     }
   }
   caf::error save(caf::serializer& sink) const override {
-    if constexpr (detail::raw_items<T>) {  // numbers: one raw block, not element by element
+    if constexpr (detail::wire_raw<T>) {  // numbers, plain structs: one block, not item by item
       std::uint64_t n = items.size();
       if (auto err = sink(n)) return err;
       return sink.apply_raw(n * sizeof(T), const_cast<T*>(items.data()));
@@ -184,7 +203,7 @@ class batch_of final : public batch_base {
     }
   }
   caf::error load(caf::deserializer& source) override {
-    if constexpr (detail::raw_items<T>) {
+    if constexpr (detail::wire_raw<T>) {
       std::uint64_t n = 0;
       if (auto err = source(n)) return err;
       if (n > detail::bytes_left(source) / sizeof(T))
@@ -251,8 +270,9 @@ batch round_trip_batch(const batch& b, const std::string& what);
 /// the type's mangled name, equal in programs built by the same compiler).
 template <class T>
 void register_batch_type(const std::string& name = typeid(T).name()) {
-  static_assert(caf::detail::is_serializable<T>::value,
-                "a batch type that crosses the network needs an inspect() overload");
+  static_assert(detail::wire_serializable<T>,
+                "a batch type that crosses the network needs an inspect() overload (or to be a "
+                "struct of plain data: trivially copyable, without padding)");
   register_batch_type(name, typeid(T), [] { return std::make_unique<batch_of<T>>(); });
 }
 

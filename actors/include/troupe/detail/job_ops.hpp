@@ -582,8 +582,7 @@ template <class Job>
 void register_wire_types() {
   using in = typename job_traits<Job>::input_type;
   using out = typename job_traits<Job>::output_type;
-  if constexpr (caf::detail::is_serializable<in>::value &&
-                caf::detail::is_serializable<out>::value) {
+  if constexpr (wire_serializable<in> && wire_serializable<out>) {
     ensure_batch_type<in>();
     ensure_batch_type<out>();
   } else {
