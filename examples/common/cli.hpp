@@ -214,9 +214,9 @@ inline int check_flags(const flags& f) {
   return -1;
 }
 
-/// Sleeps for the simulated device time of one item.
-/// Device time: a sleep (a GPU's work leaves the CPU free), except below 0.1 ms, where a sleep
-/// would last tens of microseconds more than asked: there the CPU spins, as short work would.
+/// The simulated device time of one item: a sleep (a GPU's work leaves the CPU free), except
+/// below 0.1 ms, where a sleep would last tens of microseconds more than asked: there the CPU
+/// spins, as short work would.
 inline void simulate_work(double ms) {
   if (ms <= 0) return;
   auto d = std::chrono::duration<double, std::milli>(ms);
