@@ -9,11 +9,15 @@
 //   503 when --max-queued requests wait already (troupe::overloaded), 400 on a bad body.
 //
 // One thread runs the HTTP side (Boost.Beast coroutines): no thread waits for a request's
-// answer (troupe::async_get completes the coroutine). The model is a small linear classifier in
-// plain C++; --call-us and --item-us add the cost of a device call (a kernel launch, a forward
-// pass) and of each row, so that batching pays as it does on a GPU.
+// answer (troupe::async_get completes the coroutine). Two models answer 10 classes:
+//   --model linear  a small linear classifier in plain C++ (the default);
+//   --model mlp     a LibTorch MLP (16 -> --hidden x --layers, ReLU -> 10) on each producer's
+//                   device, cpu or cuda:N: one forward pass per batch (builds with LibTorch).
+// --call-us and --item-us add a simulated cost per call and per row (a kernel launch, a forward
+// pass), so that batching pays on a CPU as it does on a GPU.
 //
 //   serve --listen 127.0.0.1:8080 --devices cpu,cpu --max-batch 8 --max-delay-us 2000
+//   serve --model mlp --devices cuda:0,cuda:0 --max-batch 64 --max-delay-us 1000
 //   serve --requests 2000 --concurrency 64    (serves itself, checks every answer, exits)
 #include <algorithm>
 #include <atomic>
@@ -25,6 +29,12 @@
 #include <random>
 #include <sstream>
 #include <troupe/asio.hpp>
+#ifdef TROUPE_EXAMPLES_TORCH
+#include <torch/torch.h>
+
+#include <mutex>
+#include <troupe/torch.hpp>
+#endif
 
 #include "common/cli.hpp"
 
@@ -89,6 +99,71 @@ struct classify {
   };
 };
 
+#ifdef TROUPE_EXAMPLES_TORCH
+namespace {
+
+/// The MLP: the same weights in every producer and in the self-test's check.
+torch::nn::Sequential make_mlp(std::int64_t hidden, std::int64_t layers) {
+  static std::mutex rng;  // torch's global generator: producers are built on threads of their own
+  std::lock_guard<std::mutex> guard{rng};
+  torch::manual_seed(42);
+  torch::nn::Sequential m{torch::nn::Linear(static_cast<std::int64_t>(n_features), hidden),
+                          torch::nn::ReLU()};
+  for (std::int64_t i = 1; i < layers; ++i) {
+    m->push_back(torch::nn::Linear(hidden, hidden));
+    m->push_back(torch::nn::ReLU());
+  }
+  m->push_back(torch::nn::Linear(hidden, static_cast<std::int64_t>(n_classes)));
+  return m;
+}
+
+/// Requests as one [rows, 16] host tensor.
+at::Tensor stack(troupe::span<const std::vector<float>> rows) {
+  auto x = torch::empty({static_cast<std::int64_t>(rows.size()), std::int64_t{n_features}});
+  auto* p = x.data_ptr<float>();
+  for (auto& r : rows) {
+    if (r.size() != n_features) throw std::invalid_argument("expected 16 features");
+    p = std::copy(r.begin(), r.end(), p);
+  }
+  return x;
+}
+
+}  // namespace
+
+/// The same service with a LibTorch MLP: one forward pass on the producer's device per batch.
+struct classify_mlp {
+  struct producer {
+    producer(const troupe::device& d, const troupe::config& cfg)
+        : where(d),
+          model(make_mlp(cfg.get_or<std::int64_t>("hidden", 256),
+                         cfg.get_or<std::int64_t>("layers", 2))),
+          call_us(cfg.get_or<std::int64_t>("call_us", 0)),
+          item_us(cfg.get_or<std::int64_t>("item_us", 0)) {
+      if (d.is_cpu()) at::set_num_threads(1);  // producers share cores
+      model->to(troupe::torch_device(d));
+      model->eval();
+    }
+    std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
+      classify::producer::calls += 1;
+      classify::producer::rows_seen += rows.size();
+      example::simulate_work(
+          static_cast<double>(call_us + item_us * static_cast<std::int64_t>(rows.size())) / 1000.0);
+      c10::InferenceMode inference;
+      auto best = model->forward(troupe::to_device(stack(rows), where)).max(1);
+      auto score = troupe::to_host(std::get<0>(best)), label = troupe::to_host(std::get<1>(best));
+      std::vector<prediction> out(rows.size());
+      for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = {label[static_cast<std::int64_t>(i)].item<std::int64_t>(),
+                  score[static_cast<std::int64_t>(i)].item<float>()};
+      return out;
+    }
+    troupe::device where;
+    torch::nn::Sequential model;
+    std::int64_t call_us, item_us;
+  };
+};
+#endif
+
 namespace {
 
 /// "0.1,0.2" or "[0.1, 0.2]": the numbers; nullopt when it is not 16 numbers.
@@ -117,8 +192,6 @@ struct server_stats {
   std::atomic<std::uint64_t> ok{0}, overloaded{0}, late{0}, bad{0};
 };
 
-using runner_type = troupe::unordered_runner<classify>;
-
 http::response<http::string_body> reply(const http::request<http::string_body>& req,
                                         http::status status, std::string body,
                                         const char* type = "application/json") {
@@ -131,8 +204,9 @@ http::response<http::string_body> reply(const http::request<http::string_body>& 
   return res;
 }
 
+template <class Runner>
 net::awaitable<http::response<http::string_body>> handle(http::request<http::string_body> req,
-                                                         runner_type& runner, server_stats& stats) {
+                                                         Runner& runner, server_stats& stats) {
   if (req.target() == "/health") co_return reply(req, http::status::ok, "ok\n", "text/plain");
 #ifdef TROUPE_EXAMPLES_METRICS
   if (req.target() == "/metrics")
@@ -186,7 +260,8 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
   co_return reply(req, http::status::ok, body.str());
 }
 
-net::awaitable<void> session(tcp::socket socket, runner_type& runner, server_stats& stats) {
+template <class Runner>
+net::awaitable<void> session(tcp::socket socket, Runner& runner, server_stats& stats) {
   beast::tcp_stream stream{std::move(socket)};
   beast::flat_buffer buffer;
   try {
@@ -207,7 +282,8 @@ net::awaitable<void> session(tcp::socket socket, runner_type& runner, server_sta
   stream.socket().shutdown(tcp::socket::shutdown_send, ec);
 }
 
-net::awaitable<void> listen(tcp::acceptor& acceptor, runner_type& runner, server_stats& stats) {
+template <class Runner>
+net::awaitable<void> listen(tcp::acceptor& acceptor, Runner& runner, server_stats& stats) {
   for (;;) {
     auto socket = co_await acceptor.async_accept(net::use_awaitable);
     net::co_spawn(acceptor.get_executor(), session(std::move(socket), runner, stats),
@@ -215,22 +291,25 @@ net::awaitable<void> listen(tcp::acceptor& acceptor, runner_type& runner, server
   }
 }
 
-/// The self-test: `n` requests over `concurrency` connections, every answer checked against
-/// the model; the sum of the predicted classes.
+/// The self-test's request `i`: its 16 numbers, exactly as the body's text says them.
+std::vector<float> request_input(std::size_t i) {
+  std::mt19937 rng{static_cast<unsigned>(i)};
+  std::uniform_real_distribution<float> u{-1.0f, 1.0f};
+  std::vector<float> x(n_features);
+  for (auto& v : x) v = std::round(u(rng) * 1000.0f) / 1000.0f;
+  return x;
+}
+
+/// The self-test: requests first, first + stride, ... below n on one connection; the class of
+/// each answer into `got` (-1 when it failed), its latency into `latencies_ms`.
 net::awaitable<void> client(tcp::endpoint to, std::size_t first, std::size_t n, std::size_t stride,
-                            std::int64_t& classes, std::size_t& wrong,
-                            std::vector<double>& latencies_ms) {
+                            std::vector<std::int64_t>& got, std::vector<double>& latencies_ms) {
   beast::tcp_stream stream{co_await net::this_coro::executor};
   co_await stream.async_connect(to, net::use_awaitable);
   beast::flat_buffer buffer;
-  auto w = weights();
   for (std::size_t i = first; i < n; i += stride) {
-    std::mt19937 rng{static_cast<unsigned>(i)};
-    std::uniform_real_distribution<float> u{-1.0f, 1.0f};
-    std::vector<float> x(n_features);
     std::string body;
-    for (auto& v : x) {
-      v = std::round(u(rng) * 1000.0f) / 1000.0f;  // exactly what the text says
+    for (auto v : request_input(i)) {
       std::ostringstream s;
       s << v;
       body += (body.empty() ? "" : ",") + s.str();
@@ -245,15 +324,115 @@ net::awaitable<void> client(tcp::endpoint to, std::size_t first, std::size_t n, 
     co_await http::async_read(stream, buffer, res, net::use_awaitable);
     latencies_ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sent).count());
-    auto want = predict(w, *parse_features(body));
     auto at = res.body().find("\"class\": ");
-    if (res.result() != http::status::ok || at == std::string::npos ||
-        std::stol(res.body().substr(at + 9)) != want.label)
-      wrong += 1;
-    classes += want.label;
+    if (res.result() == http::status::ok && at != std::string::npos)
+      got[i] = std::stol(res.body().substr(at + 9));
   }
   beast::error_code ec;
   stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+}
+
+/// Every class score of the model for the self-test's `n` requests, computed here in one go.
+std::vector<std::vector<float>> reference_scores(const std::string& model, std::size_t n,
+                                                 [[maybe_unused]] const troupe::config& cfg) {
+  std::vector<std::vector<float>> scores(n, std::vector<float>(n_classes));
+  if (model == "linear") {
+    auto w = weights();
+    for (std::size_t i = 0; i < n; ++i) {
+      auto x = request_input(i);
+      for (std::size_t c = 0; c < n_classes; ++c)
+        for (std::size_t f = 0; f < n_features; ++f) scores[i][c] += w[c * n_features + f] * x[f];
+    }
+    return scores;
+  }
+#ifdef TROUPE_EXAMPLES_TORCH
+  std::vector<std::vector<float>> inputs;
+  for (std::size_t i = 0; i < n; ++i) inputs.push_back(request_input(i));
+  c10::InferenceMode inference;
+  auto y =
+      make_mlp(cfg.get_or<std::int64_t>("hidden", 256), cfg.get_or<std::int64_t>("layers", 2))
+          ->forward(stack(troupe::span<const std::vector<float>>{inputs.data(), inputs.size()}))
+          .contiguous();
+  const auto* p = y.data_ptr<float>();
+  for (auto& row : scores) {
+    std::copy_n(p, n_classes, row.begin());
+    p += n_classes;
+  }
+#endif
+  return scores;
+}
+
+/// Answers that are not the model's best class (ties within rounding count as right).
+std::size_t wrong_answers(const std::vector<std::int64_t>& got,
+                          const std::vector<std::vector<float>>& scores) {
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    auto best = *std::max_element(scores[i].begin(), scores[i].end());
+    if (got[i] < 0 || got[i] >= static_cast<std::int64_t>(n_classes) ||
+        scores[i][static_cast<std::size_t>(got[i])] < best - 1e-3f * (1.0f + std::fabs(best)))
+      wrong += 1;
+  }
+  return wrong;
+}
+
+/// Serves on `listen_on` with a runner of `Job` until SIGINT/SIGTERM, or, with `requests`,
+/// runs the self-test and prints its result.
+template <class Job>
+void serve(const example::flags& f, const troupe::config& cfg, troupe::options opts,
+           const std::string& model, const std::string& listen_on, std::size_t requests,
+           std::size_t concurrency) {
+  troupe::unordered_runner<Job> runner{f.device_list(), cfg, opts};
+  server_stats stats;
+
+  net::io_context io{1};
+  auto hp = troupe::detail::parse_host_port(listen_on);
+  tcp::endpoint at{net::ip::make_address(hp.host), hp.port};
+  tcp::acceptor acceptor{io, at};
+  auto port = acceptor.local_endpoint().port();
+  std::cerr << "serving HTTP on " << hp.host << ":" << port << " (POST /predict)" << std::endl;
+  net::co_spawn(io, listen(acceptor, runner, stats), net::detached);
+  if (requests == 0) {
+    net::signal_set signals{io, SIGINT, SIGTERM};
+    signals.async_wait([&](const beast::error_code&, int) { io.stop(); });
+    io.run();
+    std::cout << "result: " << stats.ok << " requests served\n";
+    return;
+  }
+  std::vector<std::int64_t> got(requests, -1);
+  std::size_t done = 0, broken = 0;
+  std::vector<double> latencies_ms;
+  auto start = std::chrono::steady_clock::now();
+  tcp::endpoint to{net::ip::make_address(hp.host), port};
+  for (std::size_t c = 0; c < concurrency; ++c)
+    net::co_spawn(io, client(to, c, requests, concurrency, got, latencies_ms),
+                  [&](std::exception_ptr e) {
+                    if (e) broken += 1;
+                    if (++done == concurrency) io.stop();
+                  });
+  io.run();
+  auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto s = runner.stats();
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  auto pct = [&](double q) {
+    return latencies_ms.empty()
+               ? 0.0
+               : latencies_ms[std::min(
+                     latencies_ms.size() - 1,
+                     static_cast<std::size_t>(q * static_cast<double>(latencies_ms.size())))];
+  };
+  auto scores = reference_scores(model, requests, cfg);
+  auto wrong = wrong_answers(got, scores) + broken;
+  std::cerr << "latency p50 " << pct(0.5) << " ms, p99 " << pct(0.99) << " ms" << std::endl;
+  std::cerr << "served " << stats.ok << " requests in " << secs << " s ("
+            << static_cast<double>(stats.ok) / secs << " requests/s), " << wrong << " wrong; "
+            << classify::producer::calls << " model calls (mean batch "
+            << static_cast<double>(classify::producer::rows_seen) /
+                   static_cast<double>(std::max<std::uint64_t>(1, classify::producer::calls))
+            << "), " << s.split_calls << " calls made again after a throw" << std::endl;
+  if (wrong != 0) throw std::runtime_error(std::to_string(wrong) + " wrong answers");
+  std::int64_t classes = 0;
+  for (auto g : got) classes += g;
+  std::cout << "result: " << classes << "\n";
 }
 
 }  // namespace
@@ -262,10 +441,16 @@ int main(int argc, char** argv) {
   CLI::App app{"serve: an HTTP inference server on troupe producers, batching across callers"};
   example::flags f;
   example::add_flags(app, f);
-  std::string listen_on = "127.0.0.1:8080";
+  std::string listen_on = "127.0.0.1:8080", model = "linear";
   std::size_t max_batch = 8, max_queued = 4096, requests = 0, concurrency = 16;
-  std::int64_t max_delay_us = 2000, call_us = 0, item_us = 0;
+  std::int64_t max_delay_us = 2000, call_us = 0, item_us = 0, hidden = 256, layers = 2;
   app.add_option("--listen", listen_on, "HOST:PORT to serve HTTP on (port 0: any free port)");
+  app.add_option("--model", model,
+                 "linear (plain C++) or mlp (LibTorch, on the producers' devices)")
+      ->check(CLI::IsMember({"linear", "mlp"}));
+  app.add_option("--hidden", hidden, "--model mlp: hidden units per layer")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layers", layers, "--model mlp: hidden layers")->check(CLI::PositiveNumber);
   app.add_option("--max-batch", max_batch, "most requests per producer call (0: no batching)");
   app.add_option("--max-delay-us", max_delay_us,
                  "how long a request may wait for others when the batch is not full");
@@ -282,58 +467,19 @@ int main(int argc, char** argv) {
     troupe::config cfg;
     cfg.set("call_us", call_us);
     cfg.set("item_us", item_us);
+    cfg.set("hidden", hidden);
+    cfg.set("layers", layers);
     auto opts = f.options();
     opts.batching.max_items = max_batch;
     opts.batching.max_delay = std::chrono::microseconds{max_delay_us};
     opts.max_queued_items = max_queued;
     opts.speculative = false;
-    runner_type runner{f.device_list(), cfg, opts};
-    server_stats stats;
-
-    net::io_context io{1};
-    auto hp = troupe::detail::parse_host_port(listen_on);
-    tcp::endpoint at{net::ip::make_address(hp.host), hp.port};
-    tcp::acceptor acceptor{io, at};
-    auto port = acceptor.local_endpoint().port();
-    std::cerr << "serving HTTP on " << hp.host << ":" << port << " (POST /predict)" << std::endl;
-    net::co_spawn(io, listen(acceptor, runner, stats), net::detached);
-    if (requests == 0) {
-      net::signal_set signals{io, SIGINT, SIGTERM};
-      signals.async_wait([&](const beast::error_code&, int) { io.stop(); });
-      io.run();
-      std::cout << "result: " << stats.ok << " requests served\n";
-      return;
-    }
-    std::int64_t classes = 0;
-    std::size_t wrong = 0, done = 0;
-    std::vector<double> latencies_ms;
-    auto start = std::chrono::steady_clock::now();
-    tcp::endpoint to{net::ip::make_address(hp.host), port};
-    for (std::size_t c = 0; c < concurrency; ++c)
-      net::co_spawn(io, client(to, c, requests, concurrency, classes, wrong, latencies_ms),
-                    [&](std::exception_ptr e) {
-                      if (e) wrong += 1;
-                      if (++done == concurrency) io.stop();
-                    });
-    io.run();
-    auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    auto s = runner.stats();
-    std::sort(latencies_ms.begin(), latencies_ms.end());
-    auto pct = [&](double q) {
-      return latencies_ms.empty()
-                 ? 0.0
-                 : latencies_ms[std::min(
-                       latencies_ms.size() - 1,
-                       static_cast<std::size_t>(q * static_cast<double>(latencies_ms.size())))];
-    };
-    std::cerr << "latency p50 " << pct(0.5) << " ms, p99 " << pct(0.99) << " ms" << std::endl;
-    std::cerr << "served " << stats.ok << " requests in " << secs << " s ("
-              << static_cast<double>(stats.ok) / secs << " requests/s), " << wrong << " wrong; "
-              << classify::producer::calls << " model calls (mean batch "
-              << static_cast<double>(classify::producer::rows_seen) /
-                     static_cast<double>(std::max<std::uint64_t>(1, classify::producer::calls))
-              << "), " << s.split_calls << " calls made again after a throw" << std::endl;
-    if (wrong != 0) throw std::runtime_error(std::to_string(wrong) + " wrong answers");
-    std::cout << "result: " << classes << "\n";
+    if (model == "linear")
+      return serve<classify>(f, cfg, opts, model, listen_on, requests, concurrency);
+#ifdef TROUPE_EXAMPLES_TORCH
+    serve<classify_mlp>(f, cfg, opts, model, listen_on, requests, concurrency);
+#else
+    throw std::invalid_argument("--model mlp: this serve was built without LibTorch");
+#endif
   });
 }

@@ -6,9 +6,12 @@
 #   tools/offline_gpu.sh pack DIR            # here: patched CAF, GoogleTest, CLI11, oneTBB,
 #                                            # OpenSSL headers into DIR (a few MB)
 #   tools/offline_gpu.sh build DIR [STAGES]  # there, in a copy of the checkout holding DIR:
-#                                            # STAGES of: build test bench (default: all)
+#                                            # STAGES of: build test bench serve train
+#                                            # (default: build test bench)
 #
-# `build` puts the build in build/ and the logs in ${OUT:-/tmp/troupe-gpu}.
+# `build` puts the build in build/ and the logs in ${OUT:-/tmp/troupe-gpu}. TARGETS="a b" builds
+# only those targets; CTEST_ARGS="-R regex" runs only those tests; REPEAT (default 3) is the
+# inference bench's --repeat.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -20,7 +23,7 @@ if [ "$cmd" = pack ]; then
   mkdir -p "$dir"
   caf=$(tools/build_caf.sh | tail -n 1)
   for p in libgtest-dev libgmock-dev libcli11-dev libtbb-dev libtbb12 libtbbmalloc2 \
-           libtbbbind-2-5 libhwloc15 libssl-dev libssl3; do
+           libtbbbind-2-5 libhwloc15 libssl-dev libssl3 libboost1.81-dev; do
     dpkg -L "$p"
   done | while read -r f; do [ -f "$f" ] || [ -L "$f" ] && echo "${f#/}"; done |
     grep -v 'share/doc\|share/man\|lib\(ssl\|crypto\)\.a$\|engines-3\|ossl-modules' |
@@ -63,11 +66,14 @@ if [[ $stages == *" build "* ]]; then
       { tail -40 "$out/configure.log"; exit 1; }
     grep -A1 "troupe:" "$out/configure.log"
   fi
-  cmake --build build -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
+  # shellcheck disable=SC2086
+  cmake --build build -j "$(nproc)" ${TARGETS:+--target $TARGETS} >> "$out/build.log" 2>&1 ||
+    { grep -E "error" "$out/build.log" | head -30; exit 1; }
   grep -E "warning: " "$out/build.log" | head -20
 fi
 if [[ $stages == *" test "* ]]; then
-  ctest --test-dir build --output-on-failure -j 8 --timeout 300 > "$out/ctest.log" 2>&1
+  # shellcheck disable=SC2086
+  ctest --test-dir build --output-on-failure -j 8 --timeout 300 ${CTEST_ARGS:-} >> "$out/ctest.log" 2>&1
   echo "ctest exit status $?"
   grep -E "tests passed|\(Failed\)|\(SEGFAULT\)|\(Timeout\)" "$out/ctest.log"
 fi
@@ -75,6 +81,32 @@ if [[ $stages == *" bench "* ]]; then
   for a in "400 256 2048" "2000 32 512" "100 4096 4096"; do
     set -- $a
     build/bench/troupe_inference_bench --devices cuda:0 cuda:0,cuda:0 cuda:0,cuda:0,cuda:0,cuda:0 \
-      --batches "$1" --rows "$2" --width "$3" --layers 4 --repeat 3
+      --batches "$1" --rows "$2" --width "$3" --layers 4 --repeat "${REPEAT:-3}"
   done 2>&1 | tee "$out/bench.log"
+fi
+if [[ $stages == *" serve "* ]]; then
+  # examples/serve with its LibTorch MLP on the GPU: 64 connections of 1-request jobs, with and
+  # without batching, on 1 and 2 producers (each answer checked against the model on the CPU).
+  for d in cuda:0 cuda:0,cuda:0; do
+    for b in "64 1000" "16 500" "0 0"; do
+      set -- $b
+      echo "== serve --devices $d --model mlp --hidden 1024 --layers 4 --max-batch $1 --max-delay-us $2"
+      build/examples/serve --listen 127.0.0.1:0 --devices "$d" --model mlp --hidden 1024 \
+        --layers 4 --requests 20000 --concurrency 64 --max-batch "$1" --max-delay-us "$2" 2>&1 |
+        grep -v "serving HTTP"
+    done
+  done 2>&1 | tee "$out/serve.log"
+fi
+if [[ $stages == *" train "* ]]; then
+  # The train example on the GPU: 1, 2 and 4 replicas on cuda:0, plain and --deterministic
+  # (whose parameters must not depend on the number of replicas), and the same on the CPU.
+  for d in cuda:0 cuda:0,cuda:0 cuda:0,cuda:0,cuda:0,cuda:0 cpu,cpu; do
+    for m in "" --deterministic; do
+      echo "== train --devices $d $m --hidden 1024 --samples 40000 --batch 256 --shard 64"
+      s0=$(date +%s.%N)
+      build/examples/train --devices "$d" $m --hidden 1024 --samples 40000 --batch 256 --shard 64 \
+        --epochs 2 --progress off 2>&1 | grep -E "params|result|epoch 2|rror"
+      awk -v a="$s0" -v b="$(date +%s.%N)" 'BEGIN { printf "wall %.2f s\n", b - a }'
+    done
+  done 2>&1 | tee "$out/train.log"
 fi
