@@ -113,31 +113,113 @@ TEST(TrainCore, TheSplitCoversTheRangeGivesEachReplicaOneAndFollowsSpeed) {
   }
 }
 
+TEST(TrainCore, TheLedgerCountsEachShardOnceAndGivesBackWhatALostReplicaHad) {
+  tc::ledger book{8, false};  // sums at the coordinator
+  book.sent(1, 0, 0, 4);
+  book.sent(2, 1, 4, 8);
+  EXPECT_THROW(book.sent(3, 0, 6, 9), std::logic_error);
+  EXPECT_EQ(book.answered(1), (tc::share{0, 0, 4}));
+  EXPECT_EQ(book.count(0), 1u);
+  EXPECT_EQ(book.incomplete(), std::optional<std::uint64_t>{4});
+  EXPECT_EQ(book.lost(1), (std::vector<tc::range>{{4, 8}}));
+  EXPECT_TRUE(book.lost(1).empty()) << "a range is given back once";
+  EXPECT_FALSE(book.answered(2)) << "an answer to a request given up on counts nothing";
+  EXPECT_EQ(book.count(5), 0u);
+  EXPECT_TRUE(book.lost(0).empty()) << "what reached the coordinator stays counted";
+  book.sent(3, 0, 4, 6);
+  book.sent(4, 2, 6, 8);
+  book.failed(4);
+  EXPECT_FALSE(book.answered(4));
+  EXPECT_TRUE(book.answered(3));
+  EXPECT_EQ(book.incomplete(), std::optional<std::uint64_t>{6});
+  book.sent(5, 0, 6, 8);
+  EXPECT_TRUE(book.answered(5));
+  EXPECT_FALSE(book.incomplete());
+  EXPECT_FALSE(book.waiting());
+  // A shard computed twice is seen.
+  book.sent(6, 0, 0, 1);
+  EXPECT_TRUE(book.answered(6));
+  EXPECT_EQ(book.incomplete(), std::optional<std::uint64_t>{0});
+  EXPECT_EQ(book.count(0), 2u);
+
+  tc::ledger ring{6, true};  // ring mode: sums stay on the replicas
+  ring.sent(1, 0, 0, 2);
+  ring.sent(2, 1, 2, 4);
+  ring.sent(3, 1, 4, 6);
+  EXPECT_TRUE(ring.answered(1));
+  EXPECT_TRUE(ring.answered(2));
+  EXPECT_EQ(ring.holders(), (std::vector<std::size_t>{0, 1}));
+  EXPECT_EQ(ring.lost(1), (std::vector<tc::range>{{2, 4}, {4, 6}}))
+      << "what it held and what it had in flight, in shard order";
+  EXPECT_EQ(ring.count(2), 0u);
+  EXPECT_EQ(ring.holders(), (std::vector<std::size_t>{0}));
+  EXPECT_FALSE(ring.answered(3));
+}
+
+TEST(TrainCore, TheTransportPolicyFallsBackAndPausesLateRings) {
+  using ring_end = tc::transport_policy::ring_end;
+  using decision = tc::transport_policy::decision;
+  constexpr auto big = tc::transport_policy::ring_min_bytes;
+  tc::transport_policy t;
+  EXPECT_TRUE(t.ring(0, 2, big, true));
+  EXPECT_FALSE(t.ring(0, 1, big, true)) << "one replica";
+  EXPECT_FALSE(t.ring(0, 2, big - 1, true)) << "small gradients";
+  EXPECT_FALSE(t.ring(0, 2, big, false)) << "every replica in this process";
+  EXPECT_TRUE(t.plane(true, true));
+  EXPECT_FALSE(t.plane(false, true)) << "direct_ring = false";
+  EXPECT_FALSE(t.plane(true, false)) << "a member without a port";
+  // A ring over the plane that failed because a neighbour was lost: the plane stays.
+  EXPECT_EQ(t.ended(ring_end::plane_failed, 0, true), decision::none);
+  EXPECT_TRUE(t.plane(true, true));
+  EXPECT_EQ(t.ended(ring_end::plane_failed, 0, false), decision::plane_off);
+  EXPECT_FALSE(t.plane(true, true));
+  EXPECT_TRUE(t.ring(0, 2, big, true)) << "rings go on through CAF";
+  // Late rings with no loss: pauses of 1, 2, 4 ... 256 steps; a ring that completes resets it.
+  EXPECT_EQ(t.ended(ring_end::timed_out, 5, true), decision::none) << "the culprit was dropped";
+  EXPECT_TRUE(t.ring(5, 2, big, true));
+  std::uint64_t step = 5;
+  for (std::uint64_t pause : {1, 2, 4, 8, 16, 32, 64, 128, 256, 256}) {
+    EXPECT_EQ(t.ended(ring_end::timed_out, step, false), decision::paused);
+    EXPECT_EQ(t.paused_until(), step + 1 + pause);
+    EXPECT_FALSE(t.ring(step + pause, 2, big, true));
+    step = t.paused_until();
+    EXPECT_TRUE(t.ring(step, 2, big, true));
+  }
+  EXPECT_EQ(t.ended(ring_end::done, step), decision::none);
+  EXPECT_EQ(t.next_pause(), 1u);
+  EXPECT_EQ(t.ended(ring_end::lost, step), decision::none);
+  EXPECT_TRUE(t.ring(step, 2, big, true));
+  // A ring that fails while every replica answers: no route among them, rings off for good.
+  EXPECT_EQ(t.ended(ring_end::failed, step), decision::rings_off);
+  EXPECT_FALSE(t.ring(step + 1000, 2, big, true));
+}
+
 // -- property test: a deterministic step under losses --------------------------------------------
 
 namespace {
 
-enum class planted { none, late_answer_used, no_recompute };
+enum class planted { none, late_answer_used, no_recompute, recompute_answered };
 
-/// One seeded step: S shards over R replicas; replicas are lost at random moments, before or
-/// after they answer; what was in flight to a lost replica is split among the survivors (as
-/// trainer::step does); the coordinator combines the blocks it accepted.
+/// One seeded step: S shards over R replicas, the coordinator's sums in a fixed tree
+/// (deterministic) or the replicas' own (ring mode); replicas are lost at random moments,
+/// before or after they answer, and what the recovery ledger (train_core::ledger) gives back
+/// is split among the survivors, as trainer::step does. Checked: each shard's gradient is in
+/// the sum exactly once (the ledger agrees), and the deterministic sum is the no-fault tree.
 std::optional<std::string> run_step(std::uint64_t seed, planted bug) {
   std::mt19937_64 rng{seed};
   const std::uint64_t shards = 1 + rng() % 48;
   const std::size_t replicas = 1 + rng() % 6;
+  const bool ring = rng() % 3 == 0;
   std::vector<double> rate(replicas);
   for (auto& r : rate) r = rng() % 4 == 0 ? 0.0 : static_cast<double>(1 + rng() % 100);
   std::vector<bool> alive(replicas, true);
-  struct pending {
-    std::size_t who;
-    std::uint64_t a, b;
-  };
-  std::map<std::uint64_t, pending> waiting;              // by request id
-  std::vector<std::pair<std::uint64_t, pending>> stale;  // in flight to replicas now lost
-  std::map<tc::node_key, expr> have;
+  tc::ledger book{shards, ring};
+  std::vector<std::pair<std::uint64_t, tc::share>> stale;  // sent to replicas now lost
+  std::map<std::size_t, std::vector<tc::range>> answered;  // by replica (and held, in a ring)
+  std::map<tc::node_key, expr> have;                       // at the coordinator
   std::uint64_t next_id = 1;
   std::ostringstream trace;
+  trace << shards << " shards, " << replicas << " replicas" << (ring ? ", ring" : "") << "\n";
   auto leaf = [](std::uint64_t s) { return leaf_expr(s); };
   auto add = [](expr x, expr y) { return add_expr(std::move(x), std::move(y)); };
   auto live = [&] {
@@ -152,58 +234,72 @@ std::optional<std::string> run_step(std::uint64_t seed, planted bug) {
     for (auto k : who) rs.push_back(rate[k]);
     for (auto& x : tc::split(a, b, who, rs, false)) {
       trace << "send [" << x.a << "," << x.b << ") to " << x.who << "\n";
-      waiting[next_id++] = pending{x.who, x.a, x.b};
+      book.sent(next_id++, x.who, x.a, x.b);
     }
   };
-  auto accept = [&](const pending& p) {
-    for (auto [l, i] : tc::tree_blocks(p.a, p.b, shards))
-      have[{l, i}] = tc::tree_value<expr>(l, i, shards, leaf, add);
+  auto accept = [&](const tc::share& x) {
+    answered[x.who].emplace_back(x.a, x.b);
+    if (ring) return;  // the sum stays on the replica
+    for (auto [l, i] : tc::tree_blocks(x.a, x.b, shards)) {
+      auto v = tc::tree_value<expr>(l, i, shards, leaf, add);
+      auto& slot = have[{l, i}];
+      slot = slot.shards.empty() ? v : add_expr(slot, v);  // a block sent twice shows
+    }
+  };
+  auto lose = [&](std::size_t who) {
+    alive[who] = false;
+    trace << "lose " << who << "\n";
+    for (auto& [id, x] : book.in_flight())
+      if (x.who == who) stale.emplace_back(id, x);
+    auto back = book.lost(who);
+    if (bug == planted::recompute_answered && !ring)  // wrong: its sums reached us already
+      for (auto r : answered[who]) back.push_back(r);
+    if (bug == planted::no_recompute) return;  // wrong: its shards are never computed
+    for (auto [a, b] : back) dispatch(a, b);
   };
   dispatch(0, shards);
   int losses = 0;
-  while (!waiting.empty()) {
-    auto pick = std::next(waiting.begin(), static_cast<long>(rng() % waiting.size()));
+  while (book.waiting()) {
+    auto& flight = book.in_flight();
+    auto pick = *std::next(flight.begin(), static_cast<long>(rng() % flight.size()));
     auto survivors = live().size();
     if (survivors > 1 && losses < 3 && rng() % 5 == 0) {
-      // A replica is lost: what it had not answered goes to the survivors.
-      auto who = pick->second.who;
-      alive[who] = false;
       losses += 1;
-      trace << "lose " << who << "\n";
-      std::vector<pending> redo;
-      for (auto i = waiting.begin(); i != waiting.end();) {
-        if (i->second.who == who) {
-          redo.push_back(i->second);
-          stale.emplace_back(i->first, i->second);
-          i = waiting.erase(i);
-        } else {
-          ++i;
-        }
-      }
-      if (bug == planted::no_recompute) continue;  // wrong: its shards are never computed
-      for (auto& p : redo) dispatch(p.a, p.b);
+      // In flight to it, or (a ring) a replica that answered already and holds sums.
+      auto holders = book.holders();
+      if (ring && !holders.empty() && rng() % 2 == 0)
+        lose(holders[rng() % holders.size()]);
+      else
+        lose(pick.second.who);
       continue;
     }
-    trace << "answer [" << pick->second.a << "," << pick->second.b << ") from " << pick->second.who
+    trace << "answer [" << pick.second.a << "," << pick.second.b << ") from " << pick.second.who
           << "\n";
-    accept(pick->second);
-    waiting.erase(pick);
-    // Now and then a lost replica's answer arrives late: it must not be used.
+    if (auto x = book.answered(pick.first)) accept(*x);
+    // Now and then a lost replica's answer arrives late: the ledger refuses it.
     if (!stale.empty() && rng() % 3 == 0) {
       auto late = stale.back();
       stale.pop_back();
       trace << "late answer [" << late.second.a << "," << late.second.b << ") from "
-            << late.second.who << (bug == planted::late_answer_used ? " (used)" : " (dropped)")
-            << "\n";
-      if (bug == planted::late_answer_used) {
-        // wrong: its sums are added to what the survivors sent
-        for (auto [l, i] : tc::tree_blocks(late.second.a, late.second.b, shards)) {
-          auto v = tc::tree_value<expr>(l, i, shards, leaf, add);
-          auto& slot = have[{l, i}];
-          slot = slot.shards.empty() ? v : add_expr(slot, v);
-        }
-      }
+            << late.second.who << "\n";
+      if (book.answered(late.first)) return "the ledger took a late answer\n" + trace.str();
+      if (bug == planted::late_answer_used) accept(late.second);  // wrong: used anyway
     }
+  }
+  // A ring's holders lost after the last answer: their sums are gone (trainer::step's loop).
+  if (auto s = book.incomplete())
+    return "the ledger counts shard " + std::to_string(*s) + " " + std::to_string(book.count(*s)) +
+           " times\n" + trace.str();
+  if (ring) {
+    std::multiset<std::uint64_t> in;
+    for (auto who : live())
+      for (auto [a, b] : answered[who])
+        for (auto s = a; s < b; ++s) in.insert(s);
+    for (std::uint64_t s = 0; s < shards; ++s)
+      if (in.count(s) != 1)
+        return "shard " + std::to_string(s) + " is held " + std::to_string(in.count(s)) +
+               " times by the ring's members\n" + trace.str();
+    return std::nullopt;
   }
   expr total;
   try {
@@ -245,7 +341,7 @@ TEST(TrainCoreProperties, EachShardIsInTheSumOnceAndTheTreeDependsOnlyOnTheShard
 }
 
 TEST(TrainCoreProperties, APlantedMistakeIsCaught) {
-  for (auto bug : {planted::late_answer_used, planted::no_recompute}) {
+  for (auto bug : {planted::late_answer_used, planted::no_recompute, planted::recompute_answered}) {
     auto f = first_failure(bug);
     EXPECT_TRUE(f) << "planted mistake " << static_cast<int>(bug) << " went unnoticed";
   }

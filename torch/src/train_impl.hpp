@@ -149,26 +149,15 @@ struct trainer::impl {
   /// Never throws (called from destructors of scope guards); a failure leaves the old view.
   void publish() noexcept;
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
-  bool ring_ok = true;           ///< false once a ring failed without a loss (no direct route)
-  bool ring_timed_out = false;   ///< the last ring went past replica_timeout
-  /// A ring that timed out while every replica answered on its own (a pause, a flood): the next
-  /// ring_pause steps reduce through the coordinator; the pause doubles with every such ring
-  /// (up to 256 steps) and is back to 1 after a ring that completes.
-  std::uint64_t ring_pause = 1, ring_paused_until = 0;
-  /// Rings among replicas that all have a data port use it; false once such a ring failed
-  /// while no replica was lost (a port the others cannot reach): CAF's path from then on.
-  bool plane_ok = true;
-  bool plane_failed = false;  ///< the last ring was over the data plane and failed
+  /// Ring or coordinator, plane or CAF, and the pause after late rings (train_core.hpp).
+  train_core::transport_policy transport;
   /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
   /// its own gradients. The next step() first copies the first replica's state to the others.
   bool states_differ = false;
-  /// Gradients at least this large, with a replica on a node, are all-reduced in a ring.
-  static constexpr std::uint64_t ring_min_bytes = std::uint64_t{256} << 10;
-
   bool use_ring(const std::vector<std::size_t>& live) const;
-  /// All-reduces the live replicas' partial sums of step `attempt` in a ring. False when a
-  /// replica was lost or failed meanwhile (the sums are then unusable).
-  bool ring_all_reduce(std::uint64_t attempt);
+  /// All-reduces the live replicas' partial sums of step `attempt` in a ring: done, or why not
+  /// (a replica lost or failing meanwhile, the ring late: the sums are then unusable).
+  train_core::transport_policy::ring_end ring_all_reduce(std::uint64_t attempt);
 
   ~impl();
   /// How long the destructor waits for local replicas to free what they hold.

@@ -17,22 +17,20 @@ double seconds(clock::duration d) {
 }  // namespace
 
 bool trainer::impl::use_ring(const std::vector<std::size_t>& live) const {
-  if (!ring_ok || live.size() < 2 || grad_bytes < ring_min_bytes) return false;
-  if (stats.steps < ring_paused_until) return false;
-  for (auto i : live)
-    if (!members[i].d.is_local()) return true;
-  return false;
+  bool remote = false;
+  for (auto i : live) remote = remote || !members[i].d.is_local();
+  return transport.ring(stats.steps, live.size(), grad_bytes, remote);
 }
 
-bool trainer::impl::ring_all_reduce(std::uint64_t attempt) {
-  ring_timed_out = false;
-  plane_failed = false;
+train_core::transport_policy::ring_end trainer::impl::ring_all_reduce(std::uint64_t attempt) {
+  using ring_end = train_core::transport_policy::ring_end;
   auto ring = alive();
-  if (ring.size() < 2) return false;
+  if (ring.size() < 2) return ring_end::lost;
   auto id = next_id++;
   // The data plane when every member has a port (CPU replicas on nodes served without TLS).
-  bool plane = plane_ok && o.direct_ring;
-  for (auto i : ring) plane = plane && !members[i].d.is_local() && members[i].data_port != 0;
+  bool ports = true;
+  for (auto i : ring) ports = ports && !members[i].d.is_local() && members[i].data_port != 0;
+  bool plane = transport.plane(o.direct_ring, ports);
   auto key = plane ? ring_plane::to_hex(ring_plane::random_key()) : std::string{};
   std::map<std::uint64_t, pending> waiting;
   for (std::size_t k = 0; k < ring.size(); ++k) {
@@ -52,7 +50,7 @@ bool trainer::impl::ring_all_reduce(std::uint64_t attempt) {
                   static_cast<std::uint32_t>(ring.size()), right.a, address, data, key);
     waiting[reply] = pending{ring[k], clock::now(), 0, 0};
   }
-  bool ok = true, lost = false;
+  bool ok = true, lost = false, plane_failed = false, timed_out = false;
   wait(
       waiting,
       [&](const pending&, chunk_result& r, train_msg&) {
@@ -78,19 +76,20 @@ bool trainer::impl::ring_all_reduce(std::uint64_t attempt) {
         // so lateness names no one. The step is computed again through the coordinator,
         // where a frozen replica's own request times out and only it is dropped.
         ok = false;
-        ring_timed_out = true;
+        timed_out = true;
         waiting.clear();
         log(log_level::warn,
             "ring all-reduce past replica_timeout; reducing this step "
             "through the coordinator");
       });
-  if (!ok && !lost && !ring_timed_out && !plane_failed) ring_ok = false;
   if (ok) {
     stats.ring_reductions += 1;
-    ring_pause = 1;
+    if (plane) stats.direct_ring_reductions += 1;
+    return ring_end::done;
   }
-  if (ok && plane) stats.direct_ring_reductions += 1;
-  return ok;
+  if (lost) return ring_end::lost;
+  if (timed_out) return ring_end::timed_out;
+  return plane_failed ? ring_end::plane_failed : ring_end::failed;
 }
 
 std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> trainer::impl::split(
@@ -124,6 +123,7 @@ double trainer::impl::step(const batch& samples, mode m) {
   std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
   std::map<node_key, at::Tensor> blocks;         // deterministic
   std::map<std::uint64_t, pending> waiting;
+  train_core::ledger book;           // where each shard is counted (train_core.hpp)
   std::vector<std::size_t> stepped;  // local: who holds a gradient
   std::uint64_t lost_samples = 0;    // local: of replicas lost with their update
   std::uint64_t attempt = next_id++;
@@ -145,17 +145,30 @@ double trainer::impl::step(const batch& samples, mode m) {
       msg.samples = samples.slice(from, to);
       msg.first_sample = from;
     }
-    waiting[send(who, std::move(msg))] = pending{who, clock::now(), a, b};
+    auto id = send(who, std::move(msg));
+    waiting[id] = pending{who, clock::now(), a, b};
+    book.sent(id, who, a, b);
   };
   first_failure failure;
-  // Ring mode: the shards whose sum each replica holds (until the all-reduce, a replica's sum
-  // exists only there).
-  std::map<std::size_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> held;
+  // Shards given back by a lost replica (in flight, or in ring mode summed on it): computed
+  // again by the survivors, in the same step.
+  auto recompute = [&](const std::vector<train_core::range>& ranges) {
+    auto rest = alive();
+    if (rest.empty()) return;
+    for (auto [a, b] : ranges) {
+      stats.recomputed_shards += b - a;
+      for (auto& [to, range] : split(a, b, rest, false)) dispatch(to, range.first, range.second);
+    }
+  };
   auto wait_backward = [&] {
     wait(
         waiting,
         [&](const pending& p, chunk_result& r, train_msg& msg) {
-          if (failure.failed(p, r)) return;
+          if (failure.failed(p, r)) {
+            book.failed(r.run);
+            return;
+          }
+          if (!book.answered(r.run)) return;  // a request given up on
           auto& mem = members[p.member];
           mem.st.shards += p.b - p.a;
           mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
@@ -173,56 +186,48 @@ double trainer::impl::step(const batch& samples, mode m) {
               blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
           } else if (red == reduction::local) {
             stepped.push_back(p.member);
-          } else if (red == reduction::ring) {
-            held[p.member].emplace_back(p.a, p.b);
           }
         },
         [&](const pending& p) {
           if (failure.result) return;
-          if (red == reduction::local) {
-            // That replica's own update is gone with it: its samples (the last shard may be
-            // short) leave the mean loss.
-            lost_samples += std::min(p.b * ss, n) - p.a * ss;
-            return;
-          }
-          auto rest = alive();
-          if (rest.empty()) return;
-          stats.recomputed_shards += p.b - p.a;
-          for (auto& [who, range] : split(p.a, p.b, rest, false))
-            dispatch(who, range.first, range.second);
+          auto back = book.lost(p.member);
+          if (red != reduction::local) return recompute(back);
+          // That replica's own update is gone with it: its samples (the last shard may be
+          // short) leave the mean loss.
+          for (auto [a, b] : back) lost_samples += std::min(b * ss, n) - a * ss;
         });
   };
   auto compute = [&] {
-    held.clear();
+    book = train_core::ledger{shards, red == reduction::ring};
     for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
       dispatch(who, range.first, range.second);
-    // A replica that answered and was lost before the others did took its sum along: its
-    // shards go to the survivors, in the same step, until no such loss is left.
+    // A replica that answered and was lost before the others did took its sum along (ring
+    // mode): its shards go to the survivors, in the same step, until no such loss is left.
     for (bool again = true; again;) {
       again = false;
       wait_backward();
       if (failure.result) raise(*failure.result, failure.member);
-      if (red != reduction::ring) break;
-      auto rest = alive();
-      if (rest.empty()) break;
-      for (auto& [who, ranges] : held) {
-        if (members[who].alive || ranges.empty()) continue;
-        for (auto [a, b] : ranges) {
-          stats.recomputed_shards += b - a;
-          for (auto& [to, range] : split(a, b, rest, false))
-            dispatch(to, range.first, range.second);
+      if (alive().empty()) break;
+      for (auto who : book.holders())
+        if (!members[who].alive) {
+          recompute(book.lost(who));
+          again = true;
         }
-        ranges.clear();
-        again = true;
-      }
     }
     if (alive().empty()) throw node_error("every replica was lost during the step");
+    if (red == reduction::local) return;
+    if (auto s = book.incomplete())
+      throw protocol_error("internal: shard " + std::to_string(*s) + " of the step is counted " +
+                           std::to_string(book.count(*s)) + " times");
   };
   compute();
+  using ring_end = train_core::transport_policy::ring_end;
+  using decision = train_core::transport_policy::decision;
   auto ring_start = clock::now();
-  bool ringed = red == reduction::ring && ring_all_reduce(attempt);
+  auto ring = red == reduction::ring ? ring_all_reduce(attempt) : ring_end::done;
   if (red == reduction::ring) stats.reduce_seconds += seconds(clock::now() - ring_start);
-  if (red == reduction::ring && !ringed) {
+  if (red == reduction::ring && ring == ring_end::done) transport.ended(ring, stats.steps);
+  if (red == reduction::ring && ring != ring_end::done) {
     // A replica lost (or failing, or late) inside the ring: the partial sums are half
     // reduced. The whole step again, on the survivors, summed by the coordinator.
     red = reduction::fast;
@@ -230,21 +235,20 @@ double trainer::impl::step(const batch& samples, mode m) {
     std::fill(losses.begin(), losses.end(), 0.0);
     stats.recomputed_shards += shards;
     auto lost_before = stats.lost_replicas;
+    auto pause = transport.next_pause();
     compute();
-    // A ring too slow although every replica answers on its own: a pause from rings.
-    if (ring_timed_out && stats.lost_replicas == lost_before) {
-      ring_paused_until = stats.steps + 1 + ring_pause;
-      log(log_level::warn,
-          "the next " + std::to_string(ring_pause) + " steps reduce through the coordinator");
-      ring_pause = std::min<std::uint64_t>(ring_pause * 2, 256);
-    }
-    // A ring over the data plane that failed though no replica was lost: CAF's path from now
-    // on (a data port the others cannot reach, say).
-    if (plane_failed && stats.lost_replicas == lost_before) {
-      plane_ok = false;
-      log(log_level::warn,
-          "a ring over the replicas' data ports failed while every replica answered; rings "
-          "go through CAF from now on");
+    switch (transport.ended(ring, stats.steps, stats.lost_replicas != lost_before)) {
+      case decision::paused:  // a ring too slow although every replica answers on its own
+        log(log_level::warn,
+            "the next " + std::to_string(pause) + " steps reduce through the coordinator");
+        break;
+      case decision::plane_off:  // a data port the others cannot reach, say
+        log(log_level::warn,
+            "a ring over the replicas' data ports failed while every replica answered; rings "
+            "go through CAF from now on");
+        break;
+      default:
+        break;
     }
   }
 
