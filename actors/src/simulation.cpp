@@ -6,6 +6,8 @@
 // the seed, so one seed gives one trace.
 #include "troupe/simulation.hpp"
 
+#include <algorithm>
+
 #include "sim_state.hpp"
 
 namespace troupe::testing {
@@ -55,7 +57,62 @@ void producer_script::throws_at_item(std::uint64_t item) {
   sim_of(host_).throws_[index_].push_back(item);
 }
 
-simulation::simulation(std::uint64_t seed) {
+step_fault_at step_fault_at::at_shard(std::size_t n) const {
+  if (n == 0) throw invalid_argument("simulation: at_shard counts from 1");
+  return step_fault_at{to_, nodes_, step_, n};
+}
+
+void step_fault_at::add(step_fault::kind_t kind, const std::string& node, double value) {
+  if (std::find(nodes_.begin(), nodes_.end(), node) == nodes_.end())
+    throw invalid_argument("simulation: no node \"" + node + "\"");
+  to_->push_back(step_fault{step_, shard_, kind, node, value});
+}
+
+void step_fault_at::kill(const std::string& node) {
+  add(step_fault::kill, node, 0);
+}
+
+void step_fault_at::freeze(const std::string& node, std::chrono::nanoseconds d) {
+  if (d.count() < 0 || d > std::chrono::hours{24 * 365})
+    throw invalid_argument("simulation: freeze() needs a duration between 0 and a year");
+  add(step_fault::freeze, node, static_cast<double>(d.count()));
+}
+
+void step_fault_at::slow(const std::string& node, double factor) {
+  if (!(factor > 0) || factor > 1e6)
+    throw invalid_argument("simulation: slow() needs a factor above 0 and at most 1e6");
+  add(step_fault::slow, node, factor);
+}
+
+step_fault_at simulation::at_step(std::size_t k) {
+  if (k == 0) throw invalid_argument("simulation::at_step counts from 1");
+  return step_fault_at{step_faults_, node_names(), k, 1};
+}
+
+std::uint64_t simulation::seed() const {
+  return seed_;
+}
+
+const std::vector<step_fault>& simulation::step_faults() const {
+  return *step_faults_;
+}
+
+std::vector<std::string> simulation::node_names() const {
+  std::vector<std::string> out;
+  for (auto& d : sim_of(host_).devices_)
+    if (std::find(out.begin(), out.end(), d.node()) == out.end()) out.push_back(d.node());
+  return out;
+}
+
+std::chrono::nanoseconds simulation::item_cost() const {
+  return sim_of(host_).cost_;
+}
+
+double simulation::jitter_factor() const {
+  return sim_of(host_).jitter_;
+}
+
+simulation::simulation(std::uint64_t seed) : seed_(seed) {
   auto s = std::make_shared<detail::sim_state>(seed);
   s->self_ = s;
   host_ = std::move(s);

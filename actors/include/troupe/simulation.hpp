@@ -83,6 +83,44 @@ class producer_script {
   std::size_t index_;
 };
 
+/// A fault of simulated training (sim.data_parallel, <troupe/train_simulation.hpp>).
+struct step_fault {
+  enum kind_t : int { kill, freeze, slow };
+  std::size_t step = 0;   ///< 1-based: the step() call it happens in
+  std::size_t shard = 0;  ///< 1-based: the node's shard of that step it happens at
+  kind_t kind = kill;
+  std::string node;
+  double value = 0;  ///< freeze: nanoseconds; slow: the factor
+};
+
+/// A moment of a training fault script: `sim.at_step(3).at_shard(2).kill("a:1")`: the node dies
+/// as it computes its 2nd shard of step 3 (or at the end of its work in that step, if it has
+/// fewer); without at_shard, at its first.
+class step_fault_at {
+ public:
+  [[nodiscard]] step_fault_at at_shard(std::size_t n) const;
+  /// The node's process dies: its replicas are lost, their shards recomputed by the others.
+  void kill(const std::string& node);
+  /// The node stops answering for `d`: dropped once train_options::replica_timeout (or, without
+  /// one, limits::idle_timeout, 1.5 s) passes before it answers; a shorter freeze only delays.
+  void freeze(const std::string& node, std::chrono::nanoseconds d);
+  /// Its replicas take `factor` times as long per shard from that moment on.
+  void slow(const std::string& node, double factor);
+
+ private:
+  friend class simulation;
+  step_fault_at(std::shared_ptr<std::vector<step_fault>> to, std::vector<std::string> nodes,
+                std::size_t step, std::size_t shard)
+      : to_(std::move(to)), nodes_(std::move(nodes)), step_(step), shard_(shard) {}
+  void add(step_fault::kind_t kind, const std::string& node, double value);
+  std::shared_ptr<std::vector<step_fault>> to_;
+  std::vector<std::string> nodes_;
+  std::size_t step_, shard_;
+};
+
+template <class Job>
+class simulated_data_parallel;  // <troupe/train_simulation.hpp>
+
 /// What explore() draws its simulations from.
 struct explore_options {
   std::size_t seeds = 1000;
@@ -145,8 +183,22 @@ class simulation {
                                                            std::move(opts));
   }
 
+  /// Data-parallel training of `Job` on this simulation's devices (<troupe/train_simulation.hpp>,
+  /// which defines it): `sim.data_parallel<Job>(sim.devices(), cfg, train_options)`.
+  template <class Job, class... Args>
+  simulated_data_parallel<Job> data_parallel(std::vector<device> devices, Args&&... args);
+
   /// Fault scripts: at a node's n-th chunk (1-based), or after `d` of virtual time from now.
   [[nodiscard]] fault_at at_chunk(std::size_t n);
+  /// Training fault scripts: in the k-th step() (1-based) of sim.data_parallel.
+  [[nodiscard]] step_fault_at at_step(std::size_t k);
+  /// What simulated training reads: the seed, the faults scripted with at_step(), the nodes'
+  /// names, cost_per_item (per sample) and jitter.
+  [[nodiscard]] std::uint64_t seed() const;
+  [[nodiscard]] const std::vector<step_fault>& step_faults() const;
+  [[nodiscard]] std::vector<std::string> node_names() const;
+  [[nodiscard]] std::chrono::nanoseconds item_cost() const;
+  [[nodiscard]] double jitter_factor() const;
   [[nodiscard]] fault_at after(std::chrono::nanoseconds d);
   [[nodiscard]] producer_script producer(std::size_t index);
 
@@ -173,6 +225,9 @@ class simulation {
   }
 
   std::shared_ptr<detail::sim_host> host_;
+  std::uint64_t seed_ = 0;
+  std::shared_ptr<std::vector<step_fault>> step_faults_ =
+      std::make_shared<std::vector<step_fault>>();
 };
 
 /// Runs `inputs` through `Job` in `eo.seeds` simulations with random faults and timing, and
