@@ -42,6 +42,25 @@ expr whole(std::uint64_t shards) {
   return tc::tree_value<expr>(tc::tree_top(shards), 0, shards, leaf, add);
 }
 
+/// Why the coordinator's blocks `have` are not the no-fault sum of `shards` shards (a shard
+/// missing or counted twice, another tree), or nothing.
+std::optional<std::string> wrong_sum(std::map<tc::node_key, expr>& have, std::uint64_t shards) {
+  auto add = [](expr x, expr y) { return add_expr(std::move(x), std::move(y)); };
+  expr total;
+  try {
+    total = tc::tree_combine<expr>(tc::tree_top(shards), 0, shards, have, add);
+  } catch (const tc::missing_shard& e) {
+    return std::string{e.what()};
+  }
+  for (std::uint64_t s = 0; s < shards; ++s)
+    if (total.shards.count(s) != 1)
+      return "shard " + std::to_string(s) + " is in the sum " +
+             std::to_string(total.shards.count(s)) + " times";
+  if (total.text != whole(shards).text)
+    return "the sum's tree differs from the no-fault one: " + total.text;
+  return std::nullopt;
+}
+
 }  // namespace
 
 TEST(TrainCore, TreeBlocksCoverARangeExactlyInShardOrder) {
@@ -301,18 +320,7 @@ std::optional<std::string> run_step(std::uint64_t seed, planted bug) {
                " times by the ring's members\n" + trace.str();
     return std::nullopt;
   }
-  expr total;
-  try {
-    total = tc::tree_combine<expr>(tc::tree_top(shards), 0, shards, have, add);
-  } catch (const tc::missing_shard& e) {
-    return std::string{e.what()} + "\n" + trace.str();
-  }
-  for (std::uint64_t s = 0; s < shards; ++s)
-    if (total.shards.count(s) != 1)
-      return "shard " + std::to_string(s) + " is in the sum " +
-             std::to_string(total.shards.count(s)) + " times\n" + trace.str();
-  if (total.text != whole(shards).text)
-    return "the sum's tree differs from the no-fault one: " + total.text + "\n" + trace.str();
+  if (auto wrong = wrong_sum(have, shards)) return *wrong + "\n" + trace.str();
   return std::nullopt;
 }
 
@@ -321,15 +329,21 @@ std::uint64_t train_seeds() {
   return 2'000;
 }
 
-std::optional<std::pair<std::uint64_t, std::string>> first_failure(planted bug) {
+/// The first seed (of train_seeds(), or TROUPE_TRAIN_SEED alone) whose `run(seed)` fails.
+template <class Run>
+std::optional<std::pair<std::uint64_t, std::string>> first_failing_seed(Run run) {
   std::uint64_t from = 0, n = train_seeds();
   if (const char* one = std::getenv("TROUPE_TRAIN_SEED")) {
     from = std::strtoull(one, nullptr, 10);
     n = from + 1;
   }
   for (auto seed = from; seed < n; ++seed)
-    if (auto f = run_step(seed, bug)) return std::make_pair(seed, *f);
+    if (auto f = run(seed)) return std::make_pair(seed, *f);
   return std::nullopt;
+}
+
+std::optional<std::pair<std::uint64_t, std::string>> first_failure(planted bug) {
+  return first_failing_seed([&](std::uint64_t seed) { return run_step(seed, bug); });
 }
 
 }  // namespace
@@ -487,18 +501,7 @@ std::optional<std::string> run_schedule(std::uint64_t seed, run_bug bug) {
       return std::nullopt;
     };
     auto check_sum = [&]() -> std::optional<std::string> {
-      expr total;
-      try {
-        total = tc::tree_combine<expr>(tc::tree_top(shards), 0, shards, have, add);
-      } catch (const tc::missing_shard& e) {
-        return std::string{e.what()} + "\n" + trace.str();
-      }
-      for (std::uint64_t s = 0; s < shards; ++s)
-        if (total.shards.count(s) != 1)
-          return "shard " + std::to_string(s) + " is in the sum " +
-                 std::to_string(total.shards.count(s)) + " times\n" + trace.str();
-      if (total.text != whole(shards).text)
-        return "the sum's tree differs from the no-fault one\n" + trace.str();
+      if (auto wrong = wrong_sum(have, shards)) return *wrong + "\n" + trace.str();
       return std::nullopt;
     };
     if (auto f = attempt(ring)) return f;
@@ -561,14 +564,7 @@ std::optional<std::string> run_schedule(std::uint64_t seed, run_bug bug) {
 }
 
 std::optional<std::pair<std::uint64_t, std::string>> first_failing_run(run_bug bug) {
-  std::uint64_t from = 0, n = train_seeds();
-  if (const char* one = std::getenv("TROUPE_TRAIN_SEED")) {
-    from = std::strtoull(one, nullptr, 10);
-    n = from + 1;
-  }
-  for (auto seed = from; seed < n; ++seed)
-    if (auto f = run_schedule(seed, bug)) return std::make_pair(seed, *f);
-  return std::nullopt;
+  return first_failing_seed([&](std::uint64_t seed) { return run_schedule(seed, bug); });
 }
 
 }  // namespace

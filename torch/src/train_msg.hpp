@@ -66,6 +66,26 @@ typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
 using train_core::node_key;
 using train_core::tree_top;
 
+/// Fast mode's sum: the replicas' partial sums added in shard order, into the first (the
+/// replica's answer, the coordinator's own now).
+inline at::Tensor sum_partials(const std::map<std::uint64_t, at::Tensor>& partials) {
+  at::Tensor total;
+  for (auto& [first, t] : partials) {
+    if (total.defined())
+      total.add_(t);
+    else
+      total = t;
+  }
+  return total;
+}
+
+/// Throws protocol_error unless the ledger counts every shard of the step exactly once.
+inline void require_whole(const train_core::ledger& book) {
+  if (auto s = book.incomplete())
+    throw protocol_error("internal: shard " + std::to_string(*s) + " of the step is counted " +
+                         std::to_string(book.count(*s)) + " times");
+}
+
 /// Adds y into x (x is the caller's to reuse).
 inline at::Tensor add_into(at::Tensor x, at::Tensor y) {
   return x.add_(y);

@@ -247,20 +247,9 @@ double sim_trainer::impl::step(const batch& samples) {
     note("answer [" + std::to_string(x->a) + "," + std::to_string(x->b) + ") from " + name(e.who));
   }
   if (alive().empty()) throw node_error("every replica was lost during the step");
-  if (auto s = book.incomplete())
-    throw protocol_error("internal: shard " + std::to_string(*s) + " is counted " +
-                         std::to_string(book.count(*s)) + " times");
-  at::Tensor total;
-  if (red == reduction::fast) {
-    for (auto& [first, t] : partials) {
-      if (total.defined())
-        total.add_(t);
-      else
-        total = t;
-    }
-  } else {
-    total = tree_combine(tree_top(shards), 0, shards, blocks);
-  }
+  require_whole(book);
+  auto total = red == reduction::fast ? sum_partials(partials)
+                                      : tree_combine(tree_top(shards), 0, shards, blocks);
   train_msg apply;
   apply.code = static_cast<std::uint8_t>(op::apply);
   apply.mode = static_cast<std::uint8_t>(red);

@@ -215,10 +215,7 @@ double trainer::impl::step(const batch& samples, mode m) {
         }
     }
     if (alive().empty()) throw node_error("every replica was lost during the step");
-    if (red == reduction::local) return;
-    if (auto s = book.incomplete())
-      throw protocol_error("internal: shard " + std::to_string(*s) + " of the step is counted " +
-                           std::to_string(book.count(*s)) + " times");
+    if (red != reduction::local) require_whole(book);
   };
   compute();
   using ring_end = train_core::transport_policy::ring_end;
@@ -263,17 +260,8 @@ double trainer::impl::step(const batch& samples, mode m) {
     apply.divisor = static_cast<double>(n);  // every replica holds the sum already
     targets = alive();
   } else {
-    at::Tensor total;
-    if (red == reduction::fast) {
-      for (auto& [first, t] : partials) {
-        if (total.defined())
-          total.add_(t);
-        else
-          total = t;  // the replica's answer, ours alone now
-      }
-    } else {
-      total = tree_combine(tree_top(shards), 0, shards, blocks);
-    }
+    auto total = red == reduction::fast ? sum_partials(partials)
+                                        : tree_combine(tree_top(shards), 0, shards, blocks);
     apply.tensors.push_back(total);
     apply.divisor = static_cast<double>(n);
     targets = alive();
