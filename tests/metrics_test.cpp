@@ -7,11 +7,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/io/middleman.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
@@ -385,3 +387,75 @@ TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {
 }
 
 }  // namespace
+
+namespace {
+
+int connect_loopback(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/// True while the server has not closed `fd` (nothing to read yet, no end of stream).
+bool still_open(int fd) {
+  char c;
+  auto n = recv(fd, &c, 1, MSG_DONTWAIT);
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+}  // namespace
+
+TEST(MetricsHostile, ScrapesAreAnsweredWhileManyIdleConnectionsAreHeld) {
+  // A thread-per-connection server whose workers all wait on silent clients answers nobody
+  // until its read timeout drops them (a slowloris). 64 idle connections (browser tabs left
+  // open, a scanner) must not stop a scrape: it is answered while every one of them is still
+  // open, so it did not wait for the server to give up on them. And scrapes from 16 threads
+  // at once all get the whole text; 300 more silent clients (past the server's 256) cannot
+  // lock a scraper out either.
+  troupe::unordered_runner<test_jobs::squares> runner{1};
+  runner.run(test_util::iota(10));
+  auto server = troupe::serve_metrics("127.0.0.1:0");
+  auto addr = server.address();
+  auto port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  std::vector<int> idle;
+  for (int i = 0; i < 64; ++i) {
+    int fd = connect_loopback(port);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  // Half of them send the start of a request and stop (a slow client).
+  for (std::size_t i = 0; i < idle.size(); i += 2) (void)!write(idle[i], "GET /metr", 9);
+  auto answer = http_get(port, "/metrics");
+  EXPECT_NE(answer.find("troupe_build_info"), std::string::npos) << answer.substr(0, 200);
+  std::size_t open = 0;
+  for (int fd : idle) open += still_open(fd) ? 1 : 0;
+  EXPECT_EQ(open, idle.size()) << "the scrape waited for idle connections to be dropped";
+  std::vector<std::thread> scrapers;
+  std::atomic<int> whole{0};
+  for (int t = 0; t < 16; ++t)
+    scrapers.emplace_back([&] {
+      for (int k = 0; k < 10; ++k)
+        if (http_get(port, "/metrics").find("troupe_items_consumed_total") != std::string::npos &&
+            http_get(port, "/status.json").find("\"producers\"") != std::string::npos)
+          whole += 1;
+    });
+  for (auto& t : scrapers) t.join();
+  EXPECT_EQ(whole.load(), 160);
+  // Past the server's 256 clients, silent ones make room, oldest first: still answered.
+  for (int i = 0; i < 300; ++i) {
+    int fd = connect_loopback(port);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  answer = http_get(port, "/status.json");
+  EXPECT_NE(answer.find("\"producers\""), std::string::npos) << answer.substr(0, 200);
+  EXPECT_FALSE(still_open(idle.front())) << "the oldest silent client was not the one dropped";
+  for (int fd : idle) close(fd);
+}

@@ -187,7 +187,7 @@ inline int start_metrics(const flags& f) {
   }
 #else
   std::cerr << "error: --metrics: this build has no troupe::metrics (install "
-               "prometheus-cpp-dev and libcpp-httplib-dev, and build again)\n";
+               "prometheus-cpp-dev and libboost1.81-dev, and build again)\n";
   return 1;
 #endif
 }

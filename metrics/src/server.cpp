@@ -1,13 +1,16 @@
-// serve_metrics (metrics.hpp): /metrics, /status.json and the live page over cpp-httplib
-// (Debian's libcpp-httplib-dev), on a thread of its own.
-#include <httplib.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cerrno>
+// serve_metrics (metrics.hpp): /metrics, /status.json and the live page over Boost.Beast
+// (Debian's libboost1.81-dev, header-only), on one thread of its own. Event-driven: a client that
+// connects and says nothing, or sends half a request and stops, costs a socket and a small
+// buffer until its 5 s are up, never a thread, so it cannot hold a scrape up (a server with a
+// thread per connection, as cpp-httplib's, answered nobody while 8 such clients waited;
+// MetricsHostile.ScrapesAreAnsweredWhileManyIdleConnectionsAreHeld).
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <chrono>
+#include <list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -19,35 +22,132 @@ namespace troupe {
 
 namespace {
 
-/// Whether a socket without SO_REUSEPORT can bind host:port (IPv4 or IPv6 literal, or a name).
-bool port_free(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
-    return true;  // httplib's own bind reports a bad host
-  bool ok = true;
-  int fd = ::socket(res->ai_family, res->ai_socktype, res->ai_protocol);
-  if (fd >= 0) {
-    int yes = 1;  // TIME_WAIT sockets of an earlier server do not count; a listener does
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-    ok = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 || errno != EADDRINUSE;
-    ::close(fd);
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+
+constexpr std::chrono::seconds client_time{5};  ///< to send a request, or to take an answer
+constexpr std::size_t max_connections = 256;    ///< beyond: the oldest silent one is closed
+constexpr std::size_t max_header = 16 * 1024;   ///< GETs only: nothing big is ever accepted
+
+class session;
+
+/// The clients (on the server's thread only): how many, and those waiting for a request, oldest
+/// first: at max_connections the oldest of those is closed to make room for a new one (so that
+/// silent clients cannot lock a scraper out).
+struct clients {
+  std::size_t open = 0;
+  std::list<std::weak_ptr<session>> waiting;
+};
+
+/// One client: requests read and answered in turn (keep-alive), each within client_time.
+class session : public std::enable_shared_from_this<session> {
+ public:
+  session(tcp::socket s, std::shared_ptr<clients> all)
+      : stream_(std::move(s)), all_(std::move(all)) {
+    all_->open += 1;
   }
-  freeaddrinfo(res);
-  return ok;
+  ~session() {
+    unlist();
+    all_->open -= 1;
+  }
+  session(const session&) = delete;
+  session& operator=(const session&) = delete;
+
+  void read() {
+    parser_.emplace();
+    parser_->header_limit(max_header);
+    parser_->body_limit(0);
+    stream_.expires_after(client_time);
+    listed_ = all_->waiting.insert(all_->waiting.end(), weak_from_this());
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                       self->unlist();
+                       if (!ec) self->answer();
+                     });
+  }
+  /// Made room for a newer client.
+  void evict() {
+    unlist();
+    stream_.close();
+  }
+
+ private:
+  void unlist() {
+    if (listed_) all_->waiting.erase(*listed_);
+    listed_.reset();
+  }
+  void answer() {
+    auto req = parser_->release();
+    auto res = std::make_shared<http::response<http::string_body>>(http::status::ok, req.version());
+    res->set(http::field::server, "troupe");
+    res->keep_alive(req.keep_alive());
+    auto target = req.target();
+    if (req.method() != http::verb::get && req.method() != http::verb::head) {
+      res->result(http::status::method_not_allowed);
+      res->set(http::field::content_type, "text/plain");
+      res->body() = "GET only\n";
+    } else if (target == "/metrics") {
+      res->set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+      res->body() = metrics_text();
+    } else if (target == "/status.json") {
+      res->set(http::field::content_type, "application/json");
+      res->set(http::field::cache_control, "no-store");
+      res->body() = status_json();
+    } else if (target == "/") {
+      res->set(http::field::content_type, "text/html; charset=utf-8");
+      res->body() = detail::status_page();
+    } else {
+      res->result(http::status::not_found);
+      res->set(http::field::content_type, "text/plain");
+      res->body() = "not found\n";
+    }
+    res->prepare_payload();
+    if (req.method() == http::verb::head) res->body().clear();
+    stream_.expires_after(client_time);
+    http::async_write(stream_, *res,
+                      [self = shared_from_this(), res](beast::error_code ec, std::size_t) {
+                        if (ec) return;
+                        if (res->keep_alive()) return self->read();
+                        beast::error_code ignored;
+                        self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+                      });
+  }
+
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_{max_header};
+  std::optional<http::request_parser<http::empty_body>> parser_;
+  std::shared_ptr<clients> all_;
+  std::optional<std::list<std::weak_ptr<session>>::iterator> listed_;
+};
+
+void accept(tcp::acceptor& acceptor, const std::shared_ptr<clients>& all) {
+  acceptor.async_accept([&acceptor, all](beast::error_code ec, tcp::socket s) {
+    if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
+    if (!ec) {
+      if (all->open >= max_connections && !all->waiting.empty()) {
+        if (auto oldest = all->waiting.front().lock()) oldest->evict();
+      }
+      if (all->open < 2 * max_connections)  // (evicted ones end in a moment)
+        std::make_shared<session>(std::move(s), all)->read();
+    }
+    // else: out of descriptors, say: that connection is lost, the next is accepted
+    accept(acceptor, all);
+  });
 }
 
 }  // namespace
 
 struct metrics_server::impl {
-  httplib::Server server;
+  net::io_context io{1};
+  tcp::acceptor acceptor{io};
+  std::shared_ptr<clients> all = std::make_shared<clients>();
   std::thread thread;
   std::string host;
   int port = 0;
   ~impl() {
-    server.stop();
+    io.stop();
     if (thread.joinable()) thread.join();
   }
 };
@@ -72,35 +172,37 @@ metrics_server serve_metrics(const std::string& host_port) {
     throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is over 65535");
   auto i = std::make_unique<metrics_server::impl>();
   i->host = host_port.substr(0, colon);
-  auto& svr = i->server;
-  svr.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics_text(), "text/plain; version=0.0.4; charset=utf-8");
+  auto host = i->host;
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  beast::error_code ec;
+  tcp::resolver resolver{i->io};
+  auto at = resolver.resolve(host, std::to_string(port), ec);
+  if (ec || at.empty())
+    throw invalid_argument("serve_metrics(\"" + host_port + "\"): cannot resolve the host (" +
+                           ec.message() + ")");
+  tcp::endpoint where = *at.begin();
+  auto& a = i->acceptor;
+  a.open(where.protocol(), ec);
+  // TIME_WAIT sockets of an earlier server do not count; a listener does (Linux).
+  if (!ec) a.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) a.bind(where, ec);
+  if (!ec) a.listen(net::socket_base::max_listen_connections, ec);
+  if (ec)
+    throw invalid_argument("serve_metrics(\"" + host_port + "\"): cannot listen there (" +
+                           ec.message() + ")");
+  i->port = a.local_endpoint().port();
+  accept(a, i->all);
+  i->thread = std::thread([io = &i->io] {
+    for (;;) {
+      try {
+        io->run();
+        return;
+      } catch (const std::exception&) {
+        // a handler that threw (metrics_text() out of memory, say): that client is gone
+      }
+    }
   });
-  svr.Get("/status.json", [](const httplib::Request&, httplib::Response& res) {
-    res.set_header("Cache-Control", "no-store");
-    res.set_content(status_json(), "application/json");
-  });
-  svr.Get("/", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(detail::status_page(), "text/html; charset=utf-8");
-  });
-  // Bounded: a scraper or a browser that holds its connection open is dropped after 5 s idle.
-  svr.set_keep_alive_timeout(5);
-  svr.set_read_timeout(5, 0);
-  svr.set_write_timeout(5, 0);
-  svr.set_payload_max_length(64 * 1024);  // GETs only: nothing big is ever accepted
-  // cpp-httplib binds with SO_REUSEPORT: a second server on a taken port would share it
-  // silently. A plain bind first says whether the port is free.
-  if (port != 0 && !port_free(i->host, port))
-    throw invalid_argument("serve_metrics(\"" + host_port + "\"): the port is taken");
-  i->port =
-      port == 0 ? svr.bind_to_any_port(i->host) : (svr.bind_to_port(i->host, port) ? port : -1);
-  if (i->port <= 0)
-    throw invalid_argument("serve_metrics(\"" + host_port +
-                           "\"): cannot listen there (a bad "
-                           "host, or the port is taken)");
-  i->thread = std::thread([s = &svr] { s->listen_after_bind(); });
-  // Until it runs, a stop() would be lost (and the destructor's join would wait forever).
-  while (!svr.is_running()) std::this_thread::sleep_for(std::chrono::microseconds{100});
   return metrics_server{std::move(i)};
 }
 
