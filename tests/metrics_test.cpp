@@ -132,8 +132,14 @@ TEST(Metrics, PromtoolAcceptsTheText) {
 #endif
 }
 
-/// GET `path` from 127.0.0.1:port; the whole answer.
-std::string http_get(int port, const std::string& path) {
+/// The port a metrics server listens on.
+int port_of(const troupe::metrics_server& s) {
+  auto addr = s.address();
+  return std::stoi(addr.substr(addr.rfind(':') + 1));
+}
+
+/// A TCP connection to 127.0.0.1:port, or -1.
+int connect_loopback(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -141,8 +147,15 @@ std::string http_get(int port, const std::string& path) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
     close(fd);
-    return {};
+    return -1;
   }
+  return fd;
+}
+
+/// GET `path` from 127.0.0.1:port; the whole answer.
+std::string http_get(int port, const std::string& path) {
+  int fd = connect_loopback(port);
+  if (fd < 0) return {};
   auto req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
   (void)!write(fd, req.data(), req.size());
   std::string out;
@@ -355,15 +368,11 @@ TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {
   runner.run(test_util::iota(10));
   auto server = troupe::serve_metrics("127.0.0.1:0");
   auto addr = server.address();
-  auto port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  auto port = port_of(server);
   ASSERT_GT(port, 0) << addr;
   // A client that connects and says nothing holds no one else up.
-  int idle = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(idle, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  int idle = connect_loopback(port);
+  ASSERT_GE(idle, 0);
   auto answer = http_get(port, "/metrics");
   EXPECT_NE(answer.find("200 OK"), std::string::npos) << answer.substr(0, 200);
   EXPECT_NE(answer.find("text/plain; version=0.0.4"), std::string::npos);
@@ -390,19 +399,6 @@ TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {
 
 namespace {
 
-int connect_loopback(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 /// True while the server has not closed `fd` (nothing to read yet, no end of stream).
 bool still_open(int fd) {
   char c;
@@ -422,8 +418,7 @@ TEST(MetricsHostile, ScrapesAreAnsweredWhileManyIdleConnectionsAreHeld) {
   troupe::unordered_runner<test_jobs::squares> runner{1};
   runner.run(test_util::iota(10));
   auto server = troupe::serve_metrics("127.0.0.1:0");
-  auto addr = server.address();
-  auto port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  auto port = port_of(server);
   std::vector<int> idle;
   for (int i = 0; i < 64; ++i) {
     int fd = connect_loopback(port);
