@@ -19,6 +19,8 @@
 //   serve --listen 127.0.0.1:8080 --devices cpu,cpu --max-batch 8 --max-delay-us 2000
 //   serve --model mlp --devices cuda:0,cuda:0 --max-batch 64 --max-delay-us 1000
 //   serve --requests 2000 --concurrency 64    (serves itself, checks every answer, exits)
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <boost/asio.hpp>
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iostream>
+#include <list>
 #include <random>
 #include <sstream>
 #include <troupe/asio.hpp>
@@ -260,33 +263,81 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
   co_return reply(req, http::status::ok, body.str());
 }
 
+/// The connections, on the I/O thread: how many, and those waiting for a request, oldest first.
+/// At the limit (below the process's descriptors), the oldest waiting one is closed to make
+/// room: silent clients cannot lock the others out, and accept() never runs out of descriptors.
+struct connection;
+struct connections {
+  std::size_t open = 0, limit = 1024;
+  std::list<connection*> waiting;
+};
+struct connection {
+  connection(tcp::socket s, std::shared_ptr<connections> all)
+      : stream(std::move(s)), all(std::move(all)) {
+    this->all->open += 1;
+  }
+  ~connection() {
+    unlist();
+    all->open -= 1;
+  }
+  connection(const connection&) = delete;
+  connection& operator=(const connection&) = delete;
+  void list() { at = all->waiting.insert(all->waiting.end(), this); }
+  void unlist() {
+    if (at) all->waiting.erase(*at);
+    at.reset();
+  }
+  beast::tcp_stream stream;
+  std::shared_ptr<connections> all;
+  std::optional<std::list<connection*>::iterator> at;
+};
+
 template <class Runner>
-net::awaitable<void> session(tcp::socket socket, Runner& runner, server_stats& stats) {
-  beast::tcp_stream stream{std::move(socket)};
+net::awaitable<void> session(tcp::socket socket, Runner& runner, server_stats& stats,
+                             std::shared_ptr<connections> all) {
+  connection c{std::move(socket), std::move(all)};
+  auto* stream = &c.stream;
   beast::flat_buffer buffer;
   try {
     for (;;) {
       http::request<http::string_body> req;
-      stream.expires_after(std::chrono::seconds{30});  // an idle or slow client is let go
-      co_await http::async_read(stream, buffer, req, net::use_awaitable);
-      stream.expires_never();
+      stream->expires_after(std::chrono::seconds{30});  // an idle or slow client is let go
+      c.list();
+      co_await http::async_read(*stream, buffer, req, net::use_awaitable);
+      c.unlist();
+      stream->expires_never();
       bool keep = req.keep_alive();
       auto res = co_await handle(std::move(req), runner, stats);
-      co_await http::async_write(stream, res, net::use_awaitable);
+      co_await http::async_write(*stream, res, net::use_awaitable);
       if (!keep) break;
     }
   } catch (const std::exception&) {
-    // the client closed the connection, sent garbage, or was too slow: this session ends
+    // the client closed the connection, sent garbage, was too slow or made room for another
   }
   beast::error_code ec;
-  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  stream->socket().shutdown(tcp::socket::shutdown_send, ec);
 }
 
 template <class Runner>
 net::awaitable<void> listen(tcp::acceptor& acceptor, Runner& runner, server_stats& stats) {
+  auto all = std::make_shared<connections>();
+  if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+    all->limit = std::max<std::size_t>(8, static_cast<std::size_t>(lim.rlim_cur) / 2);
   for (;;) {
-    auto socket = co_await acceptor.async_accept(net::use_awaitable);
-    net::co_spawn(acceptor.get_executor(), session(std::move(socket), runner, stats),
+    beast::error_code ec;
+    auto socket = co_await acceptor.async_accept(net::redirect_error(net::use_awaitable, ec));
+    if (ec == net::error::operation_aborted) co_return;
+    if (ec) {  // out of descriptors after all, say: a moment, then accept again
+      net::steady_timer pause{acceptor.get_executor(), std::chrono::milliseconds{10}};
+      co_await pause.async_wait(net::use_awaitable);
+      continue;
+    }
+    if (all->open >= all->limit && !all->waiting.empty()) {
+      auto* oldest = all->waiting.front();
+      oldest->unlist();
+      oldest->stream.close();  // its read fails: that session ends
+    }
+    net::co_spawn(acceptor.get_executor(), session(std::move(socket), runner, stats, all),
                   net::detached);
   }
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The HTTP inference server (examples/serve.cpp) as a client sees it: a prediction; 400 for a bad
 # body; 404 elsewhere; 504 for a request whose X-Deadline-Ms passes while it waits behind a slow
-# batch; 503 when more requests wait than --max-queued; SIGTERM stops it with exit 0.
+# batch; 503 when more requests wait than --max-queued; SIGTERM stops it with exit 0; silent
+# connections beyond its descriptors do not lock clients out.
 set -euo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -67,3 +68,42 @@ pid=
 [ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
 grep -q "result: " "$dir/out"
 echo "serve: predict, 400, 404, 504 before the batch, 503 under a flood, SIGTERM exit 0: ok"
+
+# Descriptors: with 128 of them, 300 silent or half-sent connections (more than it can hold)
+# must not lock a client out: the oldest silent ones make room, and accept() keeps running
+# (an accept loop that ends at EMFILE answers no one again). The prediction is answered while
+# the newest silent connection is still open, so it did not wait for their 30 s to pass.
+(ulimit -n 128; exec "$bin" --listen 127.0.0.1:0 --devices cpu --max-batch 8 --max-delay-us 0) \
+  2> "$dir/err" > "$dir/out" &
+pid=$!
+for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
+port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
+[ -n "$port" ] || { cat "$dir/err"; exit 1; }
+python3 - "$port" <<'PY'
+import errno, http.client, socket, sys
+port = int(sys.argv[1])
+idle = []
+for i in range(300):
+    s = socket.create_connection(("127.0.0.1", port))
+    if i % 2:
+        s.sendall(b"POST /predict HTTP/1.1\r\nContent-Le")
+    idle.append(s)
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+c.request("POST", "/predict", ",".join(str(i / 10) for i in range(16)))
+r = c.getresponse()
+assert r.status == 200, r.status
+r.read()
+newest = idle[-1]
+newest.setblocking(False)
+try:
+    newest.recv(1)
+    raise AssertionError("the newest silent connection was closed")
+except BlockingIOError:
+    pass
+print("descriptors: answered past 300 silent connections with 128 descriptors")
+PY
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+pid=
+[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
