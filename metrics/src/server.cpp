@@ -125,14 +125,20 @@ class session : public std::enable_shared_from_this<session> {
 void accept(tcp::acceptor& acceptor, const std::shared_ptr<clients>& all) {
   acceptor.async_accept([&acceptor, all](beast::error_code ec, tcp::socket s) {
     if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
-    if (!ec) {
-      if (all->open >= max_connections && !all->waiting.empty()) {
-        if (auto oldest = all->waiting.front().lock()) oldest->evict();
-      }
-      if (all->open < 2 * max_connections)  // (evicted ones end in a moment)
-        std::make_shared<session>(std::move(s), all)->read();
+    if (ec) {
+      // Out of descriptors, say: accepting again at once would fail at once, in a busy loop.
+      auto pause = std::make_shared<net::steady_timer>(acceptor.get_executor(),
+                                                       std::chrono::milliseconds{10});
+      pause->async_wait([&acceptor, all, pause](beast::error_code e) {
+        if (!e) accept(acceptor, all);
+      });
+      return;
     }
-    // else: out of descriptors, say: that connection is lost, the next is accepted
+    if (all->open >= max_connections && !all->waiting.empty()) {
+      if (auto oldest = all->waiting.front().lock()) oldest->evict();
+    }
+    if (all->open < 2 * max_connections)  // (evicted ones end in a moment)
+      std::make_shared<session>(std::move(s), all)->read();
     accept(acceptor, all);
   });
 }
