@@ -12,14 +12,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <caf/actor_system.hpp>
+#include <caf/binary_serializer.hpp>
+#include <caf/node_id.hpp>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <troupe/detail/introspect.hpp>
+#include <troupe/detail/network.hpp>
 #include <troupe/node.hpp>
 #include <vector>
 
@@ -31,6 +36,7 @@
 #include "node_process.hpp"
 #include "ring_plane.hpp"
 #include "test_util.hpp"
+#include "wire_attack.hpp"
 
 TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
 
@@ -939,4 +945,72 @@ TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
   EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{b.address() + "/cpu"}), 0);
   EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{address + "/cpu"}), 1);
   EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
+}
+
+// Captures a real coordinator's training session with a node (its replica's init, backward and
+// apply commands, the samples, the gradients it is sent), then replays mutated versions of it
+// against another node: the node must survive every one (no crash, no unbounded memory) and
+// still train exactly afterwards. TROUPE_FUZZ_SESSIONS sets how many (default 100),
+// TROUPE_FUZZ_SEED the mutations.
+TEST(TrainHostile, FuzzedReplaysOfARealTrainingSessionLeaveTheNodeTraining) {
+  using namespace wire_attack;  // NOLINT: the attacks' tools
+  auto batches = make_batches(3, 32);
+  std::string captured;
+  {
+    node_process capture_node;
+    recording_relay relay{capture_node.port()};
+    dp_t dp{{"cpu", troupe::device{"127.0.0.1:" + std::to_string(relay.port()) + "/cpu"}},
+            small_cfg(),
+            opts(8, true)};
+    for (auto& b : batches) dp.step(b);
+    expect_replicas_identical(dp);
+    captured = relay.client_bytes();
+  }
+  auto session = basp_frames(captured);
+  ASSERT_GT(session.size(), 10u) << captured.size() << " bytes captured";
+  // Replays must not claim this process's node id (it trains with the target node at the end).
+  auto& sys = troupe::detail::network_system({});
+  auto bytes_of = [&](const caf::node_id& id) {
+    std::vector<char> out;
+    caf::binary_serializer sink{sys, out};
+    if (sink(id)) throw std::runtime_error("serialize node id");
+    return std::string{out.begin(), out.end()};
+  };
+  caf::node_id::default_data::host_id_type host;
+  host.fill(0x5b);
+  auto mine = bytes_of(sys.node()), replaced = bytes_of(caf::make_node_id(778, host));
+  ASSERT_EQ(mine.size(), replaced.size());
+  for (auto& f : session)
+    for (auto at = f.find(mine); at != std::string::npos; at = f.find(mine, at + 1))
+      f.replace(at, mine.size(), replaced);
+  std::size_t sessions = 100;
+  if (auto* n = std::getenv("TROUPE_FUZZ_SESSIONS")) sessions = std::stoul(n);
+  std::uint64_t seed = 20261126;
+  if (auto* x = std::getenv("TROUPE_FUZZ_SEED")) seed = std::stoull(x);
+  std::mt19937_64 rng{seed};
+  node_process target;
+  std::this_thread::sleep_for(std::chrono::milliseconds{200});
+  auto rss_before = proc_status(target.pid(), "VmRSS");
+  long rss_peak = rss_before;
+  for (std::size_t i = 0; i < sessions; ++i) {
+    auto bytes = i == 0 ? captured : mutate(session, rng);  // the first one as it was
+    int fd = raw_connect(target.port());
+    send_all(fd, bytes);
+    closed_by_peer_within(fd, std::chrono::milliseconds{50});
+    close(fd);
+    ASSERT_TRUE(target.alive()) << "node died in session " << i << " (seed " << seed << ")";
+    rss_peak = std::max(rss_peak, proc_status(target.pid(), "VmRSS"));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds{300});
+  ASSERT_TRUE(target.alive());
+  EXPECT_LT(rss_peak - rss_before, 512 * 1024) << "kB, before " << rss_before;
+  std::printf(
+      "fuzz: seed %llu, %zu training sessions of %zu messages (%zu bytes), node RSS %ld "
+      "-> peak %ld kB\n",
+      static_cast<unsigned long long>(seed), sessions, session.size(), captured.size(), rss_before,
+      rss_peak);
+  // And it still trains: the same parameters as one local replica.
+  dp_t dp{{"cpu", target.device()}, small_cfg(), opts(8, true)};
+  for (auto& b : batches) dp.step(b);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
 }
