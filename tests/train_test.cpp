@@ -26,6 +26,8 @@
 #include <troupe/detail/introspect.hpp>
 #include <troupe/detail/network.hpp>
 #include <troupe/node.hpp>
+#include <troupe/train_simulation.hpp>
+#include <tuple>
 #include <vector>
 
 #ifdef TROUPE_TEST_METRICS
@@ -1013,4 +1015,51 @@ TEST(TrainHostile, FuzzedReplaysOfARealTrainingSessionLeaveTheNodeTraining) {
   dp_t dp{{"cpu", target.device()}, small_cfg(), opts(8, true)};
   for (auto& b : batches) dp.step(b);
   EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
+}
+
+TEST(SimulatedTraining, FaultsPastANodesShardsHappenAfterTheStepAndShortFreezesOnlyDelay) {
+  auto batches = make_batches(4, 32);  // 4 shards of 8 a step
+  auto run = [&](auto&& script) {
+    troupe::testing::simulation sim{5};
+    sim.nodes({"a:1", "b:1"}, troupe::cpus(1));
+    script(sim);
+    auto o = opts(8, true);
+    o.replica_timeout = std::chrono::seconds{1};
+    auto dp = sim.data_parallel<example::classifier>(sim.devices(), small_cfg(), o);
+    for (auto& b : batches) dp.step(b);
+    return std::make_tuple(flat(dp.parameters()), dp.trace(), dp.stats(), dp.now());
+  };
+  auto [clean, clean_trace, clean_stats, clean_time] = run([](auto&) {});
+  // a:1 never computes 100 shards in step 1: it dies right after that step.
+  auto [p1, t1, s1, n1] = run([](auto& sim) { sim.at_step(1).at_shard(100).kill("a:1"); });
+  EXPECT_NE(t1.find("lose a:1/cpu: killed after step 1"), std::string::npos) << t1;
+  EXPECT_NE(t1.find("step 2: 32 samples, 4 shards, 1 replicas"), std::string::npos) << t1;
+  EXPECT_EQ(s1.lost_replicas, 1u);
+  EXPECT_TRUE(same_bits(p1, clean));
+  // A 200 ms freeze (below replica_timeout and the heartbeats' limit) delays, loses nothing.
+  auto [p2, t2, s2, n2] =
+      run([](auto& sim) { sim.at_step(2).freeze("b:1", std::chrono::milliseconds{200}); });
+  EXPECT_EQ(s2.lost_replicas, 0u) << t2;
+  EXPECT_GE(n2 - clean_time, std::chrono::milliseconds{200});
+  EXPECT_TRUE(same_bits(p2, clean));
+  // A node slowed 10 times gets fewer shards from then on (the planner follows measured speed).
+  auto [p3, t3, s3, n3] = run([](auto& sim) { sim.at_step(1).slow("b:1", 10.0); });
+  ASSERT_EQ(s3.replicas.size(), 2u);
+  EXPECT_GT(s3.replicas[0].shards, s3.replicas[1].shards) << t3;
+  EXPECT_TRUE(same_bits(p3, clean));
+  // A freeze past the heartbeats' limit after the last shard: lost before the next step.
+  auto [p4, t4, s4, n4] =
+      run([](auto& sim) { sim.at_step(3).at_shard(50).freeze("a:1", std::chrono::seconds{10}); });
+  EXPECT_NE(t4.find("lose a:1/cpu: silent for limits::idle_timeout (frozen after step 3)"),
+            std::string::npos)
+      << t4;
+  EXPECT_TRUE(same_bits(p4, clean));
+  // Scripts name nodes of the simulation, count from 1.
+  troupe::testing::simulation sim{1};
+  sim.nodes({"a:1"}, troupe::cpus(1));
+  EXPECT_THROW(sim.at_step(0), troupe::invalid_argument);
+  EXPECT_THROW(sim.at_step(1).at_shard(0), troupe::invalid_argument);
+  EXPECT_THROW(sim.at_step(1).kill("z:1"), troupe::invalid_argument);
+  EXPECT_THROW(sim.data_parallel<example::classifier>({"cpu"}, small_cfg()),
+               troupe::invalid_argument);
 }

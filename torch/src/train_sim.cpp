@@ -270,11 +270,17 @@ double sim_trainer::impl::step(const batch& samples) {
     if (x.kind == testing::step_fault::kill) {
       lose_node(x.node, "killed after step " + std::to_string(steps));
     } else {
+      auto d = ns{static_cast<ns::rep>(x.value)};
+      if (x.kind == testing::step_fault::freeze && d >= idle_timeout) {
+        // Silent past the heartbeats' limit before the next step has begun.
+        lose_node(x.node, "silent for limits::idle_timeout (frozen after step " +
+                              std::to_string(steps) + ")");
+        continue;
+      }
       for (auto& m : members) {
         if (m.d.node() != x.node) continue;
         if (x.kind == testing::step_fault::slow) m.slow *= x.value;
-        if (x.kind == testing::step_fault::freeze)
-          m.frozen_until = now + ns{static_cast<ns::rep>(x.value)};
+        if (x.kind == testing::step_fault::freeze) m.frozen_until = now + d;
       }
     }
   }
