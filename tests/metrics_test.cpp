@@ -390,6 +390,8 @@ TEST(Metrics, ServeMetricsAnswersMetricsStatusAndTheLivePage) {
   EXPECT_EQ(page.find("https://"), std::string::npos);
   EXPECT_EQ(page.find("src="), std::string::npos);
   EXPECT_NE(http_get(port, "/nothing").find("404"), std::string::npos);
+  EXPECT_NE(http_get(port, "/metrics?x=1").find("troupe_build_info"), std::string::npos)
+      << "a query string is ignored";
   close(idle);
   EXPECT_THROW(troupe::serve_metrics("nonsense"), troupe::invalid_argument);
   EXPECT_THROW(troupe::serve_metrics(addr), troupe::invalid_argument) << "the port is taken";

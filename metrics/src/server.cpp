@@ -83,7 +83,8 @@ class session : public std::enable_shared_from_this<session> {
     auto res = std::make_shared<http::response<http::string_body>>(http::status::ok, req.version());
     res->set(http::field::server, "troupe");
     res->keep_alive(req.keep_alive());
-    auto target = req.target();
+    auto target = req.target();  // the path: a query string ("/metrics?x=1") is ignored
+    if (auto q = target.find('?'); q != beast::string_view::npos) target = target.substr(0, q);
     if (req.method() != http::verb::get && req.method() != http::verb::head) {
       res->result(http::status::method_not_allowed);
       res->set(http::field::content_type, "text/plain");
