@@ -108,6 +108,29 @@ TEST(Metrics, TheTextHasTheRunnersNumbersAndItsSeriesDoNotGrowWithTheJobs) {
   }
 }
 
+/// promtool's complaints about `text` ("" when it accepts it), or a skip reason.
+std::string promtool_says(const std::string& text, int& rc) {
+#ifdef TROUPE_PROMTOOL
+  auto path = ::testing::TempDir() + "troupe_metrics.txt";
+  {
+    std::ofstream out(path);
+    out << text;
+  }
+  auto cmd = std::string{TROUPE_PROMTOOL} + " check metrics < " + path + " 2>&1";
+  std::string said;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "popen failed";
+  char buf[512];
+  while (auto n = fread(buf, 1, sizeof buf, p)) said.append(buf, n);
+  rc = pclose(p);
+  return said;
+#else
+  (void)text;
+  rc = 0;
+  return {};
+#endif
+}
+
 TEST(Metrics, PromtoolAcceptsTheText) {
 #ifndef TROUPE_PROMTOOL
   GTEST_SKIP() << "promtool was not found when this was configured (tools/setup.sh unpacks "
@@ -115,18 +138,8 @@ TEST(Metrics, PromtoolAcceptsTheText) {
 #else
   troupe::unordered_runner<test_jobs::squares> runner{2};
   runner.run(test_util::iota(100));
-  auto path = ::testing::TempDir() + "troupe_metrics.txt";
-  {
-    std::ofstream out(path);
-    out << troupe::metrics_text();
-  }
-  auto cmd = std::string{TROUPE_PROMTOOL} + " check metrics < " + path + " 2>&1";
-  std::string said;
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  char buf[512];
-  while (auto n = fread(buf, 1, sizeof buf, p)) said.append(buf, n);
-  int rc = pclose(p);
+  int rc = -1;
+  auto said = promtool_says(troupe::metrics_text(), rc);
   EXPECT_EQ(rc, 0) << said;
   EXPECT_EQ(said, "") << "promtool's lint complained";
 #endif
@@ -209,6 +222,44 @@ struct held_runner {
     return o;
   }
 };
+
+TEST(Metrics, ScrapedDuringARunPromtoolAcceptsItAndAfterItTheCountersAreTheRunnersStats) {
+  held_runner held;
+  auto& runner = held.runner;
+  auto h = runner.submit(test_util::iota(10));
+  // During: a job is running (item 4 held), and the text is valid.
+  while (runner.stats().items < 4) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  auto during = troupe::metrics_text();
+  EXPECT_FALSE(h.done());
+  auto id = runner_label(during);
+  ASSERT_FALSE(id.empty()) << during;
+  auto r = "{runner=\"" + id + "\"}";
+  EXPECT_EQ(sample(during, "troupe_jobs_running" + r), 1);
+  int rc = -1;
+  auto said = promtool_says(during, rc);
+  EXPECT_EQ(rc, 0) << said;
+  EXPECT_EQ(said, "") << "promtool's lint complained about a text taken during a run";
+  held.release.open();
+  EXPECT_EQ(h.get(), test_util::sum_of_squares(10));
+  // After: each counter is what stats() says.
+  auto after = troupe::metrics_text();
+  auto s = runner.stats();
+  EXPECT_EQ(sample(after, "troupe_items_consumed_total" + r), static_cast<double>(s.items));
+  EXPECT_EQ(
+      sample(after, "troupe_jobs_completed_total{outcome=\"succeeded\",runner=\"" + id + "\"}"),
+      static_cast<double>(s.runs - s.failed_runs));
+  EXPECT_EQ(sample(after, "troupe_duplicated_items_total" + r),
+            static_cast<double>(s.duplicated_items));
+  EXPECT_EQ(sample(after, "troupe_late_answers_total" + r), static_cast<double>(s.late_answers));
+  ASSERT_EQ(s.producers.size(), 1u);
+  EXPECT_EQ(sample(after, "troupe_producer_items_total{device=\"cpu\",producer=\"0\",runner=\"" +
+                              id + "\"}"),
+            static_cast<double>(s.producers[0].items));
+  EXPECT_EQ(sample(after, "troupe_jobs_running" + r), 0);
+  said = promtool_says(after, rc);
+  EXPECT_EQ(rc, 0) << said;
+  EXPECT_EQ(said, "");
+}
 
 TEST(Metrics, StatusJsonListsRunningJobsWithTheirProgressAndForgetsEndedOnes) {
   held_runner held;
