@@ -6,8 +6,11 @@ cd "$(dirname "$0")/.."
 tools/setup.sh
 # Only what the demos run (tools/test.sh builds the rest in the same build folder).
 TARGETS=sum_of_squares tools/build.sh
-for t in inference train; do  # troupe::torch's examples, when LibTorch was found
-  if cmake --build build --target help 2>/dev/null | grep -q "^\.\.\. $t\$"; then
+# troupe::torch's examples, when LibTorch was found. (The target list is read whole first: piped
+# into grep -q it would be cut short, and pipefail would count that as a failure.)
+targets=$(cmake --build build --target help 2>/dev/null || true)
+for t in inference train; do
+  if grep -q "^\.\.\. $t\$" <<< "$targets"; then
     cmake --build build -j "${JOBS:-2}" --target "$t"
   fi
 done
