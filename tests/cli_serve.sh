@@ -9,13 +9,25 @@ dir=$(mktemp -d)
 pid=
 cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
+# start COMMAND...: the server in the background; sets pid and port.
+start() {
+  "$@" 2> "$dir/err" > "$dir/out" &
+  pid=$!
+  for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
+  port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
+  [ -n "$port" ] || { cat "$dir/err"; exit 1; }
+}
+# stop: SIGTERM, and it must exit 0.
+stop() {
+  kill -TERM "$pid"
+  local rc=0
+  wait "$pid" || rc=$?
+  pid=
+  [ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
+}
 # One producer whose every call takes 300 ms: requests queue behind it.
-"$bin" --listen 127.0.0.1:0 --devices cpu --call-us 300000 --max-batch 4 --max-delay-us 0 \
-  --max-queued 4 2> "$dir/err" > "$dir/out" &
-pid=$!
-for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
-port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
-[ -n "$port" ] || { cat "$dir/err"; exit 1; }
+start "$bin" --listen 127.0.0.1:0 --devices cpu --call-us 300000 --max-batch 4 --max-delay-us 0 \
+  --max-queued 4
 python3 - "$port" <<'PY'
 import http.client, sys, threading
 port = int(sys.argv[1])
@@ -61,11 +73,7 @@ assert 503 in codes and 200 in codes, codes
 assert set(codes) <= {200, 503}, codes
 print("flood:", codes.count(200), "served,", codes.count(503), "refused with 503")
 PY
-kill -TERM "$pid"
-rc=0
-wait "$pid" || rc=$?
-pid=
-[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
+stop
 grep -q "result: " "$dir/out"
 echo "serve: predict, 400, 404, 504 before the batch, 503 under a flood, SIGTERM exit 0: ok"
 
@@ -73,12 +81,8 @@ echo "serve: predict, 400, 404, 504 before the batch, 503 under a flood, SIGTERM
 # must not lock a client out: the oldest silent ones make room, and accept() keeps running
 # (an accept loop that ends at EMFILE answers no one again). The prediction is answered while
 # the newest silent connection is still open, so it did not wait for their 30 s to pass.
-(ulimit -n 128; exec "$bin" --listen 127.0.0.1:0 --devices cpu --max-batch 8 --max-delay-us 0) \
-  2> "$dir/err" > "$dir/out" &
-pid=$!
-for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
-port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
-[ -n "$port" ] || { cat "$dir/err"; exit 1; }
+start bash -c 'ulimit -n 128; exec "$0" "$@"' "$bin" --listen 127.0.0.1:0 --devices cpu \
+  --max-batch 8 --max-delay-us 0
 python3 - "$port" <<'PY'
 import errno, http.client, socket, sys
 port = int(sys.argv[1])
@@ -102,8 +106,4 @@ except BlockingIOError:
     pass
 print("descriptors: answered past 300 silent connections with 128 descriptors")
 PY
-kill -TERM "$pid"
-rc=0
-wait "$pid" || rc=$?
-pid=
-[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
+stop

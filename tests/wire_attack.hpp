@@ -10,7 +10,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <caf/actor_system.hpp>
+#include <caf/binary_serializer.hpp>
 #include <caf/io/basp/header.hpp>
+#include <caf/node_id.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -235,6 +238,28 @@ inline std::string mutate(const std::vector<std::string>& session, std::mt19937_
   for (auto& f : frames) out += f;
   if (truncate && !out.empty()) out.resize(pick(out.size()));
   return out;
+}
+
+/// The frames of `captured`, with `sys`'s node id rewritten to another one of the same size
+/// wherever it occurs (`fill` makes it): replays must not claim the node id of this process,
+/// which connects to the target node afterwards. Throws when the capture has no whole frame.
+inline std::vector<std::string> replayable_frames(const std::string& captured,
+                                                  caf::actor_system& sys, std::uint8_t fill) {
+  auto session = basp_frames(captured);
+  auto bytes_of = [&](const caf::node_id& id) {
+    std::vector<char> out;
+    caf::binary_serializer sink{sys, out};
+    if (sink(id)) throw std::runtime_error("serialize node id");
+    return std::string{out.begin(), out.end()};
+  };
+  caf::node_id::default_data::host_id_type host;
+  host.fill(fill);
+  auto mine = bytes_of(sys.node()), other = bytes_of(caf::make_node_id(700 + fill, host));
+  if (mine.size() != other.size()) throw std::runtime_error("node ids of another size");
+  for (auto& f : session)
+    for (auto at = f.find(mine); at != std::string::npos; at = f.find(mine, at + 1))
+      f.replace(at, mine.size(), other);
+  return session;
 }
 
 }  // namespace wire_attack
