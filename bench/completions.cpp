@@ -1,10 +1,13 @@
 // Completions without a blocked thread (docs/api.md, "Embedding in applications"), side by
 // side in one process on one runner (2 CPU producers, x*x):
-//  1. a 1-item job's round trip, submit() to the caller having its result, five ways in
+//  1. a 1-item job's round trip, submit() to the caller having its result, seven ways in
 //     interleaved rounds: get() on the caller's thread; then(f) (f on troupe's thread, the
 //     caller spins on a flag it sets); then(post, f) onto a one-thread io_context; co_await
-//     troupe::async_get(h, use_awaitable) in a coroutine on a one-thread io_context; the same
-//     with the io_context polled in a loop (its thread never sleeps, so it needs no waking);
+//     troupe::async_get(h, asio::bind_executor(io, callback)) (then() on an executor, the Asio
+//     way); troupe::async_get(h, use_awaitable) in a coroutine on a one-thread io_context (which
+//     async_get keeps awake 200 us while the job is pending); the same with that spin off
+//     (troupe::set_completion_spin(io, 0us): each completion wakes the thread); the same with
+//     the io_context polled in a loop (its thread never sleeps, so it needs no waking);
 //  2. N jobs in flight at once (each held until all are submitted), awaited by N coroutines on
 //     one io_context thread, against N threads each blocked in get(): wall time from the first
 //     submit to the last result, and the process's threads at their peak.
@@ -12,6 +15,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
+#include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
@@ -140,10 +144,39 @@ std::vector<double> by_then_post(runner_type& r, int n) {
   return out;
 }
 
-/// `busy`: the event loop polls instead of sleeping (io_context::poll in a loop), as a
-/// latency-bound server might: what is left once its thread needs no waking.
-std::vector<double> by_co_await(runner_type& r, int n, bool busy = false) {
+/// async_get with a plain callback bound to the io_context (asio::bind_executor): then() on an
+/// executor, the Asio way.
+std::vector<double> by_bound_callback(runner_type& r, int n) {
   net::io_context io;
+  std::vector<double> out;
+  int i = 0;
+  clock_type::time_point t0;
+  std::function<void()> next = [&] {
+    if (i == n) return;
+    t0 = clock_type::now();
+    auto x = i;
+    troupe::async_get(r.submit(one(x)),
+                      net::bind_executor(io, [&, x](std::exception_ptr e, std::int64_t v) {
+                        if (e || v != std::int64_t{x} * x) std::abort();
+                        out.push_back(us_between(t0, clock_type::now()));
+                        ++i;
+                        next();
+                      }));
+  };
+  net::post(io, next);
+  io.run();
+  return out;
+}
+
+enum class loop { spins, sleeps, polls };
+
+/// `spins`: as it comes (async_get keeps the loop's thread awake 200 us while a job is pending);
+/// `sleeps`: troupe::set_completion_spin(io, 0us), so every completion wakes the thread;
+/// `polls`: the event loop polls instead of sleeping (io_context::poll in a loop), as a
+/// latency-bound server might.
+std::vector<double> by_co_await(runner_type& r, int n, loop how) {
+  net::io_context io;
+  if (how == loop::sleeps) troupe::set_completion_spin(io, std::chrono::microseconds{0});
   std::vector<double> out;
   net::co_spawn(
       io,
@@ -158,7 +191,7 @@ std::vector<double> by_co_await(runner_type& r, int n, bool busy = false) {
         }
       },
       net::detached);
-  if (busy)
+  if (how == loop::polls)
     while (static_cast<int>(out.size()) < n) io.poll();
   else
     io.run();
@@ -177,32 +210,38 @@ int main(int argc, char** argv) {
   CLI::App app{"troupe_completions_bench: then / co_await against get()"};
   int round_trips = 2000, rounds = 5, concurrent = 10000;
   app.add_option("--round-trips", round_trips, "1-item jobs per way and round");
-  app.add_option("--rounds", rounds, "interleaved rounds of the four ways");
+  app.add_option("--rounds", rounds, "interleaved rounds of the seven ways");
   app.add_option("--concurrent", concurrent, "jobs in flight at once in part 2");
   CLI11_PARSE(app, argc, argv);
 
   runner_type runner{2};
   std::printf("1. a 1-item job's round trip (2 CPU producers, %d rounds of %d each way)\n", rounds,
               round_trips);
-  std::vector<double> g, t, tp, co, busy;
+  std::vector<double> g, t, tp, bound, co, sleeps, busy;
   by_get(runner, 200);  // warm-up
   for (int k = 0; k < rounds; ++k) {
     auto a = by_get(runner, round_trips);
     auto b = by_then(runner, round_trips);
     auto c = by_then_post(runner, round_trips);
-    auto d = by_co_await(runner, round_trips);
-    auto e = by_co_await(runner, round_trips, true);
+    auto c2 = by_bound_callback(runner, round_trips);
+    auto d = by_co_await(runner, round_trips, loop::spins);
+    auto s = by_co_await(runner, round_trips, loop::sleeps);
+    auto e = by_co_await(runner, round_trips, loop::polls);
     g.insert(g.end(), a.begin(), a.end());
     t.insert(t.end(), b.begin(), b.end());
     tp.insert(tp.end(), c.begin(), c.end());
+    bound.insert(bound.end(), c2.begin(), c2.end());
     co.insert(co.end(), d.begin(), d.end());
+    sleeps.insert(sleeps.end(), s.begin(), s.end());
     busy.insert(busy.end(), e.begin(), e.end());
   }
   auto base = percentile(g, 0.5);
   report("get()", g, base);
   report("then(f)", t, base);
   report("then(post to io_context, f)", tp, base);
+  report("async_get, bound callback", bound, base);
   report("co_await async_get", co, base);
+  report("co_await, no spin", sleeps, base);
   report("co_await, the loop polling", busy, base);
 
   std::printf("2. %d 1-item jobs in flight at once (held until all are submitted)\n", concurrent);

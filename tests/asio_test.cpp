@@ -69,6 +69,70 @@ TEST(Asio, CoAwaitResumesOnTheCallersExecutor) {
   EXPECT_THROW(std::rethrow_exception(failed), troupe::work_error);
 }
 
+// 10,000 coroutines on a one-thread io_context, each awaiting its own job: every one resumes on
+// that thread with its own exact result, and no thread waits for a job meanwhile.
+TEST(Asio, TenThousandCoroutinesOnOneThreadEachGetTheirOwnResult) {
+  std::promise<void> open;
+  squares_or_fail::gate = open.get_future().share();
+  troupe::unordered_runner<squares_or_fail> runner{2};
+  net::io_context io;
+  constexpr int n = 10'000;
+  int resumed = 0, wrong = 0, off_thread = 0;
+  auto loop_thread = std::this_thread::get_id();
+  for (int i = 0; i < n; ++i)
+    net::co_spawn(
+        io,
+        [&, i]() -> net::awaitable<void> {
+          auto h = runner.submit(std::vector<std::int64_t>{i});
+          auto v = co_await troupe::async_get(std::move(h), net::use_awaitable);
+          ++resumed;
+          if (v != std::int64_t{i} * i) ++wrong;
+          if (std::this_thread::get_id() != loop_thread) ++off_thread;
+        },
+        net::detached);
+  io.poll();  // every coroutine has submitted its job and waits: the producers are held
+  auto threads = test_util::thread_count();
+  EXPECT_EQ(resumed, 0);
+  open.set_value();
+  io.run();
+  squares_or_fail::gate = {};
+  EXPECT_EQ(resumed, n);
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(off_thread, 0);
+  EXPECT_EQ(test_util::thread_count(), threads) << "a thread per pending job?";
+}
+
+// async_get keeps the loop's thread awake a short while after it (a "watcher" handler that
+// re-posts itself, as get() spins before it sleeps); set_completion_spin(io, 0) turns that off.
+// Counted in handlers run: the same coroutine runs the same handlers each time without the spin,
+// and at least one more (the watcher's turns) with it.
+TEST(Asio, TheCompletionSpinRunsOnTheLoopAndCanBeTurnedOff) {
+  squares_or_fail::gate = {};
+  troupe::unordered_runner<squares_or_fail> runner{2};
+  auto handlers_run = [&](bool spin) {
+    net::io_context io;
+    if (!spin) troupe::set_completion_spin(io, std::chrono::microseconds{0});
+    std::int64_t sum = 0;
+    net::co_spawn(
+        io,
+        [&]() -> net::awaitable<void> {
+          for (int i = 1; i <= 20; ++i) {
+            auto h = runner.submit(iota(i));
+            sum += co_await troupe::async_get(std::move(h), net::use_awaitable);
+          }
+        },
+        net::detached);
+    auto handlers = io.run();  // returns: the watcher stops once nothing is pending
+    std::int64_t want = 0;
+    for (int i = 1; i <= 20; ++i) want += sum_of_squares(i);
+    EXPECT_EQ(sum, want);
+    return handlers;
+  };
+  auto quiet = handlers_run(false);
+  EXPECT_EQ(handlers_run(false), quiet);
+  EXPECT_GT(handlers_run(true), quiet);
+}
+
 TEST(Asio, UseFutureAndPlainCallbacks) {
   squares_or_fail::gate = {};
   troupe::unordered_runner<squares_or_fail> runner{2};
