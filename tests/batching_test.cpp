@@ -122,6 +122,7 @@ TEST(Batching, SixtyFourCallersOfOneItemJobsShareCalls) {
   EXPECT_LE(biggest, 8u);
   double mean = static_cast<double>(items) / static_cast<double>(model::calls.size());
   EXPECT_GE(mean, 6.0) << model::calls.size() << " calls";
+  EXPECT_EQ(runner.stats().batched_calls, model::calls.size());  // every call counted once
   std::cout << callers * each << " one-item jobs in " << model::calls.size()
             << " calls (mean batch " << mean << ")\n";
 }
@@ -149,6 +150,9 @@ TEST(Batching, ALoneItemGoesAtAPreferredSizeOrAfterMaxDelay) {
     troupe::unordered_runner<model> runner{1, {}, batched(8, 20ms)};
     watchdog dog{60s, "a lone item after max_delay"};
     EXPECT_EQ(runner.run({4}), 16);
+    // It was held for others until max_delay had passed (never sent early), and stats say so.
+    EXPECT_EQ(runner.stats().batched_calls, 1u);
+    EXPECT_GE(runner.stats().longest_batch_hold, 20ms);
   }
   std::lock_guard<std::mutex> guard{model::mtx};
   EXPECT_EQ(model::calls, (std::vector<std::size_t>{1, 1}));

@@ -1,5 +1,6 @@
 #include "troupe/detail/job_core.hpp"
 
+#include <algorithm>
 #include <caf/actor.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
@@ -140,6 +141,13 @@ bool job_core::wait_for(std::chrono::milliseconds d) {
   return cv_.wait_for(lock, *limit, [this] { return finished_; });
 }
 
+std::atomic<int> job_core::spinners{0};
+
+int job_core::max_spinners() {
+  static const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 2));
+  return n;
+}
+
 void job_core::get() {
   if (!taken_) drive_to_end("job_handle::get()");
   {
@@ -152,12 +160,17 @@ void job_core::get() {
     taken_ = true;
     if (!finished_) {
       // A short job ends within microseconds: look for it a while, giving the core to the
-      // job's threads, before sleeping (a futex wake-up across cores costs ~20 us on a VM).
-      lock.unlock();
-      auto until = std::chrono::steady_clock::now() + spin_before_sleep;
-      while (!ended_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
-        std::this_thread::yield();
-      lock.lock();
+      // job's threads, before sleeping (a futex wake-up across cores costs ~20 us on a VM). At
+      // most half the cores' worth of callers look at once: many callers spinning on few cores
+      // would keep troupe's own threads (the scheduler, producers) waiting for one.
+      if (spinners.fetch_add(1, std::memory_order_relaxed) < max_spinners()) {
+        lock.unlock();
+        auto until = std::chrono::steady_clock::now() + spin_before_sleep;
+        while (!ended_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
+          std::this_thread::yield();
+        lock.lock();
+      }
+      spinners.fetch_sub(1, std::memory_order_relaxed);
     }
     cv_.wait(lock, [this] { return finished_; });
   }

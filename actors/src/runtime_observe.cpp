@@ -68,6 +68,7 @@ runner_snapshot runtime::snapshot() const {
     s.chunks_sent = stats_->chunks_sent;
     s.chunks_first_sent = stats_->chunks_first_sent;
     s.queue_wait = stats_->queue_wait;
+    s.batch_hold = stats_->batch_hold;
   }
   std::vector<std::shared_ptr<job_core>> jobs;
   {

@@ -196,6 +196,15 @@ bool scheduler::dispatch_batch(std::size_t p, clock_type::time_point now) {
   }
   group_ = nullptr;
   auto k = static_cast<std::uint32_t>(group.size());
+  if (k > 0) {  // held from when both the producer was free and an item waited, until now
+    auto hold = now - std::max(*oldest, s.last_done);
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    auto& v = stats_->value;
+    v.batched_calls += 1;
+    if (hold > v.longest_batch_hold)
+      v.longest_batch_hold = std::chrono::duration_cast<std::chrono::nanoseconds>(hold);
+    stats_->batch_hold.observe(std::max(0.0, std::chrono::duration<double>(hold).count()));
+  }
   for (std::uint32_t i = 0; i < k; ++i) {
     group[i].msg.group_size = k;
     group[i].msg.group_pos = i;

@@ -35,6 +35,8 @@ struct stats_box {
   std::uint64_t chunks_first_sent = 0;
   seconds_histogram queue_wait{
       {0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300}};
+  /// Dynamic batching: how long each call was held for more items (stats::longest_batch_hold).
+  seconds_histogram batch_hold{{0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1}};
 };
 
 }  // namespace troupe::detail

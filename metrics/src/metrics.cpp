@@ -186,6 +186,11 @@ std::vector<MetricFamily> collect() {
              "How long a chunk's items waited before it was first sent to a producer (from the "
              "job's start for inputs of known size; 0 for generators, pulled when sent).",
              MetricType::Histogram);
+  auto batch_hold = family(
+      "troupe_batch_hold_seconds",
+      "Dynamic batching: how long a producer call was held for more items, from when its "
+      "producer was free and an item waited (at most batching.max_delay, plus wake-up latency).",
+      MetricType::Histogram);
   auto sent = family("troupe_chunks_sent_total",
                      "Chunks sent to producers: attempt=first once per chunk, again for "
                      "re-dispatches after a loss, retries and speculative copies.",
@@ -228,6 +233,7 @@ std::vector<MetricFamily> collect() {
     add_histogram(chunk_time, rl, r.chunk_seconds);
     add_histogram(job_time, rl, r.job_seconds);
     add_histogram(queue_wait, rl, r.queue_wait);
+    if (r.batch_hold.count > 0) add_histogram(batch_hold, rl, r.batch_hold);
     add(retries, rl, static_cast<double>(r.retries));
     add(node_bytes, {{"direction", "sent"}, {"runner", id}},
         static_cast<double>(r.node_bytes_sent));

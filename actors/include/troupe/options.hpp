@@ -159,6 +159,11 @@ struct stats {
   /// Batch producers (work(troupe::span<const In>)): calls made again on halves of a batch
   /// that threw, to find the items that fail alone.
   std::uint64_t split_calls = 0;
+  /// Dynamic batching (options::batching): calls made, and the longest the batcher held one
+  /// for more items, from the moment its producer was free and an item waited to the call's
+  /// send (at most max_delay, plus the lateness of the scheduler's wake-up on a busy machine).
+  std::uint64_t batched_calls = 0;
+  std::chrono::nanoseconds longest_batch_hold{0};
   /// Answers dropped because their producer had been given up on before they came (its node
   /// lost or fenced by its cluster, or a stuck producer replaced): the chunk had gone
   /// elsewhere, so its outputs were not delivered twice.

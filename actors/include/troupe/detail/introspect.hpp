@@ -65,6 +65,8 @@ struct runner_snapshot {
   /// How long a chunk's items waited before its first send: from the job's start for inputs of
   /// known size (their items are there from submit()), none for generators (pulled when sent).
   seconds_histogram queue_wait;
+  /// Dynamic batching: how long each call was held for more items (one observation per call).
+  seconds_histogram batch_hold;
   /// Running jobs, oldest first, at most running_jobs_listed of them.
   std::vector<job_snapshot> running_jobs;
   static constexpr std::size_t running_jobs_listed = 32;

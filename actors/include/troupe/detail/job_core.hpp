@@ -124,6 +124,8 @@ class job_core {
   bool finished_ = false;
   std::atomic<bool> ended_{false};  ///< finished_, for get()'s look before it sleeps
   static constexpr std::chrono::microseconds spin_before_sleep{200};
+  static std::atomic<int> spinners;  ///< callers in get() looking for their job's end now
+  static int max_spinners();         ///< half the cores, at least one
   bool taken_ = false;
   bool disposed_ = false;
   std::exception_ptr error_;
