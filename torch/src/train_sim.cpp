@@ -40,7 +40,9 @@ struct sim_trainer::impl {
   struct event {
     ns t;
     std::uint64_t seq;
-    bool lose;  ///< else an answer
+    /// An answer; a replica given up on (its own timeout); or its node killed (every replica on
+    /// that node is lost with it).
+    enum kind_t { answer, lose_replica, kill_node } kind;
     std::uint64_t id;
     std::size_t who;
     std::string why;
@@ -140,7 +142,8 @@ double sim_trainer::impl::step(const batch& samples) {
         fired[f] = true;
         auto& x = faults[f];
         if (x.kind == testing::step_fault::kill) {
-          events.push({t, seq++, true, id, who, "killed at its shard " + std::to_string(k)});
+          events.push(
+              {t, seq++, event::kill_node, id, who, "killed at its shard " + std::to_string(k)});
           m.busy_until = never;
           return;
         }
@@ -167,9 +170,9 @@ double sim_trainer::impl::step(const batch& samples) {
       why = "silent for limits::idle_timeout (frozen)";
     }
     if (lost_at != never)
-      events.push({lost_at, seq++, true, id, who, why});
+      events.push({lost_at, seq++, event::lose_replica, id, who, why});
     else
-      events.push({t, seq++, false, id, who, {}});
+      events.push({t, seq++, event::answer, id, who, {}});
   };
   auto recompute = [&](const std::vector<train_core::range>& back) {
     if (back.empty()) return;
@@ -194,11 +197,10 @@ double sim_trainer::impl::step(const batch& samples) {
     auto e = events.top();
     events.pop();
     now = std::max(now, e.t);
-    if (e.lose) {
+    if (e.kind != event::answer) {
       if (!members[e.who].alive) continue;
-      auto node = members[e.who].d.node();
-      if (e.why.rfind("killed", 0) == 0)
-        lose_node(node, e.why);
+      if (e.kind == event::kill_node)
+        lose_node(members[e.who].d.node(), e.why);
       else
         lose(e.who, e.why);
       for (std::size_t i = 0; i < members.size(); ++i)
