@@ -3,6 +3,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -28,6 +29,8 @@ struct child_node {
     if (pipe(out) != 0) throw std::runtime_error("pipe");
     pid = fork();
     if (pid == 0) {
+      // Ends with the benchmark, also when it crashes or is killed (no orphaned node).
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
       dup2(out[1], STDOUT_FILENO);
       execv(self, argv.data());
       _exit(127);

@@ -121,7 +121,10 @@ int main(int argc, char** argv) {
   int tensors = 8;
   std::int64_t items = 2'000'000;
   example::add_flags(app, f);
-  app.add_option("--tensors", tensors, "64 MiB tensors sent through a node and back");
+  app.add_option("--tensors", tensors,
+                 "64 MiB tensors sent through a node and back (the TCP echo of as many is the "
+                 "trivial items' yardstick too)")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--count", items, "trivial items");
   bool from_vector = false;
   app.add_flag("--vector", from_vector, "trivial items from a vector in memory (else a generator)");
