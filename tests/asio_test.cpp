@@ -23,6 +23,8 @@
 namespace net = boost::asio;
 using test_util::iota;
 using test_util::sum_of_squares;
+using test_util::watchdog;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -131,6 +133,47 @@ TEST(Asio, TheCompletionSpinRunsOnTheLoopAndCanBeTurnedOff) {
   auto quiet = handlers_run(false);
   EXPECT_EQ(handlers_run(false), quiet);
   EXPECT_GT(handlers_run(true), quiet);
+}
+
+// close() while 100 coroutines await their jobs (held in the producers): each resumes once, on
+// the loop's thread, with runner_closed; the loop then runs out of work and returns.
+TEST(Asio, CloseWhileCoroutinesAwaitResumesEachWithRunnerClosed) {
+  std::promise<void> open;
+  squares_or_fail::gate = open.get_future().share();
+  troupe::unordered_runner<squares_or_fail> runner{2};
+  net::io_context io;
+  int closed = 0, other = 0, off_thread = 0;
+  auto loop_thread = std::this_thread::get_id();
+  for (int i = 0; i < 100; ++i)
+    net::co_spawn(
+        io,
+        [&, i]() -> net::awaitable<void> {
+          auto h = runner.submit(std::vector<std::int64_t>{i});
+          try {
+            co_await troupe::async_get(std::move(h), net::use_awaitable);
+            ++other;
+          } catch (const troupe::runner_closed&) {
+            ++closed;
+          } catch (...) {
+            ++other;
+          }
+          if (std::this_thread::get_id() != loop_thread) ++off_thread;
+        },
+        net::detached);
+  io.poll();  // all 100 wait
+  // close() ends every job at once, the two whose items the producers hold included; it waits
+  // for those calls to return (on another thread: the gate opens only after every coroutine
+  // has resumed).
+  watchdog dog{60s, "close() while coroutines await"};
+  std::thread closer{[&] { runner.close(); }};
+  while (closed + other < 100) io.run_one();
+  open.set_value();
+  closer.join();
+  io.run();
+  squares_or_fail::gate = {};
+  EXPECT_EQ(closed, 100);
+  EXPECT_EQ(other, 0);
+  EXPECT_EQ(off_thread, 0);
 }
 
 TEST(Asio, UseFutureAndPlainCallbacks) {
