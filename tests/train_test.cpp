@@ -730,6 +730,55 @@ struct fragile_state_job {
 
 }  // namespace
 
+namespace {
+
+/// The next step() (whichever replica runs it first) throws once.
+std::atomic<bool> fail_next_step{false};
+struct fragile_step_job {
+  struct replica : example::classifier::replica {
+    using example::classifier::replica::replica;
+    void step() {
+      if (fail_next_step.exchange(false)) throw std::runtime_error("optimizer blew up");
+      example::classifier::replica::step();
+    }
+  };
+};
+
+}  // namespace
+
+TEST(Train, AReplicaWhoseStepThrowsIsDroppedAndTheOthersStayIdentical) {
+  // Its optimizer did not step while the others' did: it no longer matches them. The step
+  // throws work_error saying so, the replica is gone, and the others train on, identical. The
+  // simulation does the same (it used to stop at the throw, leaving the later replicas behind).
+  auto batches = make_batches(3, 48);
+  auto check = [&](auto& dp, const char* what) {
+    SCOPED_TRACE(what);
+    dp.step(batches[0]);
+    fail_next_step = true;
+    try {
+      dp.step(batches[1]);
+      ADD_FAILURE() << "no work_error";
+    } catch (const troupe::work_error& e) {
+      std::string m = e.what();
+      EXPECT_EQ(m.rfind("replica::step() threw on ", 0), 0u) << m;
+      EXPECT_NE(m.find("that replica is dropped; the others have stepped"), std::string::npos) << m;
+      EXPECT_NE(m.find("optimizer blew up"), std::string::npos) << m;
+    }
+    EXPECT_EQ(dp.devices().size(), 2u);
+    EXPECT_EQ(dp.stats().lost_replicas, 1u);
+    dp.step(batches[2]);
+    expect_replicas_identical(dp);
+  };
+  troupe::data_parallel<fragile_step_job> real{{"cpu", "cpu", "cpu"}, small_cfg(), opts(8, true)};
+  check(real, "data_parallel");
+  troupe::testing::simulation sim{3};
+  sim.nodes({"a:1", "b:1", "c:1"}, troupe::cpus(1));
+  auto simulated = sim.data_parallel<fragile_step_job>(sim.devices(), small_cfg(), opts(8, true));
+  check(simulated, "simulated");
+  // Both kept the same two replicas' worth of training: the same parameters.
+  EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())));
+}
+
 TEST(Train, AFailedLoadOrStateCopyLeavesNoReplicaDifferent) {
   // A replica whose load() threw holds the new parameters and its old optimizer state: it is
   // dropped. A replica added whose state could not be copied is not kept either.

@@ -6,6 +6,7 @@
 // scripted with simulation::at_step or drawn by draw_training.
 #include <algorithm>
 #include <iomanip>
+#include <optional>
 #include <queue>
 #include <random>
 #include <sstream>
@@ -257,11 +258,19 @@ double sim_trainer::impl::step(const batch& samples) {
   apply.mode = static_cast<std::uint8_t>(red);
   apply.tensors.push_back(total);
   apply.divisor = static_cast<double>(n);
+  // Every replica steps; one whose step() throws no longer matches the others: it is dropped
+  // (as in data_parallel), and the step reports the first such failure once all have stepped.
+  std::optional<work_error> apply_failure;
   for (auto i : alive()) {
     try {
       members[i].st->apply(apply);
     } catch (const std::exception& ex) {
-      throw work_error("replica::step() threw on " + name(i) + ": " + ex.what(), 0, name(i));
+      if (!apply_failure)
+        apply_failure.emplace(
+            "replica::step() threw on " + name(i) +
+                " (that replica is dropped; the others have stepped): " + ex.what(),
+            0, name(i));
+      lose(i, "its step() threw");
     }
   }
   // Faults at a shard the node did not reach in this step happen right after it.
@@ -286,6 +295,7 @@ double sim_trainer::impl::step(const batch& samples) {
       }
     }
   }
+  if (apply_failure) throw *apply_failure;
   stats.steps += 1;
   stats.shards += shards;
   double sum = 0;
