@@ -119,9 +119,17 @@ std::optional<chunk_result> replica_state::ring_start(
     }
     if (!address.empty() && connected.count(address) == 0) {
       // A direct connection to the neighbour's node: otherwise CAF routes through the
-      // coordinator, and the ring would load it as much as a star.
-      connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
+      // coordinator, and the ring would load it as much as a star. Tried once per neighbour; it
+      // is an optimization, not a condition: when it fails (two nodes of a ring connecting to
+      // each other at once, a busy peer), the chunks take CAF's route and the ring goes on,
+      // where a thrown error here used to turn rings off for the rest of the run.
       connected.insert(address);
+      try {
+        connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
+      } catch (const std::exception& e) {
+        log(log_level::info, std::string{"ring all-reduce: no direct connection to "} + address +
+                                 " (" + e.what() + "); its chunks go through CAF's route");
+      }
     }
     ring.right = right;
     ring.hops.assign(ring.pieces, 0);
