@@ -406,7 +406,9 @@ TEST(Train, ReplicasOnNodesAllReduceInARingAndMatchAPlainLoop) {
   // 256 hidden units: a 273 KiB gradient, one ring (with a local replica in it); 1024: 4.2 MiB
   // between two nodes, two rings over its halves.
   // Between nodes only, the ring's data goes over the replicas' direct connections, or
-  // through CAF with direct_ring off.
+  // through CAF with direct_ring off. (Warnings to stderr: a ring that fails says why there,
+  // which a CI log otherwise would not show.)
+  troupe::log_to_stderr(troupe::log_level::warn);
   for (auto [hidden, direct] : {std::pair{256, true}, {1024, true}, {1024, false}}) {
     auto batches = make_batches(hidden == 256 ? 20 : 6, 48);
     node_process a, b;
