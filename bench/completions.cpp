@@ -24,7 +24,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -32,6 +31,8 @@
 #include <troupe/asio.hpp>
 #include <troupe/troupe.hpp>
 #include <vector>
+
+#include "common/threads.hpp"
 
 namespace net = boost::asio;
 
@@ -78,14 +79,6 @@ struct squares {
   };
 };
 
-int threads_now() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  return -1;
-}
-
 using runner_type = troupe::unordered_runner<squares>;
 
 std::vector<std::int64_t> one(std::int64_t x) {
@@ -119,7 +112,11 @@ std::vector<double> by_then(runner_type& r, int n) {
   return out;
 }
 
-std::vector<double> by_then_post(runner_type& r, int n) {
+/// n round trips in turn on a one-thread io_context, the caller's event loop: `start(io, x,
+/// done)` submits job x and has done(value) run on the loop when it ends; each is timed from
+/// submit() to done.
+template <class Start>
+std::vector<double> chained(int n, Start start) {
   net::io_context io;
   std::vector<double> out;
   int i = 0;
@@ -128,44 +125,39 @@ std::vector<double> by_then_post(runner_type& r, int n) {
     if (i == n) return;
     t0 = clock_type::now();
     auto x = i;
-    r.submit(std::vector<std::int64_t>{x})
-        .then([&](std::function<void()> f) { net::post(io, std::move(f)); },
-              [&, x](troupe::outcome<std::int64_t> o) {
-                if (!o.ok() || *o.value != std::int64_t{x} * x) std::abort();
-                out.push_back(us_between(t0, clock_type::now()));
-                ++i;
-                next();
-              });
+    start(io, x, [&, x](std::int64_t v) {
+      if (v != std::int64_t{x} * x) std::abort();
+      out.push_back(us_between(t0, clock_type::now()));
+      ++i;
+      next();
+    });
   };
   auto guard = net::make_work_guard(io);
   net::post(io, next);
-  // The io_context is the caller's event loop: it runs until every round trip is in.
   while (static_cast<int>(out.size()) < n) io.run_one();
   return out;
+}
+
+std::vector<double> by_then_post(runner_type& r, int n) {
+  return chained(n, [&r](net::io_context& io, std::int64_t x, auto done) {
+    r.submit(one(x)).then([&io](std::function<void()> f) { net::post(io, std::move(f)); },
+                          [done](troupe::outcome<std::int64_t> o) {
+                            if (!o.ok()) std::abort();
+                            done(*o.value);
+                          });
+  });
 }
 
 /// async_get with a plain callback bound to the io_context (asio::bind_executor): then() on an
 /// executor, the Asio way.
 std::vector<double> by_bound_callback(runner_type& r, int n) {
-  net::io_context io;
-  std::vector<double> out;
-  int i = 0;
-  clock_type::time_point t0;
-  std::function<void()> next = [&] {
-    if (i == n) return;
-    t0 = clock_type::now();
-    auto x = i;
+  return chained(n, [&r](net::io_context& io, std::int64_t x, auto done) {
     troupe::async_get(r.submit(one(x)),
-                      net::bind_executor(io, [&, x](std::exception_ptr e, std::int64_t v) {
-                        if (e || v != std::int64_t{x} * x) std::abort();
-                        out.push_back(us_between(t0, clock_type::now()));
-                        ++i;
-                        next();
+                      net::bind_executor(io, [done](std::exception_ptr e, std::int64_t v) {
+                        if (e) std::abort();
+                        done(v);
                       }));
-  };
-  net::post(io, next);
-  io.run();
-  return out;
+  });
 }
 
 enum class loop { spins, sleeps, polls };
@@ -250,7 +242,7 @@ int main(int argc, char** argv) {
     net::io_context io;
     std::atomic<int> left{concurrent};
     std::int64_t sum = 0;
-    auto before = threads_now();
+    auto before = example::threads_now();
     auto t0 = clock_type::now();
     for (int i = 0; i < concurrent; ++i)
       net::co_spawn(
@@ -263,7 +255,7 @@ int main(int argc, char** argv) {
           net::detached);
     int peak = before;
     io.poll();  // every coroutine has submitted and waits
-    peak = std::max(peak, threads_now());
+    peak = std::max(peak, example::threads_now());
     gate::set(true);
     io.run();
     auto wall = us_between(t0, clock_type::now()) / 1000;
@@ -275,7 +267,7 @@ int main(int argc, char** argv) {
     gate::set(false);
     std::atomic<std::int64_t> sum{0};
     std::atomic<int> submitted{0};
-    auto before = threads_now();
+    auto before = example::threads_now();
     auto t0 = clock_type::now();
     std::vector<std::thread> callers;
     callers.reserve(static_cast<std::size_t>(concurrent));
@@ -286,7 +278,7 @@ int main(int argc, char** argv) {
         sum += h.get();
       });
     while (submitted.load() < concurrent) std::this_thread::yield();
-    int peak = threads_now();
+    int peak = example::threads_now();
     gate::set(true);
     for (auto& c : callers) c.join();
     auto wall = us_between(t0, clock_type::now()) / 1000;

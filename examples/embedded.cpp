@@ -16,7 +16,6 @@
 #include <caf/all.hpp>
 #include <chrono>
 #include <cstdint>
-#include <fstream>
 #include <iostream>
 #include <string>
 #include <troupe/caf.hpp>
@@ -24,6 +23,7 @@
 #include <vector>
 
 #include "common/cli.hpp"
+#include "common/threads.hpp"
 
 struct squares {
   struct producer {
@@ -42,14 +42,6 @@ struct squares {
 using query_atom = caf::atom_constant<caf::atom("query")>;
 
 namespace {
-
-int threads_now() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  return -1;
-}
 
 std::int64_t sum_of_squares(std::int64_t n) {  // 0² + … + (n-1)²
   return (n - 1) * n * (2 * n - 1) / 6;
@@ -115,7 +107,7 @@ int main(int argc, char** argv) {
     caf::actor_system_config cfg;
     troupe::add_to(cfg);  // troupe's types and CAF's middleman, in the application's config
     caf::actor_system sys{cfg};
-    auto before = threads_now();
+    auto before = example::threads_now();
     std::vector<troupe::device> devs;
     for (auto& spec : example::flags::split(devices)) devs.emplace_back(spec);
     troupe::unordered_runner<squares> runner{sys, devs};  // on the application's system
@@ -127,12 +119,12 @@ int main(int argc, char** argv) {
       sys.spawn(client, front_door, caf::actor{self}, c, requests, items,
                 std::make_shared<tally>());
     tally all;
-    int peak = threads_now();
+    int peak = example::threads_now();
     for (int c = 0; c < clients; ++c)
       self->receive([&](const tally& t) {
         all.answered += t.answered;
         all.exact += t.exact;
-        peak = std::max(peak, threads_now());
+        peak = std::max(peak, example::threads_now());
       });
     auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::cout << "answered " << all.answered << " of " << clients * requests << " queries, "

@@ -136,15 +136,9 @@ auto async_get(job_handle<R> h, Token&& token) {
         }
         // Keeps the handler's executor (an io_context, say) from running out of work while the
         // job runs, then hands it the completion there.
-        auto work = net::make_work_guard(net::get_associated_executor(handler));
-        auto* spin = detail::spin_of(work.get_executor());
-        if (spin) spin->started(work.get_executor());
-        struct unstarted {  // then() threw (an empty handle): nothing is pending after all
-          detail::completion_spin* spin;
-          ~unstarted() {
-            if (spin) spin->ended();
-          }
-        } if_then_throws{spin};
+        auto handler_ex = net::get_associated_executor(handler);
+        auto* spin = detail::spin_of(handler_ex);
+        auto work = net::make_work_guard(handler_ex);
         job.then(
             [handler = std::move(handler), work = std::move(work), spin](outcome<R> o) mutable {
               auto ex = work.get_executor();
@@ -167,7 +161,9 @@ auto async_get(job_handle<R> h, Token&& token) {
               if (spin) spin->ended();
               work.reset();
             });
-        if_then_throws.spin = nullptr;
+        // After then(): one that throws leaves nothing pending. A job that has ended already
+        // was counted off above, the count dipping below zero until here: nothing is watched.
+        if (spin) spin->started(handler_ex);
       },
       token, std::move(h));
 }
