@@ -1,7 +1,5 @@
 #include "troupe/internal/bulk.hpp"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <atomic>
 #include <caf/binary_deserializer.hpp>
@@ -14,6 +12,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "bulk_buffers.hpp"
 #include "troupe/error.hpp"
 #include "troupe/protocol.hpp"
 
@@ -21,81 +20,7 @@ namespace troupe::bulk {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-
-// -- join buffers: anonymous mappings (pages are only backed once written), recycled so that a
-// steady stream of large payloads does not pay page faults for every one of them ---------------
-
-constexpr std::size_t huge_page = std::size_t{2} << 20;
-constexpr std::size_t pool_bytes = std::size_t{512} << 20;  // kept for reuse, at most
-constexpr std::size_t pool_count = 8;
-
-struct mapping {
-  char* data = nullptr;
-  std::size_t size = 0;
-};
-
-class buffer_pool {
- public:
-  mapping acquire(std::size_t n) {
-    std::size_t want = (std::max<std::size_t>(n, 1) + huge_page - 1) / huge_page * huge_page;
-    {
-      std::lock_guard<std::mutex> guard{mtx_};
-      auto best = free_.end();
-      for (auto i = free_.begin(); i != free_.end(); ++i)
-        if (i->size >= want && i->size <= 2 * want && (best == free_.end() || i->size < best->size))
-          best = i;
-      if (best != free_.end()) {
-        auto m = *best;
-        free_.erase(best);
-        kept_ -= m.size;
-        return m;
-      }
-    }
-    void* p = mmap(nullptr, want, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return {};
-#ifdef MADV_HUGEPAGE
-    madvise(p, want, MADV_HUGEPAGE);  // fewer page faults when the machine allows it
-#endif
-    return {static_cast<char*>(p), want};
-  }
-
-  void release(mapping m) {
-    if (m.data == nullptr) return;
-    {
-      std::lock_guard<std::mutex> guard{mtx_};
-      if (kept_ + m.size <= pool_bytes && free_.size() < pool_count) {
-        free_.push_back(m);
-        kept_ += m.size;
-        return;
-      }
-    }
-    munmap(m.data, m.size);
-  }
-
- private:
-  std::mutex mtx_;
-  std::vector<mapping> free_;
-  std::size_t kept_ = 0;
-};
-
-buffer_pool& pool() {
-  static auto* instance = new buffer_pool;  // never destroyed: buffers may outlive statics
-  return *instance;
-}
-
-}  // namespace
-
-struct reader::buffer {
-  mapping mem;
-  std::uint64_t size = 0;
-  explicit buffer(std::uint64_t n) : mem(pool().acquire(n)), size(n) {}
-  ~buffer() { pool().release(mem); }
-  buffer(const buffer&) = delete;
-  buffer& operator=(const buffer&) = delete;
-};
-
-namespace {
+using pages::padding;
 
 // -- streams being joined -------------------------------------------------------------------
 
@@ -185,10 +110,6 @@ class ref_batch final : public batch_base {
   std::uint64_t total_ = 0;
   std::uint64_t items_ = 0;
 };
-
-std::size_t padding(std::uint64_t pos) {
-  return static_cast<std::size_t>((alignment - pos % alignment) % alignment);
-}
 
 }  // namespace
 
@@ -371,98 +292,6 @@ std::unique_ptr<batch_base> make_reference_batch() {
 
 bool is_reference(const batch_base* b) noexcept {
   return dynamic_cast<const ref_batch*>(b) != nullptr;
-}
-
-// -- the receiver's side ------------------------------------------------------------------------
-
-struct reader::impl {
-  std::shared_ptr<buffer> buf;
-  caf::binary_deserializer inner;
-  explicit impl(std::shared_ptr<buffer> b)
-      : buf(std::move(b)),
-        inner(static_cast<caf::execution_unit*>(nullptr), buf->mem.data,
-              static_cast<std::size_t>(buf->size)) {}
-};
-
-reader::reader(std::shared_ptr<buffer> buf) : impl_(std::make_unique<impl>(std::move(buf))) {}
-reader::~reader() = default;
-
-std::size_t reader::remaining() const noexcept {
-  return impl_->inner.remaining();
-}
-
-caf::error reader::skip_padding(std::size_t n) {
-  if (n < block_min) return {};
-  auto pad = padding(impl_->buf->size - remaining());
-  if (pad > remaining()) return caf::make_error(caf::sec::end_of_stream);
-  impl_->inner.skip(pad);
-  return {};
-}
-
-std::pair<char*, std::shared_ptr<void>> reader::view(std::size_t n) {
-  if (auto err = skip_padding(n); err || n > remaining()) return {nullptr, nullptr};
-  auto* at = impl_->buf->mem.data + (impl_->buf->size - remaining());
-  impl_->inner.skip(n);
-  return {at, impl_->buf};
-}
-
-caf::error reader::begin_object(std::uint16_t& typenr, std::string& name) {
-  return impl_->inner.begin_object(typenr, name);
-}
-caf::error reader::end_object() {
-  return impl_->inner.end_object();
-}
-caf::error reader::begin_sequence(std::size_t& num) {
-  return impl_->inner.begin_sequence(num);
-}
-caf::error reader::end_sequence() {
-  return impl_->inner.end_sequence();
-}
-caf::error reader::apply_raw(std::size_t num_bytes, void* data) {
-  if (auto err = skip_padding(num_bytes)) return err;
-  return impl_->inner.apply_raw(num_bytes, data);
-}
-caf::error reader::apply_impl(std::int8_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::uint8_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::int16_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::uint16_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::int32_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::uint32_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::int64_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::uint64_t& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(float& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(double& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(long double& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::string& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::u16string& x) {
-  return impl_->inner(x);
-}
-caf::error reader::apply_impl(std::u32string& x) {
-  return impl_->inner(x);
 }
 
 }  // namespace troupe::bulk
