@@ -27,13 +27,16 @@ int main(int argc, char** argv) {
   std::size_t epochs = 3, batch_size = 64, shard = 16, samples = 20000, average_every = 0;
   std::size_t features = 32, classes = 4, hidden = 64;
   double lr = 0.05;
+  std::string optim = "sgd";
   int threads = 1;
   bool deterministic = false;
   std::int64_t seed = 7, kill_at = 0;
   app.add_option("--epochs", epochs, "passes over the training data");
   app.add_option("--batch", batch_size, "samples per step (the global batch)");
   app.add_option("--shard", shard, "samples per shard: the unit of work and recovery");
-  app.add_option("--lr", lr, "SGD learning rate (momentum 0.9)");
+  app.add_option("--lr", lr, "learning rate");
+  app.add_option("--optim", optim, "sgd (momentum 0.9), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
   app.add_option("--average-every", average_every,
                  "K > 0: every replica steps on its own shards, parameters averaged every K steps");
   app.add_flag("--deterministic", deterministic,
@@ -54,6 +57,7 @@ int main(int argc, char** argv) {
     troupe::config cfg;
     cfg.set("model.features", features).set("model.classes", classes).set("model.hidden", hidden);
     cfg.set("model.seed", seed).set("sgd.lr", lr).set("fault.exit_at_shard", kill_at);
+    cfg.set("optim", optim);
     troupe::train_options o;
     o.shard_size = shard;
     o.deterministic = deterministic;

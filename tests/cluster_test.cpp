@@ -9,9 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -335,6 +339,218 @@ TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
   EXPECT_THROW(c.add(a.address()), troupe::node_error);
   EXPECT_GE(c.fenced_answers(), 1u);
   EXPECT_EQ(c.members()[0].what, troupe::member::state::lost);
+}
+
+TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) {
+  // A fresh node SIGKILLed 0 to 5 ms into cluster::add(), a job running on a runner that
+  // follows the cluster: wherever the kill lands (connecting, the runner's spawn on the node,
+  // the producers' start), add() returns or throws within connect_timeout (+ 0.5 s), the
+  // job's result is exact, and the next membership change is not held behind the join (before,
+  // a kill at 1.3 ms held add() for the runner's 120 s reply timeout, the notifier with it).
+  node_process a{"cpu,cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.connect_timeout = std::chrono::milliseconds{2000};
+  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 2'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 20'000));
+  wait_until(*started, "the job under way");
+  auto bound = o.connect_timeout + std::chrono::milliseconds{500};
+  std::size_t joined = 0, refused = 0;
+  for (int us : {0, 300, 700, 1000, 1300, 1600, 2000, 2500, 3000, 5000}) {
+    SCOPED_TRACE("killed " + std::to_string(us) + " us into add()");
+    std::optional<node_process> n;
+    n.emplace("cpu,cpu");  // a fresh address each time
+    auto address = n->address();
+    std::atomic<bool> go{false};
+    std::thread killer{[&] {
+      while (!go) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds{us});
+      n->kill(SIGKILL);
+    }};
+    test_util::watchdog dog{std::chrono::seconds{60}, "cluster::add of a node killed mid-join"};
+    auto t0 = std::chrono::steady_clock::now();
+    go = true;
+    try {
+      c.add(address);
+      ++joined;
+    } catch (const troupe::node_error& e) {
+      ++refused;
+      EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
+    }
+    auto took = std::chrono::steady_clock::now() - t0;
+    killer.join();
+    std::cout << "killed " << us << " us in: add() "
+              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+    EXPECT_LT(took, bound) << "add() outlived connect_timeout";
+    // The next membership change is not held: a member's loss is reported (a node that did
+    // join), and the node is out of the devices either way.
+    {
+      test_util::watchdog wait{std::chrono::seconds{30}, "the killed node leaving the devices"};
+      for (;;) {
+        auto ds = c.devices();
+        if (std::none_of(ds.begin(), ds.end(),
+                         [&](const troupe::device& d) { return d.node() == address; }))
+          break;
+        std::this_thread::sleep_for(std::chrono::milliseconds{5});
+      }
+    }
+    n.reset();
+  }
+  std::cout << joined << " add() returned, " << refused << " threw\n";
+  // A healthy node still joins at once, and takes work.
+  node_process b{"cpu,cpu"};
+  auto t0 = std::chrono::steady_clock::now();
+  c.add(b.address());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, bound);
+  *in.more = true;
+  auto sum = job.get();  // before made is read: the generator runs until the job ends
+  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  EXPECT_EQ(ev.count(troupe::membership_event::joined, b.address()), 1u);
+}
+
+TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo) {
+  // 4 nodes up, one frozen (SIGSTOP), one address with nothing listening; min_nodes 4: connect
+  // returns with the 4 within connect_timeout (+ 1 s), the others are members not yet up; a
+  // node started on the silent address and the frozen one thawed join the running job by
+  // themselves. With min_nodes 6 the same connect throws.
+  std::vector<std::unique_ptr<node_process>> up;
+  for (int i = 0; i < 4; ++i) up.push_back(std::make_unique<node_process>("cpu"));
+  node_process frozen{"cpu"};
+  frozen.kill(SIGSTOP);
+  auto silent = test_util::free_loopback_address();
+  std::vector<std::string> addresses;
+  for (auto& n : up) addresses.push_back(n->address());
+  addresses.push_back(frozen.address());
+  addresses.push_back(silent);
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.connect_timeout = std::chrono::milliseconds{1000};
+  o.reconnect_every = std::chrono::milliseconds{200};
+  o.min_nodes = 6;
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "a connect short of min_nodes"};
+    EXPECT_THROW(troupe::cluster::connect(addresses, {}, o), troupe::node_error);
+  }
+  o.min_nodes = 4;
+  auto t0 = std::chrono::steady_clock::now();
+  std::optional<troupe::cluster> c;
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "a live connect with nodes down"};
+    c.emplace(troupe::cluster::connect(addresses, {}, o));
+  }
+  auto took = std::chrono::steady_clock::now() - t0;
+  std::cout << "connect of 6 (1 frozen, 1 silent): "
+            << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+  EXPECT_LT(took, o.connect_timeout + std::chrono::seconds{1});
+  EXPECT_EQ(c->devices().size(), 4u);
+  auto ms = c->members();
+  ASSERT_EQ(ms.size(), 6u);
+  std::size_t not_up = 0;
+  for (auto& m : ms)
+    if (m.what == troupe::member::state::lost && m.incarnation == 0) ++not_up;
+  EXPECT_EQ(not_up, 2u);
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 2'000);
+  troupe::unordered_runner<remote_squares> runner{*c, slow(50), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 20'000));
+  wait_until(*started, "the job under way");
+  node_process late{"cpu", {}, silent};  // the silent address comes up
+  frozen.kill(SIGCONT);
+  ev.wait_for(troupe::membership_event::joined, silent);
+  ev.wait_for(troupe::membership_event::joined, frozen.address());
+  {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the late nodes' first items"};
+    while (items_on(runner.stats(), silent) == 0 || items_on(runner.stats(), frozen.address()) == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
+  *in.more = true;
+  auto sum = job.get();  // before made is read: the generator runs until the job ends
+  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  EXPECT_EQ(c->devices().size(), 6u);
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, silent), 0u);
+}
+
+/// Discovery over a name that resolves through this test's own /etc/hosts: run by
+/// tests/netns_discovery.sh inside a network namespace whose /etc/netns/NAME/hosts `ip netns
+/// exec` binds over /etc/hosts (the machine's own file is never touched); skipped elsewhere.
+TEST(Discovery, ANameThatGainsAndLosesAddressesJoinsAndDrainsNodes) {
+  const char* hosts = std::getenv("TROUPE_DISCOVERY_HOSTS");
+  if (hosts == nullptr)
+    GTEST_SKIP() << "runs inside a network namespace of its own: tests/netns_discovery.sh";
+  auto port = test_util::free_loopback_address();
+  port = port.substr(port.find(':') + 1);
+  auto at = [&](int k) { return "127.0.0." + std::to_string(k) + ":" + port; };
+  auto write_hosts = [&](const std::vector<int>& ks) {
+    std::ofstream out(hosts, std::ios::trunc);  // in place: the bind mount keeps the inode
+    out << "127.0.0.1 localhost\n";
+    for (int k : ks) out << "127.0.0." << k << " nodes.troupe.test\n";
+  };
+  std::vector<std::unique_ptr<node_process>> nodes;
+  for (int k = 2; k <= 6; ++k)
+    nodes.push_back(std::make_unique<node_process>("cpu", std::vector<std::string>{}, at(k)));
+  write_hosts({2, 3, 4, 5});
+  std::mutex mtx;
+  std::size_t failures_logged = 0;
+  troupe::set_log_handler([&](troupe::log_level, const std::string& line) {
+    std::lock_guard<std::mutex> guard{mtx};
+    if (line.find("discovery failed") != std::string::npos) ++failures_logged;
+  });
+  auto polls = std::make_shared<std::atomic<int>>(0);
+  auto dns = troupe::dns_discovery("nodes.troupe.test:" + port);
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.discover = [dns, polls] {
+    ++*polls;
+    return dns();
+  };
+  o.discover_every = std::chrono::milliseconds{100};
+  auto c = troupe::cluster::connect({}, {}, o);
+  EXPECT_EQ(c.devices().size(), 4u);
+  troupe::options opts;
+  opts.speculative = false;
+  auto started = flag_after(opts, 2'000);
+  troupe::unordered_runner<remote_squares> runner{c, slow(50), opts};
+  open_ended in;
+  auto job = runner.submit(in.input(0, 20'000));
+  wait_until(*started, "the job under way");
+  write_hosts({2, 3, 4, 5, 6});  // a fifth address: its node takes work in the running job
+  ev.wait_for(troupe::membership_event::joined, at(6));
+  {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the discovered node's first items"};
+    while (items_on(runner.stats(), at(6)) == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
+  write_hosts({2, 4, 5, 6});  // one vanishes: drained, never lost
+  ev.wait_for(troupe::membership_event::drained, at(3));
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, at(3)), 0u);
+  auto members_before = c.members().size();
+  auto devices_before = c.devices().size();
+  write_hosts({});  // the name resolves no more: nothing changes, logged once
+  auto from = polls->load();
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "five failing polls"};
+    while (polls->load() < from + 5) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  EXPECT_EQ(c.devices().size(), devices_before);
+  EXPECT_EQ(c.members().size(), members_before);
+  write_hosts({2, 4, 5, 6});
+  *in.more = true;
+  auto sum = job.get();  // before made is read: the generator runs until the job ends
+  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  troupe::set_log_handler(nullptr);
+  EXPECT_EQ(failures_logged, 1u);
+  EXPECT_EQ(c.devices().size(), 4u);
+  for (int k : {2, 4, 5, 6}) EXPECT_EQ(ev.count(troupe::membership_event::lost, at(k)), 0u);
 }
 
 TEST(Cluster, ConnectingToAFrozenNodeGivesUpAfterConnectTimeout) {

@@ -46,7 +46,9 @@ class node_process {
     // "serving on 127.0.0.1:PORT" (ctest's timeout bounds this read)
     if (fgets(line, sizeof line, out_) == nullptr) throw std::runtime_error("node did not start");
     std::string text = line;
-    address_ = text.substr(text.find("127.0.0.1"));
+    auto at = text.find("serving on ");
+    if (at == std::string::npos) throw std::runtime_error("node said: " + text);
+    address_ = text.substr(at + 11);
     address_.erase(address_.find_last_not_of("\r\n") + 1);
   }
   node_process(const node_process&) = delete;

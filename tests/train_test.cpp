@@ -286,25 +286,66 @@ TEST(Train, LocalStepsAndAveragingEqualTheSeedsSchemeComputedByHand) {
 }
 
 TEST(Train, SaveAndLoadRoundTripParametersAndOptimizerState) {
+  // SGD with momentum, Adam and AdamW, their state carried by the replica's optimizer()
+  // accessor alone (no save/load): saved from 2 replicas, loaded into 3.
   auto batches = make_batches(10, 32);
   auto path = testing::TempDir() + "troupe_train_ckpt.pt";
-  dp_t a{{"cpu", "cpu"}, small_cfg(), opts(8, true)};
-  for (int i = 0; i < 5; ++i) a.step(batches[i]);
-  a.save(path);
-  auto saved = flat(a.parameters());
-  for (int i = 5; i < 10; ++i) a.step(batches[i]);
+  for (const char* optim : {"sgd", "adam", "adamw"}) {
+    SCOPED_TRACE(optim);
+    auto cfg = small_cfg();
+    cfg.set("optim", std::string{optim});
+    dp_t a{{"cpu", "cpu"}, cfg, opts(8, true)};
+    for (int i = 0; i < 5; ++i) a.step(batches[i]);
+    a.save(path);
+    auto saved = flat(a.parameters());
+    for (int i = 5; i < 10; ++i) a.step(batches[i]);
 
-  auto other = small_cfg();
-  other.set("model.seed", 99);  // other initial parameters, overwritten by load()
-  dp_t b{{"cpu", "cpu", "cpu"}, other, opts(8, true)};
-  b.load(path);
-  EXPECT_TRUE(same_bits(flat(b.parameters()), saved));
-  expect_replicas_identical(b);
-  for (int i = 5; i < 10; ++i) b.step(batches[i]);
-  // Equal bits only if the momentum buffers came back too.
-  EXPECT_TRUE(same_bits(flat(b.parameters()), flat(a.parameters())));
+    auto other = cfg;
+    other.set("model.seed", 99);  // other initial parameters, overwritten by load()
+    dp_t b{{"cpu", "cpu", "cpu"}, other, opts(8, true)};
+    b.load(path);
+    EXPECT_TRUE(same_bits(flat(b.parameters()), saved));
+    expect_replicas_identical(b);
+    for (int i = 5; i < 10; ++i) b.step(batches[i]);
+    // Equal bits only if the momentum buffers (Adam's moments and step counts) came back too.
+    EXPECT_TRUE(same_bits(flat(b.parameters()), flat(a.parameters())));
+    EXPECT_EQ(b.stats().fresh_state_joins, 0u);
+  }
   std::remove(path.c_str());
+  dp_t b{{"cpu"}, small_cfg(), opts(8, true)};
   EXPECT_THROW(b.load(path), troupe::invalid_argument);
+}
+
+TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceAndCounted) {
+  // seeded_classifier: SGD with momentum, and neither optimizer() nor save/load. Replicas that
+  // join a run start with empty momentum buffers: the run is warned about once, every such join
+  // is counted, and (the reason for both) the parameters no longer match one replica's.
+  std::mutex mtx;
+  std::vector<std::string> warnings;
+  troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {
+    std::lock_guard<std::mutex> guard{mtx};
+    if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
+      warnings.push_back(line);
+  });
+  auto batches = make_batches(6, 48);
+  auto train = [&](bool join) {
+    troupe::data_parallel<seeded_classifier> dp{troupe::cpus(1), small_cfg(), opts(8, true)};
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      if (join && (i == 2 || i == 4)) dp.add_devices({"cpu"});
+      dp.step(batches[i]);
+    }
+    return std::make_pair(flat(dp.parameters()), dp.stats());
+  };
+  auto [alone, alone_stats] = train(false);
+  EXPECT_EQ(alone_stats.fresh_state_joins, 0u);
+  EXPECT_TRUE(warnings.empty());
+  auto [joined, joined_stats] = train(true);
+  troupe::set_log_handler(nullptr);
+  EXPECT_EQ(joined_stats.fresh_state_joins, 2u);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("torch::optim::Optimizer& optimizer()"), std::string::npos)
+      << warnings[0];
+  EXPECT_FALSE(same_bits(joined, alone)) << "fresh momentum buffers changed nothing?";
 }
 
 TEST(Train, AddedReplicasTakeTheCurrentStateAndRemovedOnesAreNotMissed) {
@@ -721,11 +762,12 @@ struct fragile_state_job {
     using example::classifier::replica::replica;
     void save(torch::serialize::OutputArchive& a) {
       if (fail_next_save.exchange(false)) throw std::runtime_error("disk full");
-      example::classifier::replica::save(a);
+      a.write("steps", torch::ones({1}));  // something of its own beside the optimizer's state
     }
     void load(torch::serialize::InputArchive& a) {
       if (fail_next_load.exchange(false)) throw std::runtime_error("bad optimizer state");
-      example::classifier::replica::load(a);
+      torch::Tensor steps;
+      a.read("steps", steps);
     }
   };
 };
@@ -893,8 +935,7 @@ struct stuck_job {
       return inner.backward(shard);
     }
     void step() { inner.step(); }
-    void save(torch::serialize::OutputArchive& a) { inner.save(a); }
-    void load(torch::serialize::InputArchive& a) { inner.load(a); }
+    torch::optim::Optimizer& optimizer() { return inner.optimizer(); }
     example::classifier::replica inner;
     bool stuck;
     int calls = 0;
@@ -999,6 +1040,76 @@ TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
   EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{address + "/cpu"}), 1);
   EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
 }
+
+/// A PyTorch user's run on a live cluster (docs/api.md, "The optimizer's state follows the
+/// replicas"): replicas that seed torch's global generator in their constructor, with SGD +
+/// momentum, Adam or AdamW reached through optimizer() (no save/load). A node joins at step 5,
+/// one is SIGKILLed and restarted on its address at step 10 (not waiting for its rejoin, which
+/// lands between two later steps), one is drained at step 15: after 20 steps the parameters are
+/// bit-identical to one local replica's. Repeat with --gtest_repeat=5 for the acceptance's 5 runs.
+class TrainOptimizerState : public testing::TestWithParam<const char*> {};
+
+TEST_P(TrainOptimizerState, FollowsJoinsRestartsAndDrainsBitForBit) {
+  auto cfg = small_cfg();
+  cfg.set("optim", std::string{GetParam()}).set("model.init", std::string{"torch"});
+  if (std::string{GetParam()} != "sgd") cfg.set("sgd.lr", 0.01);
+  auto batches = make_batches(20, 64);
+  auto expected = trained({"cpu"}, batches, opts(8, true), cfg);
+  auto address = test_util::free_loopback_address();
+  std::optional<node_process> a;
+  a.emplace(address);
+  node_process b, c;
+  std::mutex mtx;
+  std::condition_variable cv;
+  bool rejoined = false;
+  troupe::cluster_options co;
+  co.reconnect_every = std::chrono::milliseconds{200};
+  co.on_change = [&](const troupe::membership_event& e) {
+    std::lock_guard<std::mutex> guard{mtx};
+    if (e.what == troupe::membership_event::rejoined && e.node == address) rejoined = true;
+    cv.notify_all();
+  };
+  auto cl = troupe::cluster::connect({a->address(), b.address()}, {}, co);
+  dp_t dp{cl, cfg, opts(8, true)};
+  ASSERT_EQ(dp.devices().size(), 2u);
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    if (i == 5) {
+      cl.add(c.address());  // returns once the replica there has the current state
+      EXPECT_EQ(dp.devices().size(), 3u);
+    }
+    if (i == 10) {
+      a->kill(SIGKILL);
+      {
+        test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
+        while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+      }
+      a.reset();
+      a.emplace(address);  // its rejoin comes while the next steps run
+    }
+    if (i == 15) {
+      // The rejoin must have been taken by now, between two steps (else this run would not
+      // have tested it): wait for it here if it has not come yet.
+      test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
+      std::unique_lock<std::mutex> lock{mtx};
+      cv.wait(lock, [&] { return rejoined; });
+      lock.unlock();
+      cl.remove(b.address());  // between steps: its replica leaves
+    }
+    dp.step(batches[i]);
+    expect_replicas_identical(dp);
+  }
+  auto ds = dp.devices();
+  EXPECT_EQ(ds.size(), 2u);  // a (restarted) and c
+  EXPECT_EQ(std::count(ds.begin(), ds.end(), troupe::device{address + "/cpu"}), 1);
+  EXPECT_EQ(dp.stats().fresh_state_joins, 0u);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), expected))
+      << "the parameters differ from one local replica's";
+}
+
+INSTANTIATE_TEST_SUITE_P(Train, TrainOptimizerState, testing::Values("sgd", "adam", "adamw"),
+                         [](const testing::TestParamInfo<const char*>& i) {
+                           return std::string{i.param};
+                         });
 
 // Captures a real coordinator's training session with a node (its replica's init, backward and
 // apply commands, the samples, the gradients it is sent), then replays mutated versions of it

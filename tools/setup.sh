@@ -8,6 +8,8 @@
 set -euo pipefail
 TORCH_VERSION=2.15.0
 VENV=${TROUPE_VENV:-/opt/troupe-venv}
+K8S_VALIDATE_VERSION=1.37.0
+K8S_VENV=${TROUPE_K8S_VENV:-/opt/troupe-k8s-venv}
 
 # No libcaf-dev: troupe builds against its patched CAF (its build needs cmake, g++, libssl-dev,
 # and dpkg-dev for apt-get source).
@@ -42,4 +44,11 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 # Debian's CAF and GoogleTest use the new libstdc++ ABI: the wheel must too.
 "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch._C._GLIBCXX_USE_CXX11_ABI else 'torch wheel uses the old C++ ABI')" 2>/dev/null
+
+# kubernetes-validate (PyPI) checks deploy/kubernetes/ in the tests (tests/deploy_kubernetes.sh).
+if [ ! -x "$K8S_VENV/bin/kubernetes-validate" ]; then
+  echo "setup: installing kubernetes-validate==$K8S_VALIDATE_VERSION into $K8S_VENV"
+  python3 -m venv "$K8S_VENV"
+  "$K8S_VENV/bin/pip" install -q --progress-bar off "kubernetes-validate==$K8S_VALIDATE_VERSION"
+fi
 echo "setup: done"

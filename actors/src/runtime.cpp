@@ -7,11 +7,13 @@
 #include <caf/sec.hpp>
 #include <caf/send.hpp>
 #include <fstream>
+#include <future>
 #include <map>
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/job_actors.hpp"
 #include "troupe/error.hpp"
+#include "troupe/internal/ask_node.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/log.hpp"
 #include "troupe/node.hpp"
@@ -51,7 +53,8 @@ namespace {
 
 thread_local bool internal_thread = false;
 
-constexpr auto remote_reply_timeout = std::chrono::seconds{120};  // a remote producer's init
+constexpr auto remote_reply_timeout =
+    std::chrono::milliseconds{120000};  // a remote producer's init
 
 /// The owner of a runner's producers on nodes: they live as long as it does (the nodes monitor
 /// it). A draining node tells it which of them are leaving; it passes that to the scheduler.
@@ -175,7 +178,7 @@ std::vector<caf::actor> runtime::spawn_all(const std::string&, const tls&) {
   return spawned;
 }
 
-caf::actor runtime::spawn_remote(caf::scoped_actor& self, const device& d, std::size_t i) {
+caf::actor runtime::spawn_remote(caf::scoped_actor&, const device& d, std::size_t i) {
   caf::actor anchor;
   {
     // close() ends the anchor under this lock; add_devices may run beside it.
@@ -185,22 +188,11 @@ caf::actor runtime::spawn_remote(caf::scoped_actor& self, const device& d, std::
       anchor_ = sys_->spawn(anchor_actor, 0);
     anchor = anchor_;
   }
-  auto& node = nodes_[d.node()];
-  if (!node) node = connect_node(*sys_, d.node(), tls_, std::chrono::seconds{5}, nullptr);
-  caf::error failed;
-  caf::actor producer;
-  self->request(node, remote_reply_timeout,
-                spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i}, anchor)
-      .receive([&](caf::actor& p) { producer = std::move(p); },
-               [&](caf::error& err) { failed = std::move(err); });
-  if (failed) {
-    nodes_.erase(d.node());  // connected anew next time (a node restarted, say)
-    auto why = "node " + d.node() + " cannot start a producer on " + d.local().str() + ": " +
-               error_text(failed);
-    if (error_code(failed) == errc::device_unavailable) throw device_unavailable(why);
-    throw node_error(why);
-  }
-  return producer;
+  // Watched: the node's death ends the wait at once (ask_node.hpp); a failed node is connected
+  // anew next time (a node restarted, say).
+  return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
+                       spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
+                       anchor, deadlines_);
 }
 
 void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,
@@ -209,25 +201,27 @@ void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector
   std::string failure;
   errc failure_code = errc::none;
   {
-    caf::scoped_actor self{*sys_};
-    // Every producer constructs its job object concurrently, on its own thread.
-    std::vector<decltype(self->request(spawned[0], caf::infinite, init_atom::value))> replies;
+    // Every producer constructs its job object concurrently, on its own thread. A remote one's
+    // answer is watched: its node's death ends the wait at once (CAF would wait the whole
+    // remote_reply_timeout).
+    std::vector<std::future<caf::expected<init_done>>> replies;
     for (std::size_t i = 0; i < spawned.size(); ++i)
-      replies.push_back(ds[i].is_local()
-                            ? self->request(spawned[i], caf::infinite, init_atom::value)
-                            : self->request(spawned[i], remote_reply_timeout, init_atom::value));
+      replies.push_back(ask_watched<init_done>(
+          *sys_, spawned[i], ds[i].is_local() ? std::chrono::milliseconds{0} : remote_reply_timeout,
+          init_atom::value));
     for (std::size_t i = 0; i < replies.size(); ++i) {
-      replies[i].receive([&](const init_done&) { started.push_back(spawned[i]); },
-                         [&](const caf::error& err) {
-                           if (failure_code == errc::none) {
-                             failure_code = error_code(err);
-                             failure = error_text(err);
-                             if (failure_code != errc::device_unavailable)
-                               failure = "producer " + ds[i].str() + " (producer " +
-                                         std::to_string(first + i) + "): " + failure;
-                           }
-                         });
+      auto got = replies[i].get();
+      if (got) {
+        started.push_back(spawned[i]);
+      } else if (failure_code == errc::none) {
+        failure_code = error_code(got.error());
+        failure = error_text(got.error());
+        if (failure_code != errc::device_unavailable)
+          failure = "producer " + ds[i].str() + " (producer " + std::to_string(first + i) +
+                    "): " + failure;
+      }
     }
+    caf::scoped_actor self{*sys_};
     if (failure_code != errc::none) {
       for (auto& p : spawned)
         if (std::find(started.begin(), started.end(), p) == started.end())

@@ -108,6 +108,7 @@ class runtime_follower final : public cluster_follower {
 };
 
 void runtime::follow(std::shared_ptr<cluster_state> c, std::shared_ptr<runtime_follower> f) {
+  deadlines_.connect = deadlines_.spawn = connect_timeout(c);
   cluster_ = std::move(c);
   follower_ = std::move(f);
   follower_->attach(this);

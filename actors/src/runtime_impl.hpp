@@ -206,6 +206,9 @@ class runtime {
   tls tls_;
   bool network_ = false;  ///< sys_ is the network system: node devices may be added
   std::map<std::string, caf::actor> nodes_;
+  /// Connecting to a node and its answer to a spawn (the cluster's connect_timeout for both,
+  /// once following one).
+  node_deadlines deadlines_;
   config cfg_;
   options opts_;
   producer_spawner spawn_;

@@ -1,5 +1,5 @@
 // The `train` example's job (also used by the training tests): an MLP classifier trained with
-// SGD + momentum, and the labelled data it learns, generated from a seed.
+// SGD + momentum (or Adam, AdamW), and the labelled data it learns, generated from a seed.
 #pragma once
 
 #include <torch/torch.h>
@@ -101,24 +101,44 @@ inline void init_parameters(torch::nn::Module& m, std::uint64_t seed) {
   }
 }
 
-/// The job: config keys model.features, model.hidden, model.classes, model.seed, sgd.lr,
-/// sgd.momentum; fault.exit_at_shard (a node's replica kills its own process with SIGKILL at
-/// that shard, counting from 1: to test recovery), fault.sleep_ms (per shard: a slow device) and
+/// The optimizer `cfg` names: optim ("sgd", the default, with sgd.momentum; "adam"; "adamw")
+/// at learning rate sgd.lr.
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::vector<torch::Tensor>& params, const troupe::config& cfg) {
+  auto kind = cfg.get_or<std::string>("optim", "sgd");
+  auto lr = cfg.get_or<double>("sgd.lr", 0.05);
+  if (kind == "adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
+  if (kind == "adamw")
+    return std::make_unique<torch::optim::AdamW>(params,
+                                                 torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  if (kind != "sgd") throw std::invalid_argument("optim: sgd, adam or adamw, not " + kind);
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(lr).momentum(cfg.get_or<double>("sgd.momentum", 0.9)));
+}
+
+/// The job: config keys model.features, model.hidden, model.classes, model.seed, model.init
+/// ("own", the default: parameters drawn from a generator of their own; "torch": the way PyTorch
+/// scripts do it, torch::manual_seed(model.seed) and LibTorch's default initialisation), optim,
+/// sgd.lr, sgd.momentum; fault.exit_at_shard (a node's replica kills its own process with SIGKILL
+/// at that shard, counting from 1: to test recovery), fault.sleep_ms (per shard: a slow device) and
 /// fault.local_sleep_ms (per shard, only for replicas in the calling process, not on nodes).
 struct classifier {
   struct replica {
     replica(const troupe::device& d, const troupe::config& cfg)
         : features(cfg.get_or<std::int64_t>("model.features", 32)),
-          net(std::make_shared<mlp_net>(features, cfg.get_or<std::int64_t>("model.hidden", 64),
-                                        cfg.get_or<std::int64_t>("model.classes", 4))),
-          opt(net->parameters(), torch::optim::SGDOptions(cfg.get_or<double>("sgd.lr", 0.05))
-                                     .momentum(cfg.get_or<double>("sgd.momentum", 0.9))),
           where(troupe::torch_device(d)),
           exit_at(cfg.get_or<std::int64_t>("fault.exit_at_shard", 0)),
           sleep_ms(cfg.get_or<std::int64_t>("fault.sleep_ms", 0)),
           local_sleep_ms(cfg.get_or<std::int64_t>("fault.local_sleep_ms", 0)) {
-      init_parameters(*net, static_cast<std::uint64_t>(cfg.get_or<std::int64_t>("model.seed", 7)));
+      auto seed = static_cast<std::uint64_t>(cfg.get_or<std::int64_t>("model.seed", 7));
+      bool global = cfg.get_or<std::string>("model.init", "own") == "torch";
+      if (global) torch::manual_seed(seed);
+      net = std::make_shared<mlp_net>(features, cfg.get_or<std::int64_t>("model.hidden", 64),
+                                      cfg.get_or<std::int64_t>("model.classes", 4));
+      if (!global) init_parameters(*net, seed);
       net->to(where);
+      opt = make_optimizer(net->parameters(), cfg);  // on the parameters' device
     }
     std::vector<torch::Tensor> parameters() { return net->parameters(); }
     double backward(const std::vector<sample>& shard) {
@@ -133,14 +153,15 @@ struct classifier {
       loss.backward();
       return loss.item<double>();
     }
-    void step() { opt.step(); }
-    void save(torch::serialize::OutputArchive& a) { opt.save(a); }
-    void load(torch::serialize::InputArchive& a) { opt.load(a); }
+    void step() { opt->step(); }
+    /// troupe saves and loads its state (momentum, Adam's moments) wherever the parameters
+    /// travel: a node that joins, add_devices, dp.save/load.
+    torch::optim::Optimizer& optimizer() { return *opt; }
 
     std::int64_t features;
     std::shared_ptr<mlp_net> net;
-    torch::optim::SGD opt;
     torch::Device where;
+    std::unique_ptr<torch::optim::Optimizer> opt;
     std::int64_t exit_at, sleep_ms, local_sleep_ms;
     std::int64_t shards_seen = 0;
   };

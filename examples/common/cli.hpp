@@ -37,6 +37,8 @@ struct flags {
   std::string trace;                       ///< --trace FILE: options::trace_file
   std::string metrics;                     ///< --metrics HOST:PORT: troupe::serve_metrics
   std::int64_t drain_timeout_ms = 30'000;  ///< --drain-timeout-ms: a node's drain on SIGTERM
+  std::string discover;                    ///< --discover NAME:PORT: troupe::dns_discovery
+  std::size_t min_nodes = 0;               ///< --min-nodes: cluster_options::min_nodes
 
   /// Runner options from the flags.
   troupe::options options() const {
@@ -63,12 +65,18 @@ struct flags {
 
   troupe::tls tls() const { return {tls_cert, tls_key, tls_ca, {}}; }
 
-  /// --nodes alone: a live cluster that runners built from it follow (a node restarted on its
-  /// address rejoins the running job; one that drains leaves it); membership changes are
-  /// printed on stderr. Nothing otherwise.
+  /// --nodes or --discover alone: a live cluster that runners built from it follow (a node
+  /// restarted on its address rejoins the running job; one that drains leaves it; with
+  /// --discover, addresses that appear join and those that vanish drain); membership changes
+  /// are printed on stderr. Nothing otherwise.
   std::optional<troupe::cluster> live_cluster() const {
-    if (nodes.empty() || devices_given) return std::nullopt;
+    if ((nodes.empty() && discover.empty()) || devices_given) return std::nullopt;
     troupe::cluster_options o;
+    o.min_nodes = min_nodes;
+    if (!discover.empty()) {
+      o.discover = troupe::dns_discovery(discover);
+      o.discover_every = std::chrono::milliseconds{1000};
+    }
     o.on_change = [](const troupe::membership_event& e) {
       std::cerr << "cluster: " << e.node << " " << troupe::to_string(e.what) << " (incarnation "
                 << std::hex << e.incarnation << std::dec << ")" << std::endl;
@@ -83,11 +91,17 @@ struct flags {
     return Runner{device_list(), cfg, std::move(o)};
   }
 
-  /// --devices, or the devices of the --nodes (plus --devices when given too).
+  /// --devices, or the devices of the --nodes and of what --discover finds now (plus --devices
+  /// when given too).
   std::vector<troupe::device> device_list() const {
     std::vector<troupe::device> out;
-    if (!nodes.empty()) out = troupe::cluster::connect(split(nodes), tls()).devices();
-    if (nodes.empty() || devices_given)
+    auto addresses = split(nodes);
+    if (!discover.empty()) {  // once: these programs do not follow a cluster
+      auto found = troupe::dns_discovery(discover)();
+      addresses.insert(addresses.end(), found.begin(), found.end());
+    }
+    if (!addresses.empty()) out = troupe::cluster::connect(addresses, tls()).devices();
+    if (addresses.empty() || devices_given)
       for (auto& spec : split(devices)) out.emplace_back(spec);
     return out;
   }
@@ -119,6 +133,12 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "give up on a producer that has not answered a chunk for this long (0: never)");
   app.add_option("--serve", f.serve, "run as a node on HOST:PORT until SIGINT/SIGTERM");
   app.add_option("--nodes", f.nodes, "comma-separated HOST:PORT of nodes whose devices to use");
+  app.add_option("--discover", f.discover,
+                 "NAME:PORT: use every node the DNS name resolves to (a Kubernetes headless "
+                 "service), polled every second: nodes that appear join, those that vanish drain");
+  app.add_option("--min-nodes", f.min_nodes,
+                 "with --nodes/--discover: start once this many nodes answer (0: all); the others "
+                 "join when they answer");
   app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");

@@ -20,6 +20,8 @@ void check(const cluster_options& o) {
     throw invalid_argument("cluster_options: every duration must be positive");
   if (o.lost_after <= o.heartbeat)
     throw invalid_argument("cluster_options: lost_after must be longer than heartbeat");
+  if (o.discover && o.discover_every.count() <= 0)
+    throw invalid_argument("cluster_options: discover_every must be positive");
 }
 
 }  // namespace
@@ -54,12 +56,13 @@ class cluster_state {
     if (core->watching()) watcher_ = std::thread{[c = core] { c->guarded_watch_loop(); }};
     if (core->reconnecting())
       reconnector_ = std::thread{[c = core] { c->guarded_reconnect_loop(); }};
+    if (core->discovering()) discoverer_ = std::thread{[c = core] { c->guarded_discover_loop(); }};
   }
   cluster_state(const cluster_state&) = delete;
   cluster_state& operator=(const cluster_state&) = delete;
   ~cluster_state() {
     core->stop();
-    for (auto* t : {&watcher_, &reconnector_, &notifier_}) {
+    for (auto* t : {&discoverer_, &watcher_, &reconnector_, &notifier_}) {
       if (!t->joinable()) continue;
       if (t->get_id() == std::this_thread::get_id())
         t->detach();  // the last copy ended in on_change: the notifier ends by itself
@@ -71,7 +74,7 @@ class cluster_state {
   const std::shared_ptr<cluster_core> core;
 
  private:
-  std::thread notifier_, watcher_, reconnector_;
+  std::thread notifier_, watcher_, reconnector_, discoverer_;
 };
 
 std::vector<cluster_view> cluster_views() {
@@ -85,6 +88,10 @@ std::vector<cluster_view> cluster_views() {
   std::vector<cluster_view> out;
   for (auto& [id, c] : live) out.push_back(cluster_view{id, c->members(), c->fenced_answers()});
   return out;
+}
+
+std::chrono::milliseconds connect_timeout(const std::shared_ptr<cluster_state>& c) {
+  return c ? c->core->options().connect_timeout : cluster_options{}.connect_timeout;
 }
 
 cluster_snapshot follow(const std::shared_ptr<cluster_state>& c,
@@ -120,9 +127,10 @@ cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
 
 cluster cluster::connect(const std::vector<std::string>& nodes, tls t, cluster_options o) {
   detail::check(o);
-  if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
+  if (nodes.empty() && !o.discover)
+    throw invalid_argument("cluster::connect needs at least one HOST:PORT (or discover)");
   cluster c{std::make_shared<detail::cluster_state>(std::move(t), std::move(o), true)};
-  for (auto& address : nodes) c.state_->core->join(address, false);
+  c.state_->core->connect_all(nodes);
   return c;
 }
 

@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <caf/event_based_actor.hpp>
 #include <caf/send.hpp>
+#include <future>
 
 #include "troupe/detail/network.hpp"
 #include "troupe/error.hpp"
+#include "troupe/log.hpp"
 #include "troupe/protocol.hpp"
 
 namespace troupe::detail {
@@ -61,32 +63,112 @@ void cluster_core::join(const std::string& address, bool rethrow) {
       throw invalid_argument("cluster::add: " + address + " is a member already (" +
                              to_string(*st) + ")");
   }
-  std::vector<std::string> offered;
-  std::uint64_t incarnation = 0;
-  bool leaving = false;
-  auto handle =
-      connect_node(*sys_, address, t_, o_.connect_timeout, &offered, &incarnation, &leaving);
-  if (leaving) throw node_error("cannot use node " + address + ": it is draining (shutting down)");
+  auto r = reach(address);
+  if (r.error) std::rethrow_exception(r.error);
+  admit(r, rethrow);
+}
+
+cluster_core::reached cluster_core::reach(const std::string& address) {
+  reached r;
+  r.address = address;
+  try {
+    r.handle = connect_node(*sys_, address, t_, o_.connect_timeout, &r.offered, &r.incarnation,
+                            &r.leaving);
+  } catch (...) {
+    r.error = std::current_exception();
+  }
+  return r;
+}
+
+void cluster_core::admit(reached& r, bool rethrow) {
+  auto& address = r.address;
+  if (r.leaving)
+    throw node_error("cannot use node " + address + ": it is draining (shutting down)");
   remember_tls(address, t_);
   std::shared_ptr<batch> b;
   {
     std::lock_guard<std::mutex> guard{mtx_};
-    if (core_.fenced(address, incarnation)) {
-      core_.answered(address, incarnation, {}, clock::now(), true);  // counted
+    if (core_.fenced(address, r.incarnation)) {
+      core_.answered(address, r.incarnation, {}, clock::now(), true);  // counted
       throw node_error("cannot use node " + address +
                        ": it answered as the process this cluster gave up on (incarnation " +
-                       std::to_string(incarnation) + "); restart it to make it a member again");
+                       std::to_string(r.incarnation) + "); restart it to make it a member again");
     }
     auto events =
-        core_.answered(address, incarnation, devices_at(address, offered), clock::now(), true);
-    handles_[address] = handle;
-    watch(handle);
+        core_.answered(address, r.incarnation, devices_at(address, r.offered), clock::now(), true);
+    handles_[address] = r.handle;
+    watch(r.handle);
     if (events.empty()) return;  // a member already (a concurrent add)
     b = enqueue(std::move(events));
   }
   cv_.notify_all();
   b->done.get_future().wait();
   if (rethrow && b->first_error) std::rethrow_exception(b->first_error);
+}
+
+void cluster_core::connect_all(std::vector<std::string> addresses) {
+  if (discovering()) {
+    std::vector<std::string> found;
+    try {
+      found = o_.discover();
+    } catch (const std::exception& e) {
+      if (addresses.empty())
+        throw node_error(std::string{"cluster::connect: discovery failed: "} + e.what());
+      log(log_level::warn, std::string{"cluster discovery failed at connect: "} + e.what());
+    }
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      discovered_.insert(found.begin(), found.end());
+    }
+    for (auto& a : found)
+      if (std::find(addresses.begin(), addresses.end(), a) == addresses.end())
+        addresses.push_back(a);
+  }
+  if (addresses.empty())
+    throw node_error("cluster::connect: no node to connect to (discovery found none)");
+  for (auto& a : addresses) parse_host_port(a);  // all checked before any is tried
+  // Every node at once: connect_node bounds each by connect_timeout, so all of them together.
+  std::vector<std::future<reached>> tries;
+  for (auto& a : addresses)
+    tries.push_back(std::async(std::launch::async, [this, a] { return reach(a); }));
+  std::vector<reached> got;
+  for (auto& t : tries) got.push_back(t.get());
+  std::size_t answered = 0;
+  std::exception_ptr first;
+  for (auto& r : got) {
+    if (!r.error && !r.leaving)
+      ++answered;
+    else if (!first)
+      first = r.error ? r.error
+                      : std::make_exception_ptr(node_error("cannot use node " + r.address +
+                                                           ": it is draining (shutting down)"));
+  }
+  auto needed = o_.min_nodes == 0 ? got.size() : o_.min_nodes;
+  if (answered < needed) {
+    if (o_.min_nodes == 0 || !first) std::rethrow_exception(first);
+    try {
+      std::rethrow_exception(first);
+    } catch (const std::exception& e) {
+      throw node_error("cluster::connect: " + std::to_string(answered) + " of " +
+                       std::to_string(got.size()) + " nodes answered, min_nodes is " +
+                       std::to_string(o_.min_nodes) + "; the first that did not: " + e.what());
+    }
+  }
+  for (auto& r : got) {
+    if (!r.error && !r.leaving) {
+      admit(r, false);
+      continue;
+    }
+    std::string why = "draining";
+    try {
+      if (r.error) std::rethrow_exception(r.error);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    log(log_level::warn, "cluster: " + r.address + " is not up yet (" + why + "); retried");
+    std::lock_guard<std::mutex> guard{mtx_};
+    core_.expect(r.address, clock::now());
+  }
 }
 
 void cluster_core::remove(const std::string& address) {

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,12 +48,18 @@ class cluster_core {
 
   [[nodiscard]] bool watching() const { return watch_; }
   [[nodiscard]] bool reconnecting() const { return watch_ && o_.reconnect; }
+  [[nodiscard]] bool discovering() const { return watch_ && static_cast<bool>(o_.discover); }
 
   void stop();
 
   /// cluster::connect and cluster::add: `joining` a member (add: the first error of the
   /// runners that follow is rethrown).
   void join(const std::string& address, bool rethrow);
+
+  /// A live cluster::connect: every address at once (connect_timeout in all), plus what
+  /// discovery finds; those that answered join, the others are expected (retried) when at
+  /// least min_nodes answered, else node_error.
+  void connect_all(std::vector<std::string> addresses);
 
   /// Drains `address` from every follower: decided on the notifier, between the other changes
   /// (so that no loss or other drain slips between the check and the drain). Rethrows a
@@ -66,6 +73,7 @@ class cluster_core {
   std::vector<member> members() const;
   std::size_t fenced_answers() const;
   const tls& settings() const { return t_; }
+  const cluster_options& options() const { return o_; }
 
  private:
   using clock = std::chrono::steady_clock;
@@ -93,6 +101,27 @@ class cluster_core {
   /// follower that fails to drain: the member is up again and the error goes to remove().
   void drain(batch& b);
 
+  /// A node reached (or not): connect_node's answer, or its error.
+  struct reached {
+    std::string address;
+    caf::actor handle;
+    std::vector<std::string> offered;
+    std::uint64_t incarnation = 0;
+    bool leaving = false;
+    std::exception_ptr error;
+  };
+  /// Connects to `address` within connect_timeout; never throws (the error is kept).
+  reached reach(const std::string& address);
+  /// Makes a reached node a member (joined): the followers start producers on it; returns when
+  /// they have (`rethrow`: their first error is thrown).
+  void admit(reached& r, bool rethrow);
+
+  // Discovery (discovery.cpp): the addresses that appear join, those that vanish drain.
+  void guarded_discover_loop();
+  void discover_loop();
+  void appear(const std::string& address);
+  void vanish(const std::string& address);
+
   // The watcher and the reconnector (cluster_watch.cpp).
   bool pause(std::chrono::milliseconds d);
   /// The loops, never ending the process on an exception (logged; the loop goes on).
@@ -119,6 +148,7 @@ class cluster_core {
   std::deque<std::shared_ptr<batch>> queue_;
   std::shared_ptr<leaving_sink> sink_ = std::make_shared<leaving_sink>();
   caf::actor listener_;  ///< hears members that drain themselves (watching clusters only)
+  std::set<std::string> discovered_;  ///< what discovery listed last
 };
 
 }  // namespace troupe::detail

@@ -111,8 +111,10 @@ std::vector<membership_event> membership::answered(const std::string& address,
         if (!joining) return out;  // only add() makes it a member again
         removed_.erase(address);
       }
+      bool never_up = m->incarnation == 0;  // expect(): its first answer is a join
       up_again(*m, seen, incarnation, devices, now);
-      out.push_back(event(was_removed ? membership_event::joined : membership_event::rejoined, *m));
+      out.push_back(event(
+          was_removed || never_up ? membership_event::joined : membership_event::rejoined, *m));
       return out;
     }
     case member::state::up:
@@ -147,6 +149,28 @@ std::vector<membership_event> membership::answered(const std::string& address,
       return out;
   }
   return out;
+}
+
+void membership::expect(const std::string& address, time_point now) {
+  if (auto* m = find(address)) {
+    if (m->what == member::state::drained && removed_.count(address) != 0) {
+      m->what = member::state::lost;  // retired (or removed) earlier, wanted again: retried
+      removed_.erase(address);
+    }
+    return;
+  }
+  members_.push_back(member{address, 0, member::state::lost, {}});
+  last_seen_.push_back(now);
+}
+
+bool membership::retire(const std::string& address) {
+  auto* m = find(address);
+  if (m == nullptr || m->what == member::state::up || m->what == member::state::draining)
+    return false;
+  if (m->what == member::state::lost) m->what = member::state::drained;
+  removed_.insert(address);
+  self_drained_.erase(address);
+  return true;
 }
 
 std::vector<membership_event> membership::tick(time_point now) {

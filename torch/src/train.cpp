@@ -105,6 +105,7 @@ trainer::trainer(const cluster& c, config cfg, train_options o, std::string job,
   *this = trainer(std::move(snap.devices), std::move(cfg), o, std::move(job), make,
                   std::move(signature));
   impl_->cluster = c.state();
+  impl_->deadlines.connect = impl_->deadlines.spawn = troupe::detail::connect_timeout(c.state());
   impl_->follows = f;
   f->attach(impl_.get());
 }

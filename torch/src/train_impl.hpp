@@ -13,6 +13,7 @@
 #include "train_msg.hpp"
 #include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/introspect.hpp"
+#include "troupe/detail/network.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/log.hpp"
 
@@ -106,6 +107,8 @@ struct trainer::impl {
     bool alive = true;
     /// The port where it takes its left ring neighbour's data (ring_plane.hpp), 0: none.
     std::uint16_t data_port = 0;
+    /// Its replica type carries its optimizer's state (optimizer() or save/load).
+    bool carries_state = true;
     /// Its actor is gone or given up on (lost, stuck, retired): never waited for again.
     bool gone = false;
     replica_stats st;
@@ -141,6 +144,9 @@ struct trainer::impl {
   std::unique_ptr<caf::scoped_actor> self;
   caf::actor owner;  ///< nodes end our replicas when this actor ends
   std::map<std::string, caf::actor> nodes;
+  /// Connecting to a node and its answer to a spawn (the cluster's connect_timeout for both,
+  /// once following one).
+  node_deadlines deadlines{std::chrono::seconds{5}, std::chrono::seconds{10}};
   std::vector<member> members;
   std::uint64_t next_id = 1;
   train_stats stats;
@@ -154,6 +160,10 @@ struct trainer::impl {
   /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
   /// its own gradients. The next step() first copies the first replica's state to the others.
   bool states_differ = false;
+  /// A replica type without optimizer() or save/load joined a run: warned about (once).
+  bool warned_fresh_state = false;
+  /// Counts (and warns about, once) the replicas among `fresh` whose optimizer started fresh.
+  void note_fresh_state(const std::vector<std::size_t>& fresh);
   bool use_ring(const std::vector<std::size_t>& live) const;
   /// All-reduces the live replicas' partial sums of step `attempt` in a ring: done, or why not
   /// (a replica lost or failing meanwhile, the ring late: the sums are then unusable).
@@ -250,7 +260,6 @@ struct trainer::impl {
   std::map<std::size_t, train_msg> everyone(const std::vector<std::size_t>& who,
                                             const train_msg& msg, bool drop_failed = false);
   [[noreturn]] void raise(const chunk_result& r, std::size_t who);
-  caf::actor node_actor(const std::string& address);
   /// `fresh` in rounds that hold at most one replica per process (the caller's, or a node's):
   /// the k-th round holds the k-th replica of each process, in member order.
   std::vector<std::vector<std::size_t>> construction_rounds(const std::vector<std::size_t>& fresh);

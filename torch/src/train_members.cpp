@@ -4,15 +4,9 @@
 
 #include "train_impl.hpp"
 #include "troupe/detail/network.hpp"
+#include "troupe/internal/ask_node.hpp"
 
 namespace troupe::detail {
-
-caf::actor trainer::impl::node_actor(const std::string& address) {
-  if (auto it = nodes.find(address); it != nodes.end()) return it->second;
-  auto a = connect_node(*sys, address, tls_for(address), std::chrono::seconds{5}, nullptr);
-  nodes[address] = a;
-  return a;
-}
 
 std::vector<std::vector<std::size_t>> trainer::impl::construction_rounds(
     const std::vector<std::size_t>& fresh) {
@@ -43,15 +37,10 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
         throw invalid_argument(
             "replicas on nodes need the job registered: TROUPE_REGISTER_JOB(...) in this program "
             "and the node's");
-      auto n = node_actor(d.node());
-      std::optional<caf::error> err;
-      (*self)
-          ->request(n, std::chrono::seconds{10},
-                    spawn_producer{job, signature, d.local().str(), cfg, members.size()}, owner)
-          .receive([&](caf::actor& r) { a = std::move(r); }, [&](caf::error& e) { err = e; });
-      if (err)
-        throw_error(error_code(*err) == errc::none ? errc::node_error : error_code(*err),
-                    "cannot start a replica on " + d.str() + ": " + error_text(*err));
+      // Watched: the node's death ends the wait at once (ask_node.hpp).
+      a = spawn_on_node(*sys, nodes[d.node()], d.node(), tls_for(d.node()),
+                        spawn_producer{job, signature, d.local().str(), cfg, members.size()}, owner,
+                        deadlines, "replica");
     }
     (*self)->monitor(a);
     member m;
@@ -74,6 +63,7 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
         if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
         members[who].data_port =
             msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
+        members[who].carries_state = msg.nodes.size() < 3 || msg.nodes[2] != 0;
       }
   } catch (...) {
     // The replicas that started are idle: freed before the exception leaves (the one that
@@ -112,6 +102,25 @@ void trainer::impl::add(const std::vector<device>& devices) {
     p.drop_idle(fresh);
     throw;
   }
+  p.note_fresh_state(fresh);
+}
+
+void trainer::impl::note_fresh_state(const std::vector<std::size_t>& fresh) {
+  std::size_t n = 0;
+  for (auto i : fresh)
+    if (!members[i].carries_state) ++n;
+  if (n == 0) return;
+  stats.fresh_state_joins += n;
+  if (warned_fresh_state) return;
+  warned_fresh_state = true;
+  log(log_level::warn,
+      "data_parallel: a replica joined a run (" + members[fresh[0]].d.str() +
+          ") but its optimizer's state cannot follow it: the replica type has neither "
+          "`torch::optim::Optimizer& optimizer()` nor save/load, so its optimizer starts fresh "
+          "(momentum, Adam's moments and step counts empty) and, with such an optimizer, its "
+          "updates differ from the others'. Add `torch::optim::Optimizer& optimizer() { return "
+          "opt; }` to the replica "
+          "(train_stats::fresh_state_joins counts such joins)");
 }
 
 void trainer::impl::remove(const std::vector<device>& devices) {

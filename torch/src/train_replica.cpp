@@ -73,7 +73,10 @@ void replica_state::init(train_msg& out) {
       log(log_level::warn, std::string{e.what()} + "; ring data goes through CAF");
     }
   }
-  out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size()), port};
+  // The third number: whether the replica's state beyond its parameters travels (the coordinator
+  // warns when one without it joins a run).
+  out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size()), port,
+               r->carries_state() ? 1u : 0u};
 }
 
 // -- gradients as views of one flat tensor (train_replica.hpp) ------------------------------------
@@ -234,6 +237,11 @@ std::string replica_state::state() {
   torch::serialize::OutputArchive archive;
   for (std::size_t i = 0; i < params.size(); ++i)
     archive.write("param." + std::to_string(i), params[i].detach().cpu());
+  if (auto* opt = r->optimizer()) {
+    torch::serialize::OutputArchive o;
+    opt->save(o);
+    archive.write("optimizer", o);
+  }
   torch::serialize::OutputArchive own;
   if (r->save(own)) archive.write("replica", own);
   std::ostringstream bytes;
@@ -249,6 +257,8 @@ void replica_state::set_state(const at::Tensor& bytes) {
   for (std::size_t i = 0; i < params.size(); ++i)
     archive.read("param." + std::to_string(i), values[i]);
   set_params(values);
+  torch::serialize::InputArchive o;
+  if (auto* opt = r->optimizer(); opt != nullptr && archive.try_read("optimizer", o)) opt->load(o);
   torch::serialize::InputArchive own;
   if (archive.try_read("replica", own)) r->load(own);
 }

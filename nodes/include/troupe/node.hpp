@@ -169,7 +169,29 @@ struct cluster_options {
   /// Called on a thread of the cluster's, in order, after runners following the cluster have
   /// acted on the change (producers started, drained or given up on). Must not throw.
   std::function<void(const membership_event&)> on_change;
+  /// Live connect: how many nodes must answer. connect() tries every node at once, within
+  /// connect_timeout in all, and returns with those that answered; the others are members not
+  /// yet up (members(): lost, incarnation 0), retried like lost ones (reconnect_every), and
+  /// `joined` (on_change, and the running jobs of runners that follow) when they answer. Throws
+  /// node_error only when fewer than min_nodes answered. 0: every node must answer (else
+  /// node_error, as before).
+  std::size_t min_nodes = 0;
+  /// Where nodes are found (e.g. troupe::dns_discovery): called at connect and every
+  /// discover_every, on a thread of the cluster's. An address that appears joins (or, not
+  /// answering yet, is retried); one that was listed and vanishes is drained (as by remove():
+  /// `draining`, `drained`, never `lost`; a member not up is no longer retried). A call that
+  /// throws changes nothing (logged once, until it succeeds again). connect()'s own list may
+  /// then be empty; its addresses are never drained by discovery.
+  std::function<std::vector<std::string>()> discover;
+  std::chrono::milliseconds discover_every{5000};
 };
+
+/// Discovery by DNS (cluster_options::discover): every IPv4 address that NAME resolves to
+/// (getaddrinfo: DNS, /etc/hosts), as "ADDRESS:PORT", sorted. A Kubernetes headless service's
+/// name resolves to one address per ready pod. A name that does not resolve (or resolves to no
+/// IPv4 address) throws node_error: the cluster changes nothing then. invalid_argument for a
+/// spec that is not NAME:PORT.
+std::function<std::vector<std::string>()> dns_discovery(const std::string& name_port);
 
 namespace detail {
 class cluster_state;

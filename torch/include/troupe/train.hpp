@@ -8,6 +8,7 @@
 //       std::vector<torch::Tensor> parameters();
 //       double backward(const std::vector<sample>& shard);  // SUMMED loss, grads into .grad()
 //       void step();                                        // optimizer step
+//       torch::optim::Optimizer& optimizer();  // optional: its state follows the replicas
 //       // optional: void save(torch::serialize::OutputArchive&); void load(...InputArchive&);
 //     };
 //   };
@@ -16,6 +17,7 @@
 //   double loss = dp.step(batch);
 #pragma once
 
+#include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
 #include <chrono>
@@ -73,6 +75,10 @@ struct train_stats {
   std::uint64_t shards = 0;             ///< shards in those steps
   std::uint64_t recomputed_shards = 0;  ///< shards computed again after their replica was lost
   std::uint64_t lost_replicas = 0;
+  /// Replicas that joined a run (cluster::add, a rejoin, add_devices) whose type has neither
+  /// optimizer() nor save/load: their optimizer started fresh (momentum, Adam's moments and step
+  /// counts empty), so they compute other updates than the others. Warned about once.
+  std::uint64_t fresh_state_joins = 0;
   /// Steps whose gradients the replicas all-reduced among themselves in a ring (fast mode,
   /// replicas on nodes, gradients of at least 256 KiB); the others went through the
   /// coordinator.
@@ -100,9 +106,14 @@ class replica_ops {
   /// protocol_error when the batch holds another type.
   virtual double backward(const batch& samples, std::size_t begin, std::size_t end) = 0;
   virtual void step() = 0;
-  /// replica::save/load when the replica has them (optimizer state); false/no-op otherwise.
+  /// replica::optimizer() when the replica has one (troupe saves and loads its state), else null.
+  virtual torch::optim::Optimizer* optimizer() = 0;
+  /// replica::save/load when the replica has them (anything else to carry); false/no-op
+  /// otherwise.
   virtual bool save(torch::serialize::OutputArchive& archive) = 0;
   virtual void load(torch::serialize::InputArchive& archive) = 0;
+  /// Whether the replica's state beyond its parameters travels (optimizer() or save/load).
+  [[nodiscard]] virtual bool carries_state() const = 0;
 };
 
 /// Constructs a job's replica on `d`, on the replica's own thread.
@@ -114,6 +125,12 @@ template <class R>
 struct replica_saves<R, std::void_t<decltype(std::declval<R&>().save(
                             std::declval<torch::serialize::OutputArchive&>()))>> : std::true_type {
 };
+
+template <class R, class = void>
+struct replica_optimizes : std::false_type {};
+template <class R>
+struct replica_optimizes<R, std::void_t<decltype(std::declval<R&>().optimizer())>>
+    : std::is_convertible<decltype(std::declval<R&>().optimizer()), torch::optim::Optimizer&> {};
 
 template <class T>
 struct vector_value;
@@ -157,6 +174,17 @@ class replica_impl final : public replica_ops {
     return static_cast<double>(r_.backward(shard_));
   }
   void step() override { r_.step(); }
+  torch::optim::Optimizer* optimizer() override {
+    if constexpr (replica_optimizes<R>::value) {
+      torch::optim::Optimizer& o = r_.optimizer();
+      return &o;
+    } else {
+      return nullptr;
+    }
+  }
+  [[nodiscard]] bool carries_state() const override {
+    return replica_optimizes<R>::value || replica_saves<R>::value;
+  }
   bool save(torch::serialize::OutputArchive& archive) override {
     if constexpr (replica_saves<R>::value) {
       r_.save(archive);
@@ -271,7 +299,8 @@ class data_parallel {
   std::vector<at::Tensor> parameters() { return t_.parameters(); }
   /// Every replica's parameters, flattened, in device order (for checks).
   std::vector<at::Tensor> replica_parameters() { return t_.replica_parameters(); }
-  /// Writes parameters and optimizer state (replica::save, when the replica has one).
+  /// Writes parameters and optimizer state (replica::optimizer() and replica::save, when the
+  /// replica has them).
   void save(const std::string& path) { t_.save(path); }
   /// Reads what save() wrote into every replica.
   void load(const std::string& path) { t_.load(path); }

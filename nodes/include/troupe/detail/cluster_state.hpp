@@ -2,6 +2,7 @@
 // implement (actors/src/runtime_follow.cpp). Not included by <troupe/troupe.hpp>.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -41,6 +42,10 @@ struct cluster_view {
 };
 /// Every cluster alive in this process, oldest first.
 std::vector<cluster_view> cluster_views();
+
+/// The cluster's connect_timeout: the longest a runner or trainer that follows it waits to
+/// connect to a node and for the node's answer to a spawn.
+std::chrono::milliseconds connect_timeout(const std::shared_ptr<cluster_state>& c);
 
 /// Registers `f` and returns the devices it starts with (see cluster_snapshot).
 cluster_snapshot follow(const std::shared_ptr<cluster_state>& c,

@@ -35,6 +35,13 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
                         std::chrono::milliseconds deadline, std::vector<std::string>* devices,
                         std::uint64_t* incarnation = nullptr, bool* leaving = nullptr);
 
+/// How long starting something on a node may take: connecting to it, and its answer to the
+/// spawn (its constructor runs later, watched, in the caller's init).
+struct node_deadlines {
+  std::chrono::milliseconds connect{5000};
+  std::chrono::milliseconds spawn{10000};
+};
+
 /// A random, non-zero 64-bit number: a node's incarnation.
 std::uint64_t new_incarnation();
 

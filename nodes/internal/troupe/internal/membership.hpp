@@ -44,6 +44,14 @@ class membership {
   std::vector<membership_event> answered(const std::string& address, std::uint64_t incarnation,
                                          const std::vector<device>& devices, time_point now,
                                          bool joining, bool leaving = false);
+  /// `address` is a member not yet up (lost, incarnation 0): retried like a lost one until it
+  /// answers (then `joined`). A member drained by remove() or retired is retried again; nothing
+  /// changes for any other member.
+  void expect(const std::string& address, time_point now);
+  /// A member that is not up or draining (lost, never up) is no longer retried: drained as by
+  /// remove(), so that only add() (or discovery listing it again) makes it a member. Returns
+  /// whether it was such a member.
+  bool retire(const std::string& address);
   /// Members that have been silent for lost_after are lost (their incarnations fenced).
   std::vector<membership_event> tick(time_point now);
   /// cluster::remove began: the member must be up (invalid_argument otherwise).

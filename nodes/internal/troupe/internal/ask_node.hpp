@@ -1,0 +1,78 @@
+// Asking actors on nodes without waiting for a dead node (troupe's sources only; not installed).
+// CAF 0.17 never fails a request whose receiver's node died: it waits for the request's whole
+// timeout. These watch the receiver (a proxy: it goes down when its node's connection drops), so
+// its death ends the wait at once. One timeout policy for starting producers and replicas on
+// nodes (runners and data_parallel alike): spawn_on_node.
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+#include <caf/event_based_actor.hpp>
+#include <caf/system_messages.hpp>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "troupe/detail/network.hpp"
+#include "troupe/error.hpp"
+#include "troupe/protocol.hpp"
+
+namespace troupe::detail {
+
+/// Sends `xs...` to `dest` as a request, from an actor of its own that monitors `dest`; the
+/// future holds the answer (a T), the receiver's error, CAF's request_timeout after `deadline`
+/// (0: no deadline),
+/// or errc::node_error "... went down" as soon as `dest` goes down (its node died, or its
+/// connection to this process dropped). Never blocks.
+template <class T, class... Ts>
+std::future<caf::expected<T>> ask_watched(caf::actor_system& sys, const caf::actor& dest,
+                                          std::chrono::milliseconds deadline, Ts... xs) {
+  auto result = std::make_shared<std::promise<caf::expected<T>>>();
+  auto out = result->get_future();
+  if (!dest) {
+    result->set_value(make_error(errc::node_error, "no actor to ask"));
+    return out;
+  }
+  sys.spawn([result, dest, deadline, args = std::make_tuple(std::move(xs)...)](
+                caf::event_based_actor* self) mutable -> caf::behavior {
+    auto done = std::make_shared<bool>(false);
+    auto finish = [self, result, done](caf::expected<T> r) {
+      if (*done) return;
+      *done = true;
+      result->set_value(std::move(r));
+      self->quit();
+    };
+    self->set_down_handler([finish, dest](caf::down_msg& dm) {
+      if (dm.source == dest.address())
+        finish(make_error(errc::node_error,
+                          "it went down (its node died, or the connection to it dropped)"));
+    });
+    self->monitor(dest);
+    auto on_answer = [finish](T& x) { finish(std::move(x)); };
+    auto on_error = [finish](caf::error& e) { finish(std::move(e)); };
+    std::apply(
+        [&](auto&... a) {
+          if (deadline.count() > 0)
+            self->request(dest, deadline, std::move(a)...).then(on_answer, on_error);
+          else
+            self->request(dest, caf::infinite, std::move(a)...).then(on_answer, on_error);
+        },
+        args);
+    return {[](std::uint8_t) {}};  // lives until finish(): only the answer or a down ends it
+  });
+  return out;
+}
+
+/// Starts `req` for `owner` on the node at `address` (connecting first when `node` is null:
+/// `node` keeps the connection for the next call, and is reset when the node failed, so that
+/// the next call connects anew). Returns the producer's or replica's actor. Throws
+/// device_unavailable, or node_error naming the node and the device: at once when the node dies
+/// meanwhile, at the latest after `d.connect` + `d.spawn`.
+caf::actor spawn_on_node(caf::actor_system& sys, caf::actor& node, const std::string& address,
+                         const tls& t, const spawn_producer& req, const caf::actor& owner,
+                         const node_deadlines& d, const char* kind = "producer");
+
+}  // namespace troupe::detail
