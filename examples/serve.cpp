@@ -12,7 +12,11 @@
 // answer (troupe::async_get completes the coroutine). Two models answer 10 classes:
 //   --model linear  a small linear classifier in plain C++ (the default);
 //   --model mlp     a LibTorch MLP (16 -> --hidden x --layers, ReLU -> 10) on each producer's
-//                   device, cpu or cuda:N: one forward pass per batch (builds with LibTorch).
+//                   device, cpu or cuda:N: one forward pass per batch (builds with LibTorch);
+//   --model F.pt    a TorchScript model exported from Python ([N, 16] -> [N, 10]; see
+//                   examples/export_model.py): loaded once per device (a device_state shared
+//                   by that device's producers), warmed up before the first request, checked
+//                   against F.pt.ref.txt when that file is there.
 // --call-us and --item-us add a simulated cost per call and per row (a kernel launch, a forward
 // pass), so that batching pays on a CPU as it does on a GPU.
 //
@@ -33,8 +37,10 @@
 #include <sstream>
 #include <troupe/asio.hpp>
 #ifdef TROUPE_EXAMPLES_TORCH
+#include <torch/script.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <mutex>
 #include <troupe/torch.hpp>
 #endif
@@ -142,7 +148,8 @@ struct classify_mlp {
                          cfg.get_or<std::int64_t>("layers", 2))),
           call_us(cfg.get_or<std::int64_t>("call_us", 0)),
           item_us(cfg.get_or<std::int64_t>("item_us", 0)) {
-      if (d.is_cpu()) at::set_num_threads(1);  // producers share cores
+      // No at::set_num_threads here: it is process-wide. Each CPU producer has an intra-op
+      // budget of its own already (the cores divided among them; cfg torch.intra_op_threads).
       model->to(troupe::torch_device(d));
       model->eval();
     }
@@ -165,6 +172,85 @@ struct classify_mlp {
     std::int64_t call_us, item_us;
   };
 };
+
+/// A TorchScript model from a file (cfg "model_file"), served the same way. One copy of its
+/// weights per device and process (device_state), however many producers share the device;
+/// each producer warms it up once before its first request (the profiling executor's first
+/// calls are slow: they stay out of the first requests' latency).
+struct classify_script {
+  struct device_state {
+    device_state(const troupe::device& d, const troupe::config& cfg)
+        : where(troupe::torch_device(d)),
+          module(torch::jit::load(cfg.get<std::string>("model_file"), where)) {
+      module.eval();
+      loads += 1;
+    }
+    torch::Device where;
+    torch::jit::Module module;
+    static inline std::atomic<int> loads{0};
+  };
+  struct producer {
+    producer(const troupe::device& d, const troupe::config&, device_state& shared)
+        : where(d), model(shared) {}
+    void warmup() {
+      c10::InferenceMode inference;
+      for (int i = 0; i < 3; ++i)  // the profiling executor specializes on the first runs
+        model.module.forward({torch::zeros({4, std::int64_t{n_features}}, model.where)});
+    }
+    std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
+      classify::producer::calls += 1;
+      classify::producer::rows_seen += rows.size();
+      c10::InferenceMode inference;
+      auto y = model.module.forward({troupe::to_device(stack(rows), where)}).toTensor();
+      auto best = y.max(1);
+      auto score = troupe::to_host(std::get<0>(best)), label = troupe::to_host(std::get<1>(best));
+      std::vector<prediction> out(rows.size());
+      for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = {label[static_cast<std::int64_t>(i)].item<std::int64_t>(),
+                  score[static_cast<std::int64_t>(i)].item<float>()};
+      return out;
+    }
+    troupe::device where;
+    device_state& model;
+  };
+};
+
+namespace {
+
+/// FILE.ref.txt (examples/export_model.py): each line's 16 inputs and the 10 scores Python
+/// computed. Throws when the model loaded here answers otherwise (beyond float rounding).
+std::size_t check_reference(const std::string& model_file) {
+  std::ifstream in(model_file + ".ref.txt");
+  if (!in) return 0;
+  auto module = torch::jit::load(model_file);
+  module.eval();
+  c10::InferenceMode inference;
+  std::string line;
+  std::size_t rows = 0;
+  while (std::getline(in, line)) {
+    auto semi = line.find(';');
+    if (semi == std::string::npos) continue;
+    std::istringstream xs(line.substr(0, semi)), ys(line.substr(semi + 1));
+    std::vector<float> x, y;
+    for (float v; xs >> v;) x.push_back(v);
+    for (float v; ys >> v;) y.push_back(v);
+    if (x.size() != n_features || y.size() != n_classes)
+      throw std::runtime_error(model_file + ".ref.txt: a line without 16 inputs and 10 scores");
+    auto got = module.forward({torch::from_blob(x.data(), {1, std::int64_t{n_features}}).clone()})
+                   .toTensor()
+                   .contiguous();
+    for (std::size_t c = 0; c < n_classes; ++c)
+      if (std::fabs(got.data_ptr<float>()[c] - y[c]) > 1e-4f * (1.0f + std::fabs(y[c])))
+        throw std::runtime_error(model_file + " answers " +
+                                 std::to_string(got.data_ptr<float>()[c]) + " for class " +
+                                 std::to_string(c) + " of reference row " + std::to_string(rows) +
+                                 ", Python computed " + std::to_string(y[c]));
+    rows += 1;
+  }
+  return rows;
+}
+
+}  // namespace
 #endif
 
 namespace {
@@ -400,10 +486,17 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
   std::vector<std::vector<float>> inputs;
   for (std::size_t i = 0; i < n; ++i) inputs.push_back(request_input(i));
   c10::InferenceMode inference;
-  auto y =
-      make_mlp(cfg.get_or<std::int64_t>("hidden", 256), cfg.get_or<std::int64_t>("layers", 2))
-          ->forward(stack(troupe::span<const std::vector<float>>{inputs.data(), inputs.size()}))
-          .contiguous();
+  auto x = stack(troupe::span<const std::vector<float>>{inputs.data(), inputs.size()});
+  at::Tensor y;
+  if (model == "mlp") {
+    y = make_mlp(cfg.get_or<std::int64_t>("hidden", 256), cfg.get_or<std::int64_t>("layers", 2))
+            ->forward(x)
+            .contiguous();
+  } else {
+    auto module = torch::jit::load(model);
+    module.eval();
+    y = module.forward({x}).toTensor().contiguous();
+  }
   const auto* p = y.data_ptr<float>();
   for (auto& row : scores) {
     std::copy_n(p, n_classes, row.begin());
@@ -497,8 +590,13 @@ int main(int argc, char** argv) {
   std::int64_t max_delay_us = 2000, call_us = 0, item_us = 0, hidden = 256, layers = 2;
   app.add_option("--listen", listen_on, "HOST:PORT to serve HTTP on (port 0: any free port)");
   app.add_option("--model", model,
-                 "linear (plain C++) or mlp (LibTorch, on the producers' devices)")
-      ->check(CLI::IsMember({"linear", "mlp"}));
+                 "linear (plain C++), mlp (LibTorch, on the producers' devices) or FILE.pt (a "
+                 "TorchScript model [N,16] -> [N,10], e.g. from examples/export_model.py)")
+      ->check([](const std::string& m) -> std::string {
+        if (m == "linear" || m == "mlp") return {};
+        if (m.size() > 3 && m.compare(m.size() - 3, 3, ".pt") == 0) return {};
+        return "--model: linear, mlp or a FILE.pt";
+      });
   app.add_option("--hidden", hidden, "--model mlp: hidden units per layer")
       ->check(CLI::PositiveNumber);
   app.add_option("--layers", layers, "--model mlp: hidden layers")->check(CLI::PositiveNumber);
@@ -528,9 +626,17 @@ int main(int argc, char** argv) {
     if (model == "linear")
       return serve<classify>(f, cfg, opts, model, listen_on, requests, concurrency);
 #ifdef TROUPE_EXAMPLES_TORCH
-    serve<classify_mlp>(f, cfg, opts, model, listen_on, requests, concurrency);
+    if (model == "mlp")
+      return serve<classify_mlp>(f, cfg, opts, model, listen_on, requests, concurrency);
+    if (auto rows = check_reference(model); rows > 0)
+      std::cerr << "reference: " << model << " gives Python's scores on " << rows << " rows"
+                << std::endl;
+    cfg.set("model_file", model);
+    serve<classify_script>(f, cfg, opts, model, listen_on, requests, concurrency);
+    std::cerr << "model loaded " << classify_script::device_state::loads
+              << " time(s): once per device" << std::endl;
 #else
-    throw std::invalid_argument("--model mlp: this serve was built without LibTorch");
+    throw std::invalid_argument("--model " + model + ": this serve was built without LibTorch");
 #endif
   });
 }

@@ -693,3 +693,71 @@ TEST(Elastic, ChangesFromSeveralThreadsWhileJobsRunAndACloseInTheMiddleNeverHang
 }
 
 }  // namespace
+
+namespace {
+
+/// A model shared by the producers of a device (one copy of its weights), and producers that
+/// warm up before their first chunk: counted.
+std::atomic<int> states_made{0}, states_alive{0}, warmups{0}, torn_down_early{0};
+struct shared_model_job {
+  struct device_state {
+    device_state(const troupe::device&, const troupe::config& cfg)
+        : weight(cfg.get_or<std::int64_t>("weight", 3)) {
+      ++states_made;
+      ++states_alive;
+    }
+    ~device_state() {
+      if (producers != 0) ++torn_down_early;  // a producer still held it
+      --states_alive;
+    }
+    std::int64_t weight;
+    std::atomic<int> producers{0};
+  };
+  struct producer {
+    producer(const troupe::device&, const troupe::config&, device_state& s) : shared(s) {
+      ++shared.producers;
+    }
+    ~producer() { --shared.producers; }
+    void warmup() {
+      if (shared.producers == 0) throw std::logic_error("warmup of a producer not constructed");
+      warmed = true;
+      ++warmups;
+    }
+    std::int64_t work(std::int64_t x) {
+      if (!warmed) throw std::logic_error("work() before warmup()");
+      return shared.weight * x * x;
+    }
+    device_state& shared;
+    bool warmed = false;
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+}  // namespace
+
+TEST(Runner, ProducersOfADeviceShareOneDeviceStateAndWarmUpBeforeTheirFirstChunk) {
+  troupe::config cfg;
+  cfg.set("weight", 5);
+  {
+    troupe::unordered_runner<shared_model_job> r{troupe::cpus(3), cfg};
+    EXPECT_EQ(states_made, 1) << "one device_state per device and process";
+    EXPECT_EQ(states_alive, 1);
+    EXPECT_EQ(warmups, 3) << "every producer warmed up once, before the constructor returned";
+    EXPECT_EQ(r.run(iota(1000)), 5 * test_util::sum_of_squares(1000));
+    EXPECT_EQ(r.run(iota(10)), 5 * test_util::sum_of_squares(10));
+    EXPECT_EQ(warmups, 3) << "warmup() runs once per producer, not per run";
+    std::uint64_t items = 0;
+    for (auto& p : r.stats().producers) items += p.items;
+    EXPECT_EQ(items, 1010u) << "warmup is not counted as work";
+  }
+  EXPECT_EQ(states_alive, 0) << "the device_state outlived its runner";
+  EXPECT_EQ(torn_down_early, 0) << "the device_state was destroyed before a producer of it";
+  // A second runner makes a fresh one (the first was destroyed with its last producer).
+  troupe::unordered_runner<shared_model_job> again{troupe::cpus(2), cfg};
+  EXPECT_EQ(states_made, 2);
+  EXPECT_EQ(again.run(iota(100)), 5 * test_util::sum_of_squares(100));
+}

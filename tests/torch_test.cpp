@@ -1,11 +1,15 @@
 // Tensors as payloads (wire format, validation) and the GPU paths (skipped without a GPU).
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
+#include <iostream>
+#include <thread>
 #include <troupe/device_binding.hpp>
 #include <troupe/protocol.hpp>
 #include <troupe/testing.hpp>
@@ -218,4 +222,75 @@ TEST(Tensor, TheSerializeOptionCarriesTensorsInsideStructs) {
   // Without the tensor in inspect(), every record arrives without values: -1 each.
   troupe::ordered_runner<record_sums<record_without_values>> broken{2, {}, opts};
   EXPECT_DOUBLE_EQ(broken.run(records<record_without_values>(40)), -40.0);
+}
+
+namespace {
+
+/// Threads of this process now.
+std::size_t task_count() {
+  std::size_t n = 0;
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (auto* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+/// A forward pass that LibTorch parallelizes (a matmul through MKL, an element-wise op through
+/// ATen's parallel_for): answers the intra-op threads its producer's thread has.
+struct forward_pass {
+  struct producer {
+    std::int64_t work(std::int64_t seed) {
+      torch::NoGradGuard no_grad;
+      auto a = torch::full({256, 256}, static_cast<float>(seed % 7) + 1.0f);
+      auto y = torch::exp(torch::matmul(a, a) * 1e-6f);
+      for (int i = 0; i < 4; ++i) y = torch::exp(torch::matmul(y, a) * 1e-6f);
+      auto big = torch::ones({1 << 20});
+      (void)torch::exp(big).sum().item<float>();
+      return at::get_num_threads();
+    }
+  };
+  struct consumer {
+    void work(std::int64_t n) { seen.push_back(n); }
+    std::vector<std::int64_t> end() { return seen; }
+    std::vector<std::int64_t> seen;
+  };
+};
+
+/// Runs forward passes on `producers` CPU producers with `cfg`; returns the intra-op threads
+/// each reported and how many threads of the process the forward passes started.
+std::pair<std::vector<std::int64_t>, std::size_t> forward_passes(std::size_t producers,
+                                                                 troupe::config cfg) {
+  troupe::options o;
+  o.speculative = false;
+  troupe::unordered_runner<forward_pass> r{troupe::cpus(producers), cfg, o};
+  auto before = task_count();  // the producers' threads exist; their OpenMP teams do not yet
+  auto seen = r.run(std::vector<std::int64_t>(64, 3));
+  auto started = task_count() - before;  // OpenMP workers live as long as their producer
+  return {seen, started};
+}
+
+}  // namespace
+
+TEST(ThreadBudgets, EachCpuProducerRunsLibTorchOnItsOwnBudgetOfIntraOpThreads) {
+  // Per producer thread, not process-wide (at::set_num_threads would be): counted by the
+  // threads a forward pass starts (an OpenMP team of n threads is its caller plus n - 1
+  // workers, kept while the caller lives) and by what LibTorch reports on that thread.
+  troupe::config one, two;
+  one.set("torch.intra_op_threads", 1);
+  two.set("torch.intra_op_threads", 2);
+  auto [seen1, started1] = forward_passes(2, one);
+  for (auto n : seen1) EXPECT_EQ(n, 1);
+  EXPECT_EQ(started1, 0u) << "a budget of 1 started intra-op threads";
+  auto [seen2, started2] = forward_passes(2, two);
+  for (auto n : seen2) EXPECT_EQ(n, 2);
+  EXPECT_EQ(started2, 2u) << "2 producers with 2 threads each: one worker each";
+  // By default the cores are divided among the process's CPU producers (at least 1 each).
+  auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  auto [seen3, started3] = forward_passes(2, {});
+  auto share = std::max<std::int64_t>(1, cores / 2);
+  for (auto n : seen3) EXPECT_EQ(n, share);
+  EXPECT_EQ(started3, static_cast<std::size_t>(2 * (share - 1)));
+  std::cout << cores << " cores, 2 CPU producers: " << share << " intra-op thread(s) each\n";
 }

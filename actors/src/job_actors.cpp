@@ -251,7 +251,13 @@ caf::actor spawn_producer_actor(caf::actor_system& sys, producer_maker make, dev
   st->where = std::move(d);
   st->cfg = std::move(cfg);
   st->index = index;
-  return sys.spawn<caf::detached>(producer_actor, std::move(st));
+  bool cpu = st->where.is_cpu();
+  auto a = sys.spawn<caf::detached>(producer_actor, std::move(st));
+  if (cpu) {  // counted before any producer starts: their intra-op budgets divide the cores
+    count_cpu_producer(1);
+    a->attach_functor([] { count_cpu_producer(-1); });
+  }
+  return a;
 }
 
 caf::actor spawn_consumer_actor(caf::actor_system& sys, consumer_maker make, config cfg,

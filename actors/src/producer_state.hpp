@@ -38,6 +38,11 @@ struct producer_state {
   caf::result<init_done> init() {
     try {
       binding = bind_device(where);
+      // A CPU producer's LibTorch intra-op threads: a budget of its own, set on its thread
+      // before its constructor (docs/api.md, "Thread budgets").
+      if (where.is_cpu())
+        apply_cpu_thread_budget(
+            static_cast<int>(cfg.get_or<std::int64_t>("torch.intra_op_threads", 0)));
       producer = make(where, cfg, index);
       return init_done{where.str()};
     } catch (const device_unavailable& e) {

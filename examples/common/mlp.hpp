@@ -25,7 +25,6 @@ inline torch::nn::Sequential make_mlp() {
 /// One replica of the MLP on a producer's device, in eval mode.
 struct mlp_replica {
   explicit mlp_replica(const troupe::device& d) : where(d), model(make_mlp()) {
-    at::set_num_threads(1);  // several producers share the cores
     model->to(troupe::torch_device(d));
     model->eval();
   }

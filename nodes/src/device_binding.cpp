@@ -1,5 +1,9 @@
 #include "troupe/device_binding.hpp"
 
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
 #include "troupe/error.hpp"
 
 namespace troupe {
@@ -10,6 +14,9 @@ detail::cuda_support& cuda() {
   static detail::cuda_support s;
   return s;
 }
+
+std::atomic<void (*)(int)> cpu_threads{nullptr};
+std::atomic<int> cpu_producers{0};
 }  // namespace
 
 namespace detail {
@@ -21,6 +28,27 @@ bool install_cuda_support(const cuda_support& s) noexcept {
 
 void set_current_binding(device_binding* b) noexcept {
   current_binding = b;
+}
+
+bool install_cpu_threads(void (*set)(int n)) noexcept {
+  cpu_threads = set;
+  return true;
+}
+
+void count_cpu_producer(int delta) noexcept {
+  cpu_producers += delta;
+}
+
+int apply_cpu_thread_budget(int requested) noexcept {
+  auto set = cpu_threads.load();
+  if (set == nullptr) return 0;
+  int n = requested;
+  if (n <= 0) {
+    int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    n = std::max(1, cores / std::max(1, cpu_producers.load()));
+  }
+  set(n);
+  return n;
 }
 
 int cuda_device_count() noexcept {

@@ -3,6 +3,8 @@
 #include "troupe/torch.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
 
 #include "troupe/device_binding.hpp"
 #include "troupe/error.hpp"
@@ -32,6 +34,29 @@ at::Tensor to_device(const at::Tensor& host, const device& d) {
 at::Tensor to_host(const at::Tensor& t) {
   return t.device().is_cpu() ? t : t.to(at::kCPU);
 }
+
+namespace {
+
+/// A thread's intra-op budget. LibTorch's at::set_num_threads is process-wide; but the wheel's
+/// intra-op backend is OpenMP, whose thread count is a per-thread setting that ATen's
+/// parallel_for, MKL and oneDNN all read on the calling thread. ATen resets it once per thread
+/// (its lazy init, on the first parallel call): that runs first here (at::get_num_threads), then
+/// the thread's own OpenMP and MKL settings are made. Looked up at run time (dlsym): the
+/// symbols live in the wheel's libgomp and libtorch_cpu, which troupe does not link by name.
+void set_cpu_threads(int n) {
+  using set_fn = void (*)(int);
+  using mkl_fn = int (*)(int);
+  static const auto omp = reinterpret_cast<set_fn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  static const auto mkl =
+      reinterpret_cast<mkl_fn>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+  (void)at::get_num_threads();
+  if (omp != nullptr) omp(n);
+  if (mkl != nullptr) mkl(n);
+}
+
+const bool cpu_threads_installed = detail::install_cpu_threads(&set_cpu_threads);
+
+}  // namespace
 
 #ifdef TROUPE_WITH_CUDA
 namespace {

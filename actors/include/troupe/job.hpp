@@ -80,6 +80,28 @@ template <class T>
 struct has_merge<T, std::void_t<decltype(std::declval<T&>().merge(std::declval<T&&>()))>>
     : std::true_type {};
 
+/// A producer with `void warmup()`: called once after its construction, before its first chunk.
+template <class T, class = void>
+struct has_warmup : std::false_type {};
+template <class T>
+struct has_warmup<T, std::void_t<decltype(std::declval<T&>().warmup())>> : std::true_type {};
+
+/// A job with `struct device_state`: one per device and process, shared by that device's
+/// producers (docs/api.md, "Real models on producers").
+template <class T, class = void>
+struct has_device_state : std::false_type {};
+template <class T>
+struct has_device_state<T, std::void_t<typename T::device_state>> : std::true_type {};
+
+template <class Job, bool = has_device_state<Job>::value>
+struct device_state_of {
+  using type = void;
+};
+template <class Job>
+struct device_state_of<Job, true> {
+  using type = typename Job::device_state;
+};
+
 /// The consumer of a job that has none: collects outputs into a vector.
 template <class Out>
 struct collecting_consumer {
@@ -155,14 +177,27 @@ struct job_traits {
   static_assert(std::is_copy_constructible<input_type>::value &&
                     std::is_copy_constructible<output_type>::value,
                 "troupe: the input and output types of Job::producer::work must be copyable");
-  static_assert(std::is_constructible<producer_type, const device&, const config&,
-                                      producer_index_arg>::value ||
+  /// Job::device_state, or void.
+  using device_state_type = typename device_state_of<Job>::type;
+  static constexpr bool shares_state = has_device_state<Job>::value;
+  static_assert(!shares_state ||
+                    std::is_constructible<device_state_type, const device&, const config&>::value,
+                "troupe: Job::device_state needs a constructor taking (const troupe::device&, "
+                "const troupe::config&)");
+  static_assert(shares_state ||
+                    std::is_constructible<producer_type, const device&, const config&,
+                                          producer_index_arg>::value ||
                     std::is_constructible<producer_type, const device&, const config&>::value ||
                     std::is_constructible<producer_type, const device&>::value ||
                     std::is_default_constructible<producer_type>::value,
                 "troupe: Job::producer needs a constructor taking (const troupe::device&, const "
                 "troupe::config&, std::size_t index), (const troupe::device&, const "
                 "troupe::config&), (const troupe::device&) or nothing");
+  static_assert(!shares_state ||
+                    std::is_constructible<producer_type, const device&, const config&,
+                                          std::add_lvalue_reference_t<device_state_type>>::value,
+                "troupe: a job with a device_state needs Job::producer(const troupe::device&, "
+                "const troupe::config&, device_state&)");
 
   static constexpr bool has_job_consumer = has_consumer<Job>::value;
   using consumer_type = typename consumer_of<Job, output_type>::type;

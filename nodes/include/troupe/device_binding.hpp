@@ -35,6 +35,16 @@ bool install_cuda_support(const cuda_support& s) noexcept;
 int cuda_device_count() noexcept;
 /// Makes `b` the calling thread's binding (nullptr: none), for current_stream().
 void set_current_binding(device_binding* b) noexcept;
+
+/// How this process gives a thread its LibTorch intra-op thread budget (OpenMP's and MKL's
+/// per-thread settings): installed by troupe::torch; without it, CPU producers get none.
+bool install_cpu_threads(void (*set)(int n)) noexcept;
+/// CPU producers alive in this process (from their spawn to their actor's end): +1 or -1.
+void count_cpu_producer(int delta) noexcept;
+/// Gives the calling thread (a CPU producer's, before its constructor) its intra-op budget:
+/// `requested` when above 0 (cfg "torch.intra_op_threads"), else the cores divided among the
+/// CPU producers alive, at least 1. Returns the budget set, 0 without troupe::torch.
+int apply_cpu_thread_budget(int requested) noexcept;
 }  // namespace detail
 
 /// The stream of the producer running on the calling thread (a cudaStream_t), or nullptr when

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -220,6 +221,30 @@ class folded_chunk final : public batch_base {
   std::size_t n_;
 };
 
+/// Holds a job's device_state (void: none).
+template <class S>
+struct device_state_holder {
+  explicit device_state_holder(const device& d, const config& cfg) : state(d, cfg) {}
+  S state;
+};
+template <>
+struct device_state_holder<void> {};
+
+/// The device_state `S` of device `d` in this process: made (on the calling producer's thread,
+/// bound to `d`) by the first producer of `d` that asks, shared by the others while any holds
+/// it, destroyed when the last lets go. Producers constructed at once wait for the first.
+template <class S>
+std::shared_ptr<device_state_holder<S>> device_state_for(const device& d, const config& cfg) {
+  static std::mutex mtx;
+  static std::map<std::string, std::weak_ptr<device_state_holder<S>>> live;
+  std::lock_guard<std::mutex> guard{mtx};
+  auto& slot = live[d.str()];
+  if (auto h = slot.lock()) return h;
+  auto h = std::make_shared<device_state_holder<S>>(d, cfg);
+  slot = h;
+  return h;
+}
+
 template <class Job>
 class typed_producer final : public producer_ops {
  public:
@@ -228,7 +253,12 @@ class typed_producer final : public producer_ops {
   using out = typename traits::output_type;
 
   typed_producer(const device& d, const config& cfg, std::size_t index)
-      : p_(make_producer<typename traits::producer_type>(d, cfg, index)), cfg_(cfg) {}
+      : shared_(shared_state(d, cfg)), p_(make(d, cfg, index, shared_)), cfg_(cfg) {
+    using P = typename traits::producer_type;
+    // After construction, before the first chunk (this runs in the producer's init): slow first
+    // calls (a TorchScript module's profiling runs, allocators) stay out of the chunks' times.
+    if constexpr (has_warmup<P>::value) p_->warmup();
+  }
 
   void work(const batch& chunk, std::uint64_t first, bool keep_going, job_gate* fold,
             work_outcome& r) override {
@@ -562,8 +592,32 @@ class typed_producer final : public producer_ops {
     return true;
   }
 
+  /// Job::device_state of this producer's device (declared first: it outlives the producer
+  /// object, and the last producer of the device destroys it).
+  std::shared_ptr<device_state_holder<typename traits::device_state_type>> shared_;
   throwing_owner<typename traits::producer_type> p_;
   config cfg_;  ///< for the consumers that fold chunks (work_folded)
+
+  using state_ptr = std::shared_ptr<device_state_holder<typename traits::device_state_type>>;
+  static state_ptr shared_state(const device& d, const config& cfg) {
+    (void)d;
+    (void)cfg;
+    if constexpr (traits::shares_state)
+      return device_state_for<typename traits::device_state_type>(d, cfg);
+    else
+      return nullptr;
+  }
+  static std::unique_ptr<typename traits::producer_type> make(const device& d, const config& cfg,
+                                                              std::size_t index,
+                                                              const state_ptr& shared) {
+    using P = typename traits::producer_type;
+    (void)index;
+    (void)shared;
+    if constexpr (traits::shares_state)
+      return std::make_unique<P>(d, cfg, shared->state);
+    else
+      return make_producer<P>(d, cfg, index);
+  }
   /// A caller's range is read this many items at a time (16 KiB: copy_lent_block).
   static constexpr std::size_t lent_block = std::max<std::size_t>(1, 16384 / sizeof(in));
   std::vector<in> block_;  ///< copy_lent_block: the block of a caller's range being worked on
