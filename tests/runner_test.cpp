@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <future>
+#include <iostream>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <thread>
@@ -760,4 +762,77 @@ TEST(Runner, ProducersOfADeviceShareOneDeviceStateAndWarmUpBeforeTheirFirstChunk
   troupe::unordered_runner<shared_model_job> again{troupe::cpus(2), cfg};
   EXPECT_EQ(states_made, 2);
   EXPECT_EQ(again.run(iota(100)), 5 * test_util::sum_of_squares(100));
+}
+
+namespace {
+
+/// A batch producer that records how many items each call got; `call_ms` of fixed cost per
+/// call (a kernel launch, a forward pass), nothing per item.
+struct recorded_calls_job {
+  struct producer {
+    explicit producer(const troupe::device&, const troupe::config& cfg)
+        : call_ms(cfg.get_or<std::int64_t>("call_ms", 0)) {}
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      if (call_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds{call_ms});
+      {
+        std::lock_guard<std::mutex> guard{mtx};
+        sizes.push_back(xs.size());
+      }
+      std::vector<std::int64_t> out;
+      out.reserve(xs.size());
+      for (auto x : xs) out.push_back(x * x);
+      return out;
+    }
+    std::int64_t call_ms;
+    static inline std::mutex mtx;
+    static inline std::vector<std::size_t> sizes;
+    static std::vector<std::size_t> take() {
+      std::lock_guard<std::mutex> guard{mtx};
+      return std::exchange(sizes, {});
+    }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+}  // namespace
+
+TEST(Runner, ANewJobStartsOnSmallChunksWhateverTheJobsBeforeIt) {
+  // The chunk sizer's model is per job: after a job of trivial items whose chunks grew large,
+  // the next job's first chunks hold one item each (its items may cost far more), and grow
+  // from that job's own answers.
+  troupe::options o;
+  o.speculative = false;
+  troupe::unordered_runner<recorded_calls_job> r{troupe::cpus(2), {}, o};
+  EXPECT_EQ(r.run(iota(300'000)), test_util::sum_of_squares(300'000));
+  auto first = recorded_calls_job::producer::take();
+  EXPECT_GE(*std::max_element(first.begin(), first.end()), 1000u) << "chunks never grew";
+  EXPECT_EQ(r.run(iota(2'000)), test_util::sum_of_squares(2'000));
+  auto second = recorded_calls_job::producer::take();
+  ASSERT_GE(second.size(), 4u);
+  // Two chunks are queued at each producer before its first answer: 4 calls of one item.
+  EXPECT_EQ(std::count(second.begin(), second.begin() + 4, std::size_t{1}), 4)
+      << "the second job's first chunks were sized from the first job's items";
+}
+
+TEST(Runner, ABatchProducersBatchesGrowWhenItsCostIsMostlyPerCall) {
+  // 2 ms per call whatever its size: per item that looked like 2 ms per item, and a plain run()
+  // of 3,000 items made 3,000 calls of one item. The cost model tells the fixed cost from the
+  // per-item one, and the batches grow while that raises the items per second.
+  troupe::config cfg;
+  cfg.set("call_ms", 2);
+  troupe::options o;
+  o.speculative = false;
+  troupe::unordered_runner<recorded_calls_job> r{troupe::cpus(2), cfg, o};
+  EXPECT_EQ(r.run(iota(3'000)), test_util::sum_of_squares(3'000));
+  auto calls = recorded_calls_job::producer::take();
+  std::size_t items = 0;
+  for (auto n : calls) items += n;
+  EXPECT_EQ(items, 3'000u);
+  std::cout << calls.size() << " calls for 3,000 items (mean batch "
+            << static_cast<double>(items) / static_cast<double>(calls.size()) << ")\n";
+  EXPECT_LE(calls.size(), 3'000u / 64) << "mean batch below 64";
 }

@@ -9,6 +9,7 @@
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
 #include <iostream>
+#include <set>
 #include <thread>
 #include <troupe/device_binding.hpp>
 #include <troupe/protocol.hpp>
@@ -226,15 +227,15 @@ TEST(Tensor, TheSerializeOptionCarriesTensorsInsideStructs) {
 
 namespace {
 
-/// Threads of this process now.
-std::size_t task_count() {
-  std::size_t n = 0;
+/// The ids of this process's threads now.
+std::set<std::string> task_ids() {
+  std::set<std::string> ids;
   if (DIR* d = ::opendir("/proc/self/task")) {
     while (auto* e = ::readdir(d))
-      if (e->d_name[0] != '.') ++n;
+      if (e->d_name[0] != '.') ids.insert(e->d_name);
     ::closedir(d);
   }
-  return n;
+  return ids;
 }
 
 /// A forward pass that LibTorch parallelizes (a matmul through MKL, an element-wise op through
@@ -265,9 +266,10 @@ std::pair<std::vector<std::int64_t>, std::size_t> forward_passes(std::size_t pro
   troupe::options o;
   o.speculative = false;
   troupe::unordered_runner<forward_pass> r{troupe::cpus(producers), cfg, o};
-  auto before = task_count();  // the producers' threads exist; their OpenMP teams do not yet
+  auto before = task_ids();  // the producers' threads exist; their OpenMP teams do not yet
   auto seen = r.run(std::vector<std::int64_t>(64, 3));
-  auto started = task_count() - before;  // OpenMP workers live as long as their producer
+  std::size_t started = 0;  // OpenMP workers live as long as their producer: still there
+  for (auto& id : task_ids()) started += before.count(id) == 0 ? 1 : 0;
   return {seen, started};
 }
 

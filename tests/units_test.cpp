@@ -450,6 +450,72 @@ TEST(ProducerModel, ChunksGrowTowardTheTargetTimeAtMostFourfoldPerAnswer) {
   EXPECT_EQ(m.chunk_limit(s), 7u);
 }
 
+namespace {
+
+sent_chunk chunk_of_job(std::uint64_t job, std::size_t items) {
+  auto c = chunk_of(items);
+  c.job = job;
+  return c;
+}
+
+/// Answers `job`'s chunks at the producer's chunk_limit, each taking `ns(items)`, `n` times.
+template <class Cost>
+void answer(producer_model& m, const model_settings& s, std::uint64_t job, int n, Cost ns) {
+  for (int i = 0; i < n; ++i) {
+    auto items = m.chunk_limit(s, job);
+    m.learn(chunk_of_job(job, items), static_cast<std::int64_t>(ns(items)), 0, true, s);
+  }
+}
+
+}  // namespace
+
+TEST(ProducerModel, AJobNotSeenYetStartsOnOneItemAndIsSizedFromItsOwnAnswersOnly) {
+  model_settings s;  // 2 ms per chunk
+  producer_model m{true, s};
+  answer(m, s, 1, 12, [](std::size_t n) { return 10.0 * static_cast<double>(n); });  // 10 ns
+  EXPECT_EQ(m.chunk_limit(s, 1), 65536u);  // max_chunk_items (200,000 wanted)
+  // A job of 200 us items after it: one item at first, never 65,536 of them.
+  EXPECT_EQ(m.chunk_limit(s, 2), 1u);
+  answer(m, s, 2, 1, [](std::size_t n) { return 200'000.0 * static_cast<double>(n); });
+  EXPECT_EQ(m.chunk_limit(s, 2), 4u);  // x4 at most per answer
+  answer(m, s, 2, 4, [](std::size_t n) { return 200'000.0 * static_cast<double>(n); });
+  EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 2)), 10, 1);  // 2 ms of 200 us items
+  EXPECT_EQ(m.chunk_limit(s, 1), 65536u) << "each job keeps its own model";
+  EXPECT_NEAR(m.chunk_ns_of(2, 10), 2'000'000, 1000);
+  m.forget(2);
+  EXPECT_EQ(m.chunk_limit(s, 2), 1u);
+  s.chunk_size = 7;  // a fixed size wins
+  EXPECT_EQ(m.chunk_limit(s, 3), 7u);
+}
+
+TEST(ProducerModel, ABatchProducersFixedCostPerCallMakesItsBatchesGrow) {
+  // 2 ms per call + 10 us per item (a forward pass): per item, a call of one item looks like
+  // 2 ms per item, and chunks would stay at one item. Fitted as a + b·n, they grow until the
+  // fixed cost is a tenth of the call: (20 ms - 2 ms) / 10 us = 1,800 items.
+  model_settings s;
+  producer_model m{true, s};
+  auto call = [](std::size_t n) { return 2'000'000.0 + 10'000.0 * static_cast<double>(n); };
+  answer(m, s, 1, 12, call);
+  EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 1)), 1800, 2);
+  auto [a, b] = m.rate(1)->cost();
+  EXPECT_NEAR(a, 2'000'000, 1000);
+  EXPECT_NEAR(b, 10'000, 10);
+  // A plain producer (no fixed cost) is sized as before: the target time's worth.
+  answer(m, s, 2, 12, [](std::size_t n) { return 1000.0 * static_cast<double>(n); });
+  EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 2)), 2000, 2);
+}
+
+TEST(ProducerModel, AChunkFarSlowerThanItsModelSaidShrinksTheNextOnesAtOnce) {
+  model_settings s;
+  producer_model m{true, s};
+  answer(m, s, 1, 12, [](std::size_t n) { return 100.0 * static_cast<double>(n); });
+  EXPECT_EQ(m.chunk_limit(s, 1), 20000u);
+  // A slow patch: 20,000 items that took 100 times longer. The next chunk: one item, growing
+  // again from there.
+  m.learn(chunk_of_job(1, 20000), 20000 * 10'000, 0, true, s);
+  EXPECT_LE(m.chunk_limit(s, 1), 4u);
+}
+
 TEST(ProducerModel, ADistantProducerThatStarvesGetsADeeperQueueAndLosesItSlowly) {
   model_settings s;
   s.chunk_size = 100;  // chunks of 100 items of 20 us: 2 ms each

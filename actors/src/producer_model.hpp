@@ -37,6 +37,66 @@ struct model_settings {
   std::size_t reorder_window = 0;  ///< fixed reorder window in chunks (0: automatic)
 };
 
+/// What a producer learned of one job's chunks: a chunk of n items takes about a + b·n (a: the
+/// call's fixed cost, a kernel launch or a forward pass; b: the cost per item), fitted by least
+/// squares over its answers, the older ones weighing less. A job's item cost does not carry to
+/// another job: each job starts every producer on chunks of one item and grows them.
+struct job_rate {
+  std::uint64_t job = 0;
+  std::size_t chunk_items = 1;
+  std::size_t answers = 0;
+  // Weighted sums of the answers (n items, t ns): w, w·n, w·t, w·n², w·n·t.
+  double w = 0, wn = 0, wt = 0, wnn = 0, wnt = 0;
+
+  /// Whether its answers were all of one chunk size (or nearly): then fixed and per-item costs
+  /// cannot be told apart yet.
+  [[nodiscard]] bool one_size() const {
+    if (w <= 0) return true;
+    auto mean_n = wn / w;
+    return wnn / w - mean_n * mean_n <= 1e-6 * mean_n * mean_n + 1e-12;
+  }
+
+  /// The fixed cost per call (ns) and the cost per item (ns) now; (0, 0) before any answer.
+  [[nodiscard]] std::pair<double, double> cost() const {
+    if (w <= 0 || wn <= 0) return {0, 0};
+    auto mean_n = wn / w, mean_t = wt / w;
+    auto var = wnn / w - mean_n * mean_n;
+    // One chunk size seen so far: all of it per item, as a plain producer.
+    if (one_size()) return {0, std::max(0.01, mean_t / mean_n)};
+    auto b = (wnt / w - mean_n * mean_t) / var;
+    auto a = mean_t - b * mean_n;
+    if (a < 0) return {0, std::max(0.01, mean_t / mean_n)};
+    return {a, std::max(0.01, b)};
+  }
+
+  /// Takes an answer: `n` items in `t` ns.
+  void add(double n, double t) {
+    constexpr double keep = 0.75;  // the weight an answer keeps at each later one
+    w = keep * w + 1;
+    wn = keep * wn + n;
+    wt = keep * wt + t;
+    wnn = keep * wnn + n * n;
+    wnt = keep * wnt + n * t;
+    answers += 1;
+  }
+
+  /// Items per chunk for a chunk time of `target` ns: where the fixed cost is at most a tenth
+  /// of the chunk (a batch producer's batches grow while that raises its items per second),
+  /// else the target; at most 4 times the last size (slow start), and at once smaller when
+  /// its items turned out slower.
+  void size(const model_settings& s) {
+    auto [a, b] = cost();
+    if (b <= 0) return;
+    auto target = std::max(static_cast<double>(s.target_chunk_time.count()), 10 * a);
+    auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
+    // One size seen: a call that took up to twice the target may be mostly fixed cost (a
+    // batch producer's): try twice the items, so that the next answer tells the two apart.
+    if (one_size() && b * static_cast<double>(chunk_items) <= 2 * target)
+      want = std::max(want, 2 * chunk_items);
+    chunk_items = std::max<std::size_t>(1, std::min({want, s.max_chunk_items, chunk_items * 4}));
+  }
+};
+
 class producer_model {
  public:
   static constexpr std::size_t min_depth = 2;   ///< chunks queued at a producer, at least
@@ -60,6 +120,52 @@ class producer_model {
   std::size_t depth = min_depth;  ///< chunks kept queued at it
   std::size_t calm = 0;           ///< answers in a row without the producer starving
   double chunk_bytes = 0;         ///< the size of the chunks it gets, on average
+  /// The jobs it worked on lately (most recent last), each with its own cost model.
+  std::vector<job_rate> rates;
+  static constexpr std::size_t max_rates = 16;
+
+  /// What it learned of `job`'s chunks, or null (none answered yet).
+  [[nodiscard]] const job_rate* rate(std::uint64_t job) const {
+    for (auto& r : rates)
+      if (r.job == job) return &r;
+    return nullptr;
+  }
+
+  /// Items in `job`'s next chunk, at most: one at first (a job not seen yet is never sized
+  /// from another job's items), then by the job's own cost model.
+  [[nodiscard]] std::size_t chunk_limit(const model_settings& s, std::uint64_t job) const {
+    if (s.chunk_size) return chunk_limit(s);
+    auto* r = rate(job);
+    auto n = r ? r->chunk_items : std::size_t{1};
+    if (s.max_in_flight) n = std::min(n, s.max_in_flight);
+    return std::max<std::size_t>(n, 1);
+  }
+
+  /// The time of one of `job`'s items here (ns): its own model's, else the producer's.
+  [[nodiscard]] double ns_per_item_of(std::uint64_t job) const {
+    if (auto* r = rate(job); r && r->answers > 0) {
+      auto [a, b] = r->cost();
+      (void)a;
+      return b;
+    }
+    return ns_per_item;
+  }
+
+  /// The time `job`'s chunk of `items` should take here (ns): a + b·items.
+  [[nodiscard]] double chunk_ns_of(std::uint64_t job, std::size_t items) const {
+    if (auto* r = rate(job); r && r->answers > 0) {
+      auto [a, b] = r->cost();
+      return a + b * static_cast<double>(items);
+    }
+    return ns_per_item * static_cast<double>(items);
+  }
+
+  /// Forgets `job` (it ended).
+  void forget(std::uint64_t job) {
+    rates.erase(std::remove_if(rates.begin(), rates.end(),
+                               [job](const job_rate& r) { return r.job == job; }),
+                rates.end());
+  }
 
   /// Items in its next chunk, at most.
   [[nodiscard]] std::size_t chunk_limit(const model_settings& s) const {
@@ -86,6 +192,31 @@ class producer_model {
              const model_settings& s) {
     auto busy = static_cast<double>(busy_ns);
     if (rec.items > 0 && ok) {
+      auto it = std::find_if(rates.begin(), rates.end(),
+                             [&](const job_rate& r) { return r.job == rec.job; });
+      if (it == rates.end()) {
+        if (rates.size() >= max_rates) rates.erase(rates.begin());
+        rates.push_back(job_rate{});
+        rates.back().job = rec.job;
+        it = rates.end() - 1;
+      }
+      auto before = it->answers > 0 ? it->cost() : std::pair<double, double>{0, 0};
+      auto predicted = before.first + before.second * static_cast<double>(rec.items);
+      if (it->answers > 0 && busy > 4 * predicted) {
+        // Far slower than its model said (a slow patch of items): start the model again from
+        // this answer, so that the next chunks shrink at once.
+        auto job = it->job;
+        auto items = it->chunk_items;
+        *it = job_rate{};
+        it->job = job;
+        it->chunk_items = items;
+      }
+      it->add(static_cast<double>(rec.items), std::max(busy, 1.0));
+      if (!s.chunk_size) {
+        if (busy > 4 * predicted && it->answers == 1)
+          it->chunk_items = 1;  // grows again from one item: ×4 per answer
+        it->size(s);
+      }
       // Trivial items take well under 1 ns each (x*x over numbers in the cache).
       auto per_item = std::max(0.01, busy / static_cast<double>(rec.items));
       ns_per_item = ns_per_item == 0 ? per_item : 0.5 * ns_per_item + 0.5 * per_item;

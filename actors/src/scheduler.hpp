@@ -220,6 +220,10 @@ class scheduler {
   bool window_open(const job_state& j) const;
 
   std::size_t chunk_limit(const producer_slot& s) const { return s.chunk_limit(settings_); }
+  /// Items in job `job`'s next chunk to `s`, at most (the job's own cost model there).
+  std::size_t chunk_limit(const producer_slot& s, std::uint64_t job) const {
+    return s.chunk_limit(settings_, job);
+  }
   /// A chunk of a caller's lent range for a job that folds (job_state::fold) on a local
   /// producer holds neither items nor outputs (a view in, a consumer object out): only time
   /// bounds it, not max_chunk_items or max_chunk_bytes. About target_chunk_time of the

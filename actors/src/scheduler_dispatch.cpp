@@ -104,7 +104,7 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
     auto elapsed = std::chrono::duration<double, std::nano>(now - began).count();
     double expected = 0;
     for (auto& rec : s.outstanding) {
-      expected += static_cast<double>(rec.items) * s.ns_per_item;
+      expected += s.chunk_ns_of(rec.job, rec.items);  // by the job's own cost model there
       auto allowed = std::max(floor, opts_.speculation_after * expected);
       if (elapsed <= allowed * most_late) {  // this one and those behind it: on time (yet)
         if (!best_job)
@@ -226,7 +226,7 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
       x.items = j.source->pull(folded_chunk_limit(j, s), std::numeric_limits<std::size_t>::max(),
                                opts_.target_chunk_time);
     else
-      x.items = j.source->pull(limit ? *limit : chunk_limit(s), opts_.max_chunk_bytes,
+      x.items = j.source->pull(limit ? *limit : chunk_limit(s, j.id), opts_.max_chunk_bytes,
                                opts_.target_chunk_time);
   } catch (...) {
     j.exhausted = true;
@@ -249,11 +249,10 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
 }
 
 std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slot& s) const {
-  auto base = chunk_limit(s);
-  if (settings_.chunk_size || settings_.max_in_flight || s.ns_per_item <= 0) return base;
-  auto items_in = [&](double ns) {
-    return static_cast<std::size_t>(std::max(1.0, ns / s.ns_per_item));
-  };
+  auto base = chunk_limit(s, j.id);
+  auto per_item = s.rate(j.id) ? s.ns_per_item_of(j.id) : 0.0;  // never another job's items
+  if (settings_.chunk_size || settings_.max_in_flight || per_item <= 0) return base;
+  auto items_in = [&](double ns) { return static_cast<std::size_t>(std::max(1.0, ns / per_item)); };
   auto target = static_cast<double>(settings_.target_chunk_time.count());
   auto want = items_in(target);
   if (auto total = j.source->total()) {
@@ -308,8 +307,9 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
     }
   }
   if (trace_) trace_->dispatch(p, flow_id(j.id, id), rec.sent);
-  auto cost =
-      static_cast<double>(rec.items) * (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
+  auto cost = s.rate(j.id) ? s.chunk_ns_of(j.id, rec.items)
+                           : static_cast<double>(rec.items) *
+                                 (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
   share_.charge(j.id, cost, static_cast<double>(j.opts.weight));
   touch(j);
   auto gen = s.gen;

@@ -120,6 +120,7 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
   unqueue(*j, j->queued_left);
   share_.leave(id);
   io_.forget_job(id);
+  for (auto& p : producers_) p.forget(id);  // its cost model: the next job starts small again
   // A consumer that concluded the job has finished it already: that outcome stands.
   if (j->core->done()) e = j->core->error();
   if (e) j->gate->stop();  // its consumer gives up the chunk it may be working on

@@ -1,0 +1,183 @@
+// Uneven work (docs/api.md, "Chunks that follow the work"): what the per-job cost model does
+// where items differ in cost, against oneTBB's parallel_for with its auto_partitioner over the
+// same items, same run, as many TBB threads as troupe producers. Items are busy-waits of a given
+// number of microseconds (work on the CPU, not sleeps).
+//   slow-after-fast  5 jobs of 200,000 trivial items, then one job of 3,000 items of 200 us
+//   slow-patch       100,000 trivial items with 1,500 items of 400 us in the middle
+//   lognormal        20,000 items whose cost is drawn from a lognormal (median 50 us, sigma 1.5)
+//   batch            a batch producer of 2 ms per call + 10 us per item, a plain run() of 5,000
+//                    items, against fixed chunk sizes (a sweep)
+// For each: the makespan, the ideal (total work / producers, or the longest item when longer),
+// and the items computed twice (stats().duplicated_items).
+// Usage: troupe_uneven_bench [--producers 3] [--only NAME]
+#include <tbb/global_control.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <iostream>
+#include <random>
+#include <string>
+#include <troupe/troupe.hpp>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// Busy for `us` microseconds (0: nothing).
+void spin_us(std::int64_t us) {
+  if (us <= 0) return;
+  auto until = clock_type::now() + std::chrono::microseconds{us};
+  while (clock_type::now() < until) {
+  }
+}
+
+/// An item: its cost in microseconds.
+struct costed {
+  struct producer {
+    std::int64_t work(std::int64_t us) {
+      spin_us(us);
+      return us;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t us) { total += us; }
+    std::int64_t end() { return total; }
+    std::int64_t total = 0;
+  };
+};
+
+/// 2 ms per call + 10 us per item (a forward pass on a GPU).
+struct batched {
+  struct producer {
+    std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      spin_us(2000 + 10 * static_cast<std::int64_t>(xs.size()));
+      calls += 1;
+      return {xs.begin(), xs.end()};
+    }
+    static inline std::atomic<std::uint64_t> calls{0};
+  };
+  struct consumer {
+    void work(std::int64_t) { n += 1; }
+    std::int64_t end() { return n; }
+    std::int64_t n = 0;
+  };
+};
+
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+double ideal_of(const std::vector<std::int64_t>& us, std::size_t producers) {
+  double total = 0;
+  std::int64_t longest = 0;
+  for (auto x : us) {
+    total += static_cast<double>(x);
+    longest = std::max(longest, x);
+  }
+  return std::max(total / static_cast<double>(producers), static_cast<double>(longest)) * 1e-6;
+}
+
+double tbb_makespan(tbb::task_arena& arena, const std::vector<std::int64_t>& us) {
+  auto t0 = clock_type::now();
+  arena.execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<std::size_t>(0, us.size()),
+        [&](const tbb::blocked_range<std::size_t>& r) {
+          for (auto i = r.begin(); i != r.end(); ++i) spin_us(us[i]);
+        },
+        tbb::auto_partitioner{});
+  });
+  return seconds_since(t0);
+}
+
+void report(const std::string& name, double secs, double ideal, std::uint64_t duplicated,
+            std::size_t items, double tbb) {
+  std::cout << std::left << std::setw(18) << name << std::right << std::fixed
+            << std::setprecision(3) << " troupe " << secs << " s  ideal " << ideal << " s  ("
+            << std::setprecision(2) << secs / ideal << "x)  duplicated " << duplicated << " of "
+            << items;
+  if (tbb > 0)
+    std::cout << "  | oneTBB auto_partitioner " << std::setprecision(3) << tbb << " s ("
+              << std::setprecision(2) << tbb / ideal << "x)";
+  std::cout << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe on uneven work, against oneTBB"};
+  std::size_t producers = 3;
+  std::string only;
+  app.add_option("--producers", producers, "CPU producers (and TBB threads)");
+  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal or batch");
+  CLI11_PARSE(app, argc, argv);
+  tbb::global_control threads{tbb::global_control::max_allowed_parallelism, producers};
+  tbb::task_arena arena{static_cast<int>(producers)};
+  auto want = [&](const char* name) { return only.empty() || only == name; };
+
+  if (want("slow-after-fast")) {
+    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
+    for (int i = 0; i < 5; ++i) r.run(std::vector<std::int64_t>(200'000, 0));
+    std::vector<std::int64_t> slow(3'000, 200);
+    auto dup0 = r.stats().duplicated_items;
+    auto t0 = clock_type::now();
+    r.run(slow);
+    auto secs = seconds_since(t0);
+    report("slow-after-fast", secs, ideal_of(slow, producers), r.stats().duplicated_items - dup0,
+           slow.size(), tbb_makespan(arena, slow));
+  }
+  if (want("slow-patch")) {
+    std::vector<std::int64_t> us(100'000, 0);
+    for (std::size_t i = 49'250; i < 50'750; ++i) us[i] = 400;
+    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
+    r.run(std::vector<std::int64_t>(1'000, 0));  // started
+    auto dup0 = r.stats().duplicated_items;
+    auto t0 = clock_type::now();
+    r.run(us);
+    auto secs = seconds_since(t0);
+    report("slow-patch", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0,
+           us.size(), tbb_makespan(arena, us));
+  }
+  if (want("lognormal")) {
+    std::mt19937_64 rng{7};
+    std::lognormal_distribution<double> cost{std::log(50.0), 1.5};
+    std::vector<std::int64_t> us(20'000);
+    for (auto& x : us) x = static_cast<std::int64_t>(std::min(50'000.0, cost(rng)));
+    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
+    r.run(std::vector<std::int64_t>(1'000, 0));
+    auto dup0 = r.stats().duplicated_items;
+    auto t0 = clock_type::now();
+    r.run(us);
+    auto secs = seconds_since(t0);
+    report("lognormal", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0, us.size(),
+           tbb_makespan(arena, us));
+  }
+  if (want("batch")) {
+    std::vector<std::int64_t> xs(5'000, 1);
+    auto run = [&](std::size_t chunk) {
+      troupe::options o;
+      o.chunk_size = chunk;
+      troupe::unordered_runner<batched> r{troupe::cpus(producers), {}, o};
+      batched::producer::calls = 0;
+      auto t0 = clock_type::now();
+      r.run(xs);
+      auto secs = seconds_since(t0);
+      std::cout << "batch " << (chunk ? "chunk_size " + std::to_string(chunk) : "adaptive     ")
+                << std::fixed << std::setprecision(3) << "  " << secs << " s  "
+                << std::setprecision(0) << static_cast<double>(xs.size()) / secs
+                << " items/s  mean batch " << std::setprecision(1)
+                << static_cast<double>(xs.size()) / static_cast<double>(batched::producer::calls)
+                << "\n";
+    };
+    run(0);
+    for (std::size_t c : {16, 64, 256, 1024}) run(c);
+  }
+}
