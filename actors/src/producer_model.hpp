@@ -93,7 +93,13 @@ struct job_rate {
     // batch producer's): try twice the items, so that the next answer tells the two apart.
     if (one_size() && b * static_cast<double>(chunk_items) <= 2 * target)
       want = std::max(want, 2 * chunk_items);
-    chunk_items = std::max<std::size_t>(1, std::min({want, s.max_chunk_items, chunk_items * 4}));
+    // Slow start: at most 4 times the last size per answer, or 16 times while a chunk takes
+    // under a sixteenth of the target (trivial items reach full-size chunks in 4 answers, not
+    // 8: each answer is a round trip while the producer waits).
+    auto now_ns = a + b * static_cast<double>(chunk_items);
+    auto growth = now_ns * 16 < static_cast<double>(s.target_chunk_time.count()) ? 16 : 4;
+    chunk_items =
+        std::max<std::size_t>(1, std::min({want, s.max_chunk_items, chunk_items * growth}));
   }
 };
 

@@ -231,6 +231,9 @@ class scheduler {
   /// chunks smaller, so the producers finish together: guided self-scheduling), at least a 40th
   /// of target_chunk_time (or chunk_limit(s) when that is smaller).
   std::size_t folded_chunk_limit(const job_state& j, const producer_slot& s) const;
+  /// Items in job `j`'s next chunk to `s`: its own cost model's, or, for a job not seen yet
+  /// while more jobs are open than producers, the producer's estimate from the other jobs.
+  std::size_t new_job_limit(const job_state& j, const producer_slot& s) const;
 
   bool has_room(const producer_slot& s) const { return s.has_room(settings_); }
 

@@ -226,7 +226,7 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
       x.items = j.source->pull(folded_chunk_limit(j, s), std::numeric_limits<std::size_t>::max(),
                                opts_.target_chunk_time);
     else
-      x.items = j.source->pull(limit ? *limit : chunk_limit(s, j.id), opts_.max_chunk_bytes,
+      x.items = j.source->pull(limit ? *limit : new_job_limit(j, s), opts_.max_chunk_bytes,
                                opts_.target_chunk_time);
   } catch (...) {
     j.exhausted = true;
@@ -246,6 +246,15 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
   send(p, j, j.pieces.add(std::move(x)),
        j.source->total() ? now - j.started : clock_type::duration::zero());
   return true;
+}
+
+std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s) const {
+  // A job not seen yet starts on one-item chunks, so that idle producers share its first items
+  // whatever they cost. With more jobs open than producers (many small jobs from many callers)
+  // no producer is idle for long: splitting a 3-item job into three chunks would only triple
+  // the messages, so such a job starts at the producer's estimate from the other jobs.
+  if (!s.rate(j.id) && jobs_.size() > producers_.size()) return chunk_limit(s);
+  return chunk_limit(s, j.id);
 }
 
 std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slot& s) const {
