@@ -5,7 +5,10 @@
 # of WORK_MS each (a sleep: the nodes wait, as for a device). Prints the connect time, the run's
 # time against the ideal (ITEMS x WORK_MS / N), the coordinator's CPU seconds per chunk, and
 # checks the result. With KILL=K, K nodes are SIGKILLed at once a second into the run: the
-# result must still be exact.
+# result must still be exact. With FROZEN=F and DEAD=D, F of the nodes are frozen (SIGSTOP) and D
+# addresses with nothing listening are added before the connect, and MIN_NODES=M is passed as
+# --min-nodes: the connect must return with the nodes that answer (the time to the runner's
+# start is printed).
 #   bench/many_nodes.sh build/examples/sum_of_squares 128 20000 2
 set -euo pipefail
 bin=$1
@@ -16,6 +19,7 @@ kill_n=${KILL:-0}
 dir=$(mktemp -d)
 pids=()
 cleanup() {
+  exec 2>/dev/null  # no "Killed" line for each node
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   rm -rf "$dir"
 }
@@ -29,13 +33,25 @@ for i in $(seq "$n"); do
   for _ in $(seq 200); do grep -q "serving on" "$dir/node$i" 2>/dev/null && break; sleep 0.05; done
   addresses+=("$(sed -n 's/serving on //p' "$dir/node$i")")
 done
+for i in $(seq "${FROZEN:-0}"); do kill -STOP "${pids[$((n - i))]}"; done
+for _ in $(seq "${DEAD:-0}"); do
+  addresses+=("$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print("127.0.0.1:%d" % s.getsockname()[1])')")
+done
 list=$(IFS=,; echo "${addresses[*]}")
 if [ "$kill_n" -gt 0 ]; then
   ( sleep 1; for i in $(seq "$kill_n"); do kill -9 "${pids[$((i - 1))]}"; done; echo "killed $kill_n nodes" >&2 ) &
 fi
 start=$(date +%s.%N)
-/usr/bin/time -f "%U %S" -o "$dir/cpu" "$bin" --nodes "$list" --items "$items" --work-ms "$work_ms" \
-  -v > "$dir/out" 2> "$dir/log" || { tail -20 "$dir/log"; exit 1; }
+# Each line of the coordinator's log with the seconds since the start.
+stamp() { python3 -u -c '
+import sys, time
+t0 = time.monotonic()
+for line in sys.stdin:
+    print("%.3f %s" % (time.monotonic() - t0, line), end="", flush=True)'; }
+/usr/bin/time -f "%U %S" -o "$dir/cpu" "$bin" --nodes "$list" --items "$items" --work-ms "$work_ms" ${TRACE:+--trace "$TRACE"} \
+  ${MIN_NODES:+--min-nodes "$MIN_NODES"} -v > "$dir/out" 2> >(stamp > "$dir/log") || { sleep 1; tail -20 "$dir/log"; exit 1; }
+sleep 0.5  # the stamper's last lines
+cp "$dir/log" /tmp/many_nodes_last.log
 end=$(date +%s.%N)
 expected=$(python3 -c "print(sum(x * x for x in range($items)))")
 grep -qx "result: $expected" "$dir/out" || { echo "wrong result: $(cat "$dir/out")"; exit 1; }
@@ -48,4 +64,5 @@ ideal = items * work_ms / 1000 / n
 print(f"{n} nodes, {items} items of {work_ms} ms: {wall:.2f} s (connect and start included), "
       f"ideal {ideal:.2f} s, efficiency {ideal / wall:.2f}; coordinator CPU {user + system:.2f} s ({(user + system) / items * 1e6:.1f} us per item)")
 PY
+echo "runner started after $(sed -n 's/^\([0-9.]*\) .*runner started.*/\1/p' "$dir/log") s (connect included)"
 echo "exact result"

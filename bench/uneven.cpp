@@ -123,42 +123,32 @@ int main(int argc, char** argv) {
   tbb::task_arena arena{static_cast<int>(producers)};
   auto want = [&](const char* name) { return only.empty() || only == name; };
 
-  if (want("slow-after-fast")) {
+  // Times one job of `us` on a runner that ran `before` (jobs of trivial items) first, against
+  // TBB over the same items.
+  auto measure = [&](const char* name, const std::vector<std::int64_t>& us, int before,
+                     std::size_t before_items) {
     troupe::unordered_runner<costed> r{troupe::cpus(producers)};
-    for (int i = 0; i < 5; ++i) r.run(std::vector<std::int64_t>(200'000, 0));
-    std::vector<std::int64_t> slow(3'000, 200);
-    auto dup0 = r.stats().duplicated_items;
-    auto t0 = clock_type::now();
-    r.run(slow);
-    auto secs = seconds_since(t0);
-    report("slow-after-fast", secs, ideal_of(slow, producers), r.stats().duplicated_items - dup0,
-           slow.size(), tbb_makespan(arena, slow));
-  }
-  if (want("slow-patch")) {
-    std::vector<std::int64_t> us(100'000, 0);
-    for (std::size_t i = 49'250; i < 50'750; ++i) us[i] = 400;
-    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
-    r.run(std::vector<std::int64_t>(1'000, 0));  // started
+    for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
     auto dup0 = r.stats().duplicated_items;
     auto t0 = clock_type::now();
     r.run(us);
     auto secs = seconds_since(t0);
-    report("slow-patch", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0,
-           us.size(), tbb_makespan(arena, us));
+    report(name, secs, ideal_of(us, producers), r.stats().duplicated_items - dup0, us.size(),
+           tbb_makespan(arena, us));
+  };
+  if (want("slow-after-fast"))
+    measure("slow-after-fast", std::vector<std::int64_t>(3'000, 200), 5, 200'000);
+  if (want("slow-patch")) {
+    std::vector<std::int64_t> us(100'000, 0);
+    for (std::size_t i = 49'250; i < 50'750; ++i) us[i] = 400;
+    measure("slow-patch", us, 1, 1'000);
   }
   if (want("lognormal")) {
     std::mt19937_64 rng{7};
     std::lognormal_distribution<double> cost{std::log(50.0), 1.5};
     std::vector<std::int64_t> us(20'000);
     for (auto& x : us) x = static_cast<std::int64_t>(std::min(50'000.0, cost(rng)));
-    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
-    r.run(std::vector<std::int64_t>(1'000, 0));
-    auto dup0 = r.stats().duplicated_items;
-    auto t0 = clock_type::now();
-    r.run(us);
-    auto secs = seconds_since(t0);
-    report("lognormal", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0, us.size(),
-           tbb_makespan(arena, us));
+    measure("lognormal", us, 1, 1'000);
   }
   if (want("batch")) {
     std::vector<std::int64_t> xs(5'000, 1);

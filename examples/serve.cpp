@@ -137,6 +137,17 @@ at::Tensor stack(troupe::span<const std::vector<float>> rows) {
   return x;
 }
 
+/// Each row's best class and its score, from a [rows, classes] tensor on any device.
+std::vector<prediction> best_classes(const at::Tensor& scores) {
+  auto best = scores.max(1);
+  auto score = troupe::to_host(std::get<0>(best)), label = troupe::to_host(std::get<1>(best));
+  std::vector<prediction> out(static_cast<std::size_t>(scores.size(0)));
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = {label[static_cast<std::int64_t>(i)].item<std::int64_t>(),
+              score[static_cast<std::int64_t>(i)].item<float>()};
+  return out;
+}
+
 }  // namespace
 
 /// The same service with a LibTorch MLP: one forward pass on the producer's device per batch.
@@ -159,13 +170,7 @@ struct classify_mlp {
       example::simulate_work(
           static_cast<double>(call_us + item_us * static_cast<std::int64_t>(rows.size())) / 1000.0);
       c10::InferenceMode inference;
-      auto best = model->forward(troupe::to_device(stack(rows), where)).max(1);
-      auto score = troupe::to_host(std::get<0>(best)), label = troupe::to_host(std::get<1>(best));
-      std::vector<prediction> out(rows.size());
-      for (std::size_t i = 0; i < out.size(); ++i)
-        out[i] = {label[static_cast<std::int64_t>(i)].item<std::int64_t>(),
-                  score[static_cast<std::int64_t>(i)].item<float>()};
-      return out;
+      return best_classes(model->forward(troupe::to_device(stack(rows), where)));
     }
     troupe::device where;
     torch::nn::Sequential model;
@@ -201,14 +206,7 @@ struct classify_script {
       classify::producer::calls += 1;
       classify::producer::rows_seen += rows.size();
       c10::InferenceMode inference;
-      auto y = model.module.forward({troupe::to_device(stack(rows), where)}).toTensor();
-      auto best = y.max(1);
-      auto score = troupe::to_host(std::get<0>(best)), label = troupe::to_host(std::get<1>(best));
-      std::vector<prediction> out(rows.size());
-      for (std::size_t i = 0; i < out.size(); ++i)
-        out[i] = {label[static_cast<std::int64_t>(i)].item<std::int64_t>(),
-                  score[static_cast<std::int64_t>(i)].item<float>()};
-      return out;
+      return best_classes(model.module.forward({troupe::to_device(stack(rows), where)}).toTensor());
     }
     troupe::device where;
     device_state& model;

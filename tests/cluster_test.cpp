@@ -158,6 +158,30 @@ struct open_ended {
   }
 };
 
+/// A runner of remote_squares (`us` per item) that follows `c`, with an open-ended job under way
+/// (2,000 items delivered); finish() ends the job and checks its result.
+struct running_job {
+  running_job(const troupe::cluster& c, std::int64_t us)
+      : runner{c, slow(us), opts_with(started)}, job{runner.submit(in.input(0, 20'000))} {
+    wait_until(*started, "the job under way");
+  }
+  static troupe::options opts_with(std::shared_ptr<std::atomic<bool>>& flag) {
+    troupe::options o;
+    o.speculative = false;
+    flag = flag_after(o, 2'000);
+    return o;
+  }
+  void finish() {
+    *in.more = true;
+    auto sum = job.get();  // before made is read: the generator runs until the job ends
+    EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  }
+  std::shared_ptr<std::atomic<bool>> started;
+  open_ended in;
+  troupe::unordered_runner<remote_squares> runner;
+  troupe::job_handle<std::int64_t> job;
+};
+
 }  // namespace
 
 TEST(Cluster, ANodeAddedMidJobTakesItemsInThatJob) {
@@ -353,13 +377,7 @@ TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) 
   o.on_change = ev.callback();
   o.connect_timeout = std::chrono::milliseconds{2000};
   auto c = troupe::cluster::connect({a.address()}, {}, o);
-  troupe::options opts;
-  opts.speculative = false;
-  auto started = flag_after(opts, 2'000);
-  troupe::unordered_runner<remote_squares> runner{c, slow(20), opts};
-  open_ended in;
-  auto job = runner.submit(in.input(0, 20'000));
-  wait_until(*started, "the job under way");
+  running_job r{c, 20};
   auto bound = o.connect_timeout + std::chrono::milliseconds{500};
   std::size_t joined = 0, refused = 0;
   for (int us : {0, 300, 700, 1000, 1300, 1600, 2000, 2500, 3000, 5000}) {
@@ -408,9 +426,7 @@ TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) 
   auto t0 = std::chrono::steady_clock::now();
   c.add(b.address());
   EXPECT_LT(std::chrono::steady_clock::now() - t0, bound);
-  *in.more = true;
-  auto sum = job.get();  // before made is read: the generator runs until the job ends
-  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  r.finish();
   EXPECT_EQ(ev.count(troupe::membership_event::joined, b.address()), 1u);
 }
 
@@ -456,25 +472,18 @@ TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo
   for (auto& m : ms)
     if (m.what == troupe::member::state::lost && m.incarnation == 0) ++not_up;
   EXPECT_EQ(not_up, 2u);
-  troupe::options opts;
-  opts.speculative = false;
-  auto started = flag_after(opts, 2'000);
-  troupe::unordered_runner<remote_squares> runner{*c, slow(50), opts};
-  open_ended in;
-  auto job = runner.submit(in.input(0, 20'000));
-  wait_until(*started, "the job under way");
+  running_job r{*c, 50};
   node_process late{"cpu", {}, silent};  // the silent address comes up
   frozen.kill(SIGCONT);
   ev.wait_for(troupe::membership_event::joined, silent);
   ev.wait_for(troupe::membership_event::joined, frozen.address());
   {
     test_util::watchdog dog{std::chrono::seconds{60}, "the late nodes' first items"};
-    while (items_on(runner.stats(), silent) == 0 || items_on(runner.stats(), frozen.address()) == 0)
+    while (items_on(r.runner.stats(), silent) == 0 ||
+           items_on(r.runner.stats(), frozen.address()) == 0)
       std::this_thread::sleep_for(std::chrono::milliseconds{2});
   }
-  *in.more = true;
-  auto sum = job.get();  // before made is read: the generator runs until the job ends
-  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  r.finish();
   EXPECT_EQ(c->devices().size(), 6u);
   EXPECT_EQ(ev.count(troupe::membership_event::lost, silent), 0u);
 }
@@ -516,18 +525,12 @@ TEST(Discovery, ANameThatGainsAndLosesAddressesJoinsAndDrainsNodes) {
   o.discover_every = std::chrono::milliseconds{100};
   auto c = troupe::cluster::connect({}, {}, o);
   EXPECT_EQ(c.devices().size(), 4u);
-  troupe::options opts;
-  opts.speculative = false;
-  auto started = flag_after(opts, 2'000);
-  troupe::unordered_runner<remote_squares> runner{c, slow(50), opts};
-  open_ended in;
-  auto job = runner.submit(in.input(0, 20'000));
-  wait_until(*started, "the job under way");
+  running_job r{c, 50};
   write_hosts({2, 3, 4, 5, 6});  // a fifth address: its node takes work in the running job
   ev.wait_for(troupe::membership_event::joined, at(6));
   {
     test_util::watchdog dog{std::chrono::seconds{60}, "the discovered node's first items"};
-    while (items_on(runner.stats(), at(6)) == 0)
+    while (items_on(r.runner.stats(), at(6)) == 0)
       std::this_thread::sleep_for(std::chrono::milliseconds{2});
   }
   write_hosts({2, 4, 5, 6});  // one vanishes: drained, never lost
@@ -544,9 +547,7 @@ TEST(Discovery, ANameThatGainsAndLosesAddressesJoinsAndDrainsNodes) {
   EXPECT_EQ(c.devices().size(), devices_before);
   EXPECT_EQ(c.members().size(), members_before);
   write_hosts({2, 4, 5, 6});
-  *in.more = true;
-  auto sum = job.get();  // before made is read: the generator runs until the job ends
-  EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+  r.finish();
   troupe::set_log_handler(nullptr);
   EXPECT_EQ(failures_logged, 1u);
   EXPECT_EQ(c.devices().size(), 4u);

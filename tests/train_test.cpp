@@ -138,6 +138,17 @@ std::thread signal_after(const node_process& node, int sig, int ms) {
   }};
 }
 
+/// SIGKILLs the node in `a`, waits for its end, and starts a new one on `address`.
+void restart_killed(std::optional<node_process>& a, const std::string& address) {
+  a->kill(SIGKILL);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
+    while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  a.reset();
+  a.emplace(address);
+}
+
 }  // namespace
 
 TEST(Train, ReplicasAreBitIdenticalAfterEveryStep) {
@@ -1015,13 +1026,7 @@ TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
       EXPECT_EQ(dp.devices().size(), 4u);
     }
     if (i == 10) {
-      a->kill(SIGKILL);
-      {
-        test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
-        while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
-      }
-      a.reset();
-      a.emplace(address);
+      restart_killed(a, address);
       test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
       std::unique_lock<std::mutex> lock{mtx};
       cv.wait(lock, [&] {
@@ -1078,13 +1083,7 @@ TEST_P(TrainOptimizerState, FollowsJoinsRestartsAndDrainsBitForBit) {
       EXPECT_EQ(dp.devices().size(), 3u);
     }
     if (i == 10) {
-      a->kill(SIGKILL);
-      {
-        test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
-        while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
-      }
-      a.reset();
-      a.emplace(address);  // its rejoin comes while the next steps run
+      restart_killed(a, address);  // its rejoin comes while the next steps run
     }
     if (i == 15) {
       // The rejoin must have been taken by now, between two steps (else this run would not

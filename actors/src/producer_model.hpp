@@ -65,6 +65,9 @@ struct job_rate {
     if (one_size()) return {0, std::max(0.01, mean_t / mean_n)};
     auto b = (wnt / w - mean_n * mean_t) / var;
     auto a = mean_t - b * mean_n;
+    // A negative fixed cost: none, all of it per item. Bigger chunks no slower (b <= 0): the
+    // calls' cost is fixed (a batch producer's), or a small chunk's thread was woken late; the
+    // next, bigger answers tell which (the job's tail is bounded by new_job_limit meanwhile).
     if (a < 0) return {0, std::max(0.01, mean_t / mean_n)};
     return {a, std::max(0.01, b)};
   }
@@ -87,7 +90,10 @@ struct job_rate {
   void size(const model_settings& s) {
     auto [a, b] = cost();
     if (b <= 0) return;
-    auto target = std::max(static_cast<double>(s.target_chunk_time.count()), 10 * a);
+    // At most 8 times the target: a fixed cost measured on a loaded machine may be a thread
+    // woken late, not the call's.
+    auto target = static_cast<double>(s.target_chunk_time.count());
+    target = std::max(target, std::min(10 * a, 8 * target));
     auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
     // One size seen: a call that took up to twice the target may be mostly fixed cost (a
     // batch producer's): try twice the items, so that the next answer tells the two apart.

@@ -1,5 +1,7 @@
 // The scheduler (scheduler.hpp): which chunk goes to which producer, by fair share, room and
 // the reorder window; speculative copies of late chunks; wakeups.
+#include <cmath>
+
 #include "scheduler.hpp"
 
 namespace troupe::detail {
@@ -254,7 +256,24 @@ std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s)
   // no producer is idle for long: splitting a 3-item job into three chunks would only triple
   // the messages, so such a job starts at the producer's estimate from the other jobs.
   if (!s.rate(j.id) && jobs_.size() > producers_.size()) return chunk_limit(s);
-  return chunk_limit(s, j.id);
+  auto n = chunk_limit(s, j.id);
+  // A job of known size: the chunks queued at a producer hold at most its share of the items
+  // left, so that the last chunks are small and the producers finish together (a queue of big
+  // chunks at a slow producer would be the job's tail); but never below an eighth of the target's
+  // worth of items, nor below twice the fixed cost per call (smaller chunks would cost more in
+  // messages and calls than the balance gains).
+  auto* r = s.rate(j.id);
+  if (auto total = j.source->total(); total && r != nullptr && !settings_.chunk_size) {
+    auto left = *total > j.next_item ? *total - j.next_item : 0;
+    // Counted in the chunks queued at this producer: a distant one keeps up to 32 of them.
+    auto ways = std::max<std::size_t>(1, producers_.size() * std::max<std::size_t>(2, s.depth));
+    auto share = (left + ways - 1) / ways;
+    auto [a, b] = r->cost();
+    auto floor_ns = std::max(static_cast<double>(settings_.target_chunk_time.count()) / 8, 2 * a);
+    auto floor = static_cast<std::uint64_t>(std::max(1.0, std::ceil(floor_ns / std::max(b, 0.01))));
+    n = std::min<std::size_t>(n, static_cast<std::size_t>(std::max<std::uint64_t>(share, floor)));
+  }
+  return n;
 }
 
 std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slot& s) const {

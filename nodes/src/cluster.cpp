@@ -53,10 +53,19 @@ class cluster_state {
       r.live.emplace_back(r.next_id++, core);
     }
     notifier_ = std::thread{[c = core] { c->notify_loop(); }};
-    if (core->watching()) watcher_ = std::thread{[c = core] { c->guarded_watch_loop(); }};
+    auto& opts = core->options();
+    if (core->watching())
+      watcher_ = std::thread{[c = core, every = opts.heartbeat] {
+        c->guarded("cluster watcher", &cluster_core::watch_loop, every);
+      }};
     if (core->reconnecting())
-      reconnector_ = std::thread{[c = core] { c->guarded_reconnect_loop(); }};
-    if (core->discovering()) discoverer_ = std::thread{[c = core] { c->guarded_discover_loop(); }};
+      reconnector_ = std::thread{[c = core, every = opts.reconnect_every] {
+        c->guarded("cluster reconnector", &cluster_core::reconnect_loop, every);
+      }};
+    if (core->discovering())
+      discoverer_ = std::thread{[c = core, every = opts.discover_every] {
+        c->guarded("cluster discovery", &cluster_core::discover_loop, every);
+      }};
   }
   cluster_state(const cluster_state&) = delete;
   cluster_state& operator=(const cluster_state&) = delete;

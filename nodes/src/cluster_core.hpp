@@ -117,16 +117,15 @@ class cluster_core {
   void admit(reached& r, bool rethrow);
 
   // Discovery (discovery.cpp): the addresses that appear join, those that vanish drain.
-  void guarded_discover_loop();
   void discover_loop();
   void appear(const std::string& address);
   void vanish(const std::string& address);
 
   // The watcher and the reconnector (cluster_watch.cpp).
   bool pause(std::chrono::milliseconds d);
-  /// The loops, never ending the process on an exception (logged; the loop goes on).
-  void guarded_watch_loop();
-  void guarded_reconnect_loop();
+  /// Runs `loop` (a thread's), never ending the process on an exception: logged as `name`'s,
+  /// and the loop starts again after `again`.
+  void guarded(const char* name, void (cluster_core::*loop)(), std::chrono::milliseconds again);
   void watch_loop();
   void reconnect_loop();
   /// Under mtx_: the leaving notices received so far, applied (draining events).

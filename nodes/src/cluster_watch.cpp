@@ -18,31 +18,18 @@ bool cluster_core::pause(std::chrono::milliseconds d) {
   return !cv_.wait_for(lock, d, [&] { return stopping_; });
 }
 
-void cluster_core::guarded_watch_loop() {
+void cluster_core::guarded(const char* name, void (cluster_core::*loop)(),
+                           std::chrono::milliseconds again) {
   while (!stopping()) {
     try {
-      watch_loop();
+      (this->*loop)();
       return;
     } catch (const std::exception& e) {
-      log(log_level::error, std::string{"cluster watcher: "} + e.what());
+      log(log_level::error, std::string{name} + ": " + e.what());
     } catch (...) {
-      log(log_level::error, "cluster watcher: an unknown exception");
+      log(log_level::error, std::string{name} + ": an unknown exception");
     }
-    pause(o_.heartbeat);
-  }
-}
-
-void cluster_core::guarded_reconnect_loop() {
-  while (!stopping()) {
-    try {
-      reconnect_loop();
-      return;
-    } catch (const std::exception& e) {
-      log(log_level::error, std::string{"cluster reconnector: "} + e.what());
-    } catch (...) {
-      log(log_level::error, "cluster reconnector: an unknown exception");
-    }
-    pause(o_.reconnect_every);
+    pause(again);
   }
 }
 

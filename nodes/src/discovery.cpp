@@ -37,20 +37,6 @@ std::function<std::vector<std::string>()> dns_discovery(const std::string& name_
 
 namespace detail {
 
-void cluster_core::guarded_discover_loop() {
-  while (!stopping()) {
-    try {
-      discover_loop();
-      return;
-    } catch (const std::exception& e) {
-      log(log_level::error, std::string{"cluster discovery: "} + e.what());
-    } catch (...) {
-      log(log_level::error, "cluster discovery: an unknown exception");
-    }
-    pause(o_.discover_every);
-  }
-}
-
 void cluster_core::discover_loop() {
   bool failing = false;
   while (pause(o_.discover_every)) {
