@@ -396,6 +396,8 @@ class scheduler {
   fair_share share_;
   std::vector<std::uint64_t> touched_;
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
+  /// speculate() found no late chunk: none can be before this time (reset by every send).
+  std::optional<clock_type::time_point> nothing_late_before_;
   /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
   struct grouped_chunk {
     std::size_t p;

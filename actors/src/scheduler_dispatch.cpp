@@ -92,6 +92,11 @@ bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
 
 bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
   if (!opts_.speculative || !producers_[p].outstanding.empty()) return false;
+  // Every idle producer asks on every event: with thousands of producers idle at a job's tail,
+  // scanning every producer's queue for each of them cost O(producers^2) per event. A scan that
+  // found nothing late says when the first chunk will be; until then, or until a chunk is sent,
+  // nothing can be.
+  if (nothing_late_before_ && now < *nothing_late_before_) return false;
   auto floor = std::chrono::duration<double, std::nano>(opts_.target_chunk_time).count() * 10;
   job_state* best_job = nullptr;
   std::uint64_t best_id = 0;
@@ -124,6 +129,10 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
   }
   if (!best_job) {
     // Nothing is late yet: look again when the first chunk would be.
+    nothing_late_before_ =
+        next_late ? now + std::chrono::duration_cast<clock_type::duration>(
+                              std::chrono::duration<double, std::nano>(std::floor(*next_late)))
+                  : clock_type::time_point::max();
     if (next_late) {
       auto at = now + std::chrono::duration_cast<clock_type::duration>(
                           std::chrono::duration<double, std::nano>(std::ceil(*next_late)));
@@ -310,6 +319,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
     x.items = std::move(*items);
   }
   x.holders.push_back(p);
+  nothing_late_before_.reset();  // this chunk may be late before the others
   sent_chunk rec;
   rec.job = j.id;
   rec.id = id;
