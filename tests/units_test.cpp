@@ -506,6 +506,18 @@ TEST(ProducerModel, ABatchProducersFixedCostPerCallMakesItsBatchesGrow) {
   EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 2)), 2000, 2);
 }
 
+TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
+  // Each remote chunk costs the coordinator a message and its answer: 2 ms items go 8 at a time
+  // to a node (16 ms), one at a time to a local producer.
+  model_settings s;
+  producer_model local{true, s}, far{false, s};
+  auto item = [](std::size_t n) { return 2'000'000.0 * static_cast<double>(n); };
+  answer(local, s, 1, 8, item);
+  answer(far, s, 1, 8, item);
+  EXPECT_EQ(local.chunk_limit(s, 1), 1u);
+  EXPECT_EQ(far.chunk_limit(s, 1), 8u);
+}
+
 TEST(ProducerModel, AChunkFarSlowerThanItsModelSaidShrinksTheNextOnesAtOnce) {
   model_settings s;
   producer_model m{true, s};

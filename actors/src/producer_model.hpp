@@ -42,6 +42,8 @@ struct model_settings {
 /// squares over its answers, the older ones weighing less. A job's item cost does not carry to
 /// another job: each job starts every producer on chunks of one item and grows them.
 struct job_rate {
+  /// A remote producer's chunks aim at this many times target_chunk_time.
+  static constexpr double remote_factor = 8;
   std::uint64_t job = 0;
   std::size_t chunk_items = 1;
   std::size_t answers = 0;
@@ -87,13 +89,18 @@ struct job_rate {
   /// of the chunk (a batch producer's batches grow while that raises its items per second),
   /// else the target; at most 4 times the last size (slow start), and at once smaller when
   /// its items turned out slower.
-  void size(const model_settings& s) {
+  /// `local`: a producer in this process. A remote one's chunks aim at remote_factor times the
+  /// target: each costs the coordinator tens of microseconds of CPU (the message, its answer),
+  /// which must stay a small fraction of the chunk's work.
+  void size(const model_settings& s, bool local = true) {
     auto [a, b] = cost();
     if (b <= 0) return;
     // At most 8 times the target: a fixed cost measured on a loaded machine may be a thread
     // woken late, not the call's.
     auto target = static_cast<double>(s.target_chunk_time.count());
     target = std::max(target, std::min(10 * a, 8 * target));
+    if (!local)
+      target = std::max(target, remote_factor * static_cast<double>(s.target_chunk_time.count()));
     auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
     // One size seen: a call that took up to twice the target may be mostly fixed cost (a
     // batch producer's): try twice the items, so that the next answer tells the two apart.
@@ -227,7 +234,7 @@ class producer_model {
       if (!s.chunk_size) {
         if (busy > 4 * predicted && it->answers == 1)
           it->chunk_items = 1;  // grows again from one item: ×4 per answer
-        it->size(s);
+        it->size(s, local);
       }
       // Trivial items take well under 1 ns each (x*x over numbers in the cache).
       auto per_item = std::max(0.01, busy / static_cast<double>(rec.items));

@@ -36,33 +36,37 @@ std::future<caf::expected<T>> ask_watched(caf::actor_system& sys, const caf::act
     result->set_value(make_error(errc::node_error, "no actor to ask"));
     return out;
   }
-  sys.spawn([result, dest, deadline, args = std::make_tuple(std::move(xs)...)](
-                caf::event_based_actor* self) mutable -> caf::behavior {
-    auto done = std::make_shared<bool>(false);
-    auto finish = [self, result, done](caf::expected<T> r) {
-      if (*done) return;
-      *done = true;
-      result->set_value(std::move(r));
-      self->quit();
-    };
-    self->set_down_handler([finish, dest](caf::down_msg& dm) {
-      if (dm.source == dest.address())
-        finish(make_error(errc::node_error,
-                          "it went down (its node died, or the connection to it dropped)"));
-    });
-    self->monitor(dest);
-    auto on_answer = [finish](T& x) { finish(std::move(x)); };
-    auto on_error = [finish](caf::error& e) { finish(std::move(e)); };
-    std::apply(
-        [&](auto&... a) {
-          if (deadline.count() > 0)
-            self->request(dest, deadline, std::move(a)...).then(on_answer, on_error);
-          else
-            self->request(dest, caf::infinite, std::move(a)...).then(on_answer, on_error);
-        },
-        args);
-    return {[](std::uint8_t) {}};  // lives until finish(): only the answer or a down ends it
-  });
+  // The unused bool: a spawn without an argument makes CAF 0.17.6 dereference a null
+  // std::shared_ptr<std::tuple<>> (UBSan reports it).
+  sys.spawn(
+      [result, dest, deadline, args = std::make_tuple(std::move(xs)...)](
+          caf::event_based_actor* self, bool) mutable -> caf::behavior {
+        auto done = std::make_shared<bool>(false);
+        auto finish = [self, result, done](caf::expected<T> r) {
+          if (*done) return;
+          *done = true;
+          result->set_value(std::move(r));
+          self->quit();
+        };
+        self->set_down_handler([finish, dest](caf::down_msg& dm) {
+          if (dm.source == dest.address())
+            finish(make_error(errc::node_error,
+                              "it went down (its node died, or the connection to it dropped)"));
+        });
+        self->monitor(dest);
+        auto on_answer = [finish](T& x) { finish(std::move(x)); };
+        auto on_error = [finish](caf::error& e) { finish(std::move(e)); };
+        std::apply(
+            [&](auto&... a) {
+              if (deadline.count() > 0)
+                self->request(dest, deadline, std::move(a)...).then(on_answer, on_error);
+              else
+                self->request(dest, caf::infinite, std::move(a)...).then(on_answer, on_error);
+            },
+            args);
+        return {[](std::uint8_t) {}};  // lives until finish(): only the answer or a down ends it
+      },
+      true);
   return out;
 }
 
