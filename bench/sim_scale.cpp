@@ -16,18 +16,9 @@
 #include <troupe/simulation.hpp>
 #include <vector>
 
-namespace {
+#include "bench_jobs.hpp"
 
-struct squares {
-  struct producer {
-    std::int64_t work(std::int64_t x) { return x * x; }
-  };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
-};
+namespace {
 
 double cpu_seconds() {
   timespec t{};
