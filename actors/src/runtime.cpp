@@ -167,7 +167,7 @@ std::vector<caf::actor> runtime::spawn_all(const std::string&, const tls&) {
   for (std::size_t i = 0; i < devices_.size(); ++i) {
     auto& d = devices_[i];
     try {
-      spawned.push_back(d.is_local() ? spawn_(*sys_, d, cfg_, i) : spawn_remote(self, d, i));
+      spawned.push_back(d.is_local() ? spawn_(*sys_, d, cfg_, i) : spawn_remote(d, i));
     } catch (...) {
       for (auto& p : spawned) self->send_exit(p, caf::exit_reason::user_shutdown);
       if (anchor_) self->send_exit(anchor_, caf::exit_reason::user_shutdown);
@@ -178,7 +178,7 @@ std::vector<caf::actor> runtime::spawn_all(const std::string&, const tls&) {
   return spawned;
 }
 
-caf::actor runtime::spawn_remote(caf::scoped_actor&, const device& d, std::size_t i) {
+caf::actor runtime::spawn_remote(const device& d, std::size_t i) {
   caf::actor anchor;
   {
     // close() ends the anchor under this lock; add_devices may run beside it.

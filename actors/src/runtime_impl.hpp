@@ -177,7 +177,7 @@ class runtime {
   /// producers with them, unless `keep_anchor`: add_devices, while the others run).
   void abandon(const std::vector<caf::actor>& started, bool keep_anchor = false) noexcept;
   /// A producer on node device `d` (slot `i`), spawned through its node (anchor_ its owner).
-  caf::actor spawn_remote(caf::scoped_actor& self, const device& d, std::size_t i);
+  caf::actor spawn_remote(const device& d, std::size_t i);
   /// Asks `spawned` (for devices `ds`, slots from `first`) to construct their job objects;
   /// throws the first failure after ending every one of them.
   void init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,

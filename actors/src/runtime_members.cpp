@@ -77,7 +77,7 @@ void runtime::add_devices(const std::vector<device>& ds) {
       try {
         for (std::size_t i = 0; i < ds.size(); ++i)
           fresh.push_back(ds[i].is_local() ? spawn_(*sys_, ds[i], cfg_, first + i)
-                                           : spawn_remote(self, ds[i], first + i));
+                                           : spawn_remote(ds[i], first + i));
       } catch (...) {
         for (auto& p : fresh) self->send_exit(p, caf::exit_reason::user_shutdown);
         throw;

@@ -146,7 +146,7 @@ struct trainer::impl {
   std::map<std::string, caf::actor> nodes;
   /// Connecting to a node and its answer to a spawn (the cluster's connect_timeout for both,
   /// once following one).
-  node_deadlines deadlines{std::chrono::seconds{5}, std::chrono::seconds{10}};
+  node_deadlines deadlines;
   std::vector<member> members;
   std::uint64_t next_id = 1;
   train_stats stats;
