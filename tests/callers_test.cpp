@@ -701,6 +701,7 @@ TEST(Callers, AHandleDestroyedWhileEndRunsTakesItsRangeBackFromASlowOriginal) {
   troupe::options opts;
   opts.chunk_size = 4096;  // chunks of 4096 (whatever the pace): the held item is in the first
                            // of its chunk's two blocks
+  opts.split_late_chunks = false;  // the whole chunk copied while its original still reads it
   troupe::unordered_runner<slow_original> runner{2, {}, opts};
   auto xs = iota(8 * 4096);
   {

@@ -6,6 +6,7 @@
 #include "fair_share.hpp"
 #include "producer_model.hpp"
 #include "scheduler_parts.hpp"
+#include "split_policy.hpp"
 #include "stats_box.hpp"
 #include "trace.hpp"
 // The training coordinator's pure parts, and a live cluster's membership, too.

@@ -605,13 +605,16 @@ TEST(Trace, ALanePerProducerASliceAChunkAndNoOverlapOnALane) {
     if (e.ph == "M" && e.name == "thread_name") ++lanes;
     if (e.ph == "X" && e.name == "job 1") {
       ++slices;
-      by_lane[{e.pid, e.tid}].push_back({e.ts, e.ts + e.dur});
+      EXPECT_NE(e.tid, 0) << "chunks are on producer lanes";
     }
+    // Every slice, the scheduler lane's dispatch slices too (they overlapped once: Perfetto
+    // mis-nested them).
+    if (e.ph == "X") by_lane[{e.pid, e.tid}].push_back({e.ts, e.ts + e.dur});
   }
   EXPECT_EQ(lanes, 4) << "the scheduler and 3 producers";
   EXPECT_EQ(slices, 100) << "one slice per chunk of 100";
+  EXPECT_EQ(by_lane[std::make_pair(1, 0)].size(), 100u) << "a dispatch slice per chunk";
   for (auto& [lane, spans] : by_lane) {
-    EXPECT_NE(lane.second, 0) << "chunks are on producer lanes";
     std::sort(spans.begin(), spans.end());
     for (std::size_t i = 1; i < spans.size(); ++i)
       EXPECT_GE(spans[i].first + 1e-3, spans[i - 1].second) << "overlap on lane " << lane.second;
@@ -844,4 +847,58 @@ TEST(Runner, ABatchProducersBatchesGrowWhenItsCostIsMostlyPerCall) {
   std::cout << calls.size() << " calls for 3,000 items (mean batch "
             << static_cast<double>(items) / static_cast<double>(calls.size()) << ")\n";
   EXPECT_LE(calls.size(), 3'000u / 64) << "mean batch below 64";
+}
+
+/// 20,000 items, each work() call counted; items 10,000..10,199 sleep 2 ms (a slow patch).
+struct patchy_job {
+  static constexpr std::int64_t n = 20'000, slow_from = 10'000, slow_to = 10'200;
+  static inline std::array<std::atomic<int>, n> calls{};
+  static inline std::mutex mtx;
+  static inline std::map<std::thread::id, int> slow_by_thread;
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      calls[static_cast<std::size_t>(x)] += 1;
+      if (x >= slow_from && x < slow_to) {
+        std::this_thread::sleep_for(std::chrono::milliseconds{2});
+        std::lock_guard<std::mutex> guard{mtx};
+        slow_by_thread[std::this_thread::get_id()] += 1;
+      }
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t x) { sum += x; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Runner, ALateChunksItemsNotStartedGoToTheIdleProducerAndEachRunsOnce) {
+  // A chunk sized for trivial items that holds the slow patch: the producer that falls idle
+  // takes back the items the other has not started (options::split_late_chunks), instead of a
+  // speculative copy of the whole chunk. Every item's work() runs exactly once.
+  auto path = ::testing::TempDir() + "troupe_trace_split_test.json";
+  troupe::options o;
+  o.trace_file = path;
+  troupe::unordered_runner<patchy_job> r{troupe::cpus(2), {}, o};
+  EXPECT_EQ(r.run(iota(patchy_job::n)), patchy_job::n * (patchy_job::n - 1) / 2);
+  auto s = r.stats();
+  std::cout << s.split_chunks << " chunks split, " << s.moved_items << " items moved, "
+            << s.duplicated_items << " duplicated\n";
+  for (std::size_t i = 0; i < patchy_job::calls.size(); ++i)
+    ASSERT_EQ(patchy_job::calls[i].load(), 1) << "item " << i;
+  EXPECT_EQ(s.duplicated_items, 0u);
+  EXPECT_GE(s.split_chunks, 1u);
+  EXPECT_GE(s.moved_items, 1u);
+  {
+    std::lock_guard<std::mutex> guard{patchy_job::mtx};
+    EXPECT_EQ(patchy_job::slow_by_thread.size(), 2u) << "one producer worked the whole slow patch";
+  }
+  r.close();  // the trace is complete
+  std::string text;
+  auto events = read_trace(path, &text);
+  auto splits = std::count_if(events.begin(), events.end(), [](const trace_event& e) {
+    return e.ph == "i" && e.name == "split";
+  });
+  EXPECT_EQ(static_cast<std::uint64_t>(splits), s.split_chunks) << "a trace event per split";
 }

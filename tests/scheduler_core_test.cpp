@@ -5,11 +5,17 @@
 #include <gtest/gtest.h>
 
 #include <caf/actor.hpp>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <tuple>
 #include <vector>
 
+#include "fault_points.hpp"
 #include "scheduler.hpp"
 #include "test_util.hpp"
 
@@ -37,6 +43,8 @@ struct fake_io final : scheduler_io {
   std::vector<std::uint64_t> inputs_ended, forgotten;
   std::vector<std::size_t> stopped, ended, replaced;
   std::vector<std::pair<std::chrono::nanoseconds, timer>> timers;
+  std::vector<std::tuple<clock_type::time_point, timer, std::uint64_t>> due;  ///< when each fires
+  std::vector<std::pair<std::size_t, std::uint64_t>> fresh;  ///< replacements asked (p, gen)
   bool quitted = false;
 
   clock_type::time_point now() override { return t; }
@@ -45,13 +53,17 @@ struct fake_io final : scheduler_io {
   }
   void end_producer(std::size_t p) override { ended.push_back(p); }
   void stop_producer(std::size_t p) override { stopped.push_back(p); }
-  void replace_producer(std::size_t p, std::uint64_t) override { replaced.push_back(p); }
+  void replace_producer(std::size_t p, std::uint64_t gen) override {
+    replaced.push_back(p);
+    fresh.emplace_back(p, gen);
+  }
   void consume(consume_chunk msg, std::size_t n) override {
     to_consumer.emplace_back(std::move(msg), n);
   }
   void end_input(std::uint64_t job) override { inputs_ended.push_back(job); }
-  void set_timer(std::chrono::nanoseconds after, timer k, std::uint64_t) override {
+  void set_timer(std::chrono::nanoseconds after, timer k, std::uint64_t id) override {
     timers.emplace_back(after, k);
+    due.emplace_back(t + after, k, id);
   }
   void forget_job(std::uint64_t job) override { forgotten.push_back(job); }
   void quit() override { quitted = true; }
@@ -346,6 +358,186 @@ TEST(SchedulerCore, TwoJobsShareTheProducersByTheirWeights) {
     f.consume_all();
   }
   EXPECT_NEAR(static_cast<double>(done[1]) / done[2], 3.0, 0.3) << done[1] << " : " << done[2];
+}
+
+// -- late chunks split, not copied (options::split_late_chunks) ----------------------------------
+
+/// A random schedule of a job on three local producers whose chunks are cut: each producer
+/// claims its chunk's items a few at a time (now and then giving back what it claimed and has
+/// not started, when asked), items take random virtual time, idle producers take items back
+/// from the others, producers are killed and replaced, and their answers come late (dropped).
+/// Returns what is wrong, or nothing: every item delivered exactly once, the job done.
+struct split_schedule {
+  explicit split_schedule(std::uint64_t seed) : rng(seed) {}
+
+  struct running {
+    fake_io::sent s;
+    std::uint64_t pos = 0;  ///< items of it started
+    clock_type::time_point began{};
+  };
+
+  std::optional<std::string> run() {
+    troupe::options opts;
+    opts.target_chunk_time = std::chrono::microseconds{40 + rng() % 400};
+    opts.speculative = rng() % 2 == 0;
+    core_fixture f{{"cpu", "cpu", "cpu"}, opts};
+    auto n = static_cast<std::int64_t>(20 + rng() % 300);
+    auto job = f.submit(1, n, rng() % 2 == 0);
+    std::vector<std::deque<running>> at(3);  // each producer's chunks, in the order sent
+    std::vector<running> zombies;            // chunks of producers given up on
+    std::vector<std::int64_t> seen;
+    int kills = 0;
+    auto take_sent = [&] {
+      while (!f.io.chunks.empty()) {
+        auto s = std::move(f.io.chunks.front());
+        f.io.chunks.pop_front();
+        at[s.p].push_back(running{std::move(s), 0, f.io.t});
+      }
+    };
+    auto answer = [&](running& c, bool late) {
+      auto* in = c.s.msg.items.as<std::int64_t>();
+      chunk_result r;
+      r.run = c.s.msg.run;
+      r.first = c.s.msg.first;
+      r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(f.io.t - c.began).count();
+      auto end = c.s.msg.cut ? c.s.msg.cut->end() : in->items.size();
+      if (late) end = c.pos;  // a producer given up on answers with what it did
+      r.outputs = batch::of(std::vector<std::int64_t>(
+          in->items.begin(), in->items.begin() + static_cast<std::ptrdiff_t>(end)));
+      f.core->on_result(c.s.p, c.s.gen, r.run, c.s.id, r);
+    };
+    take_sent();
+    for (int step = 0; step < 200000; ++step) {
+      auto more = f.consume_all();
+      seen.insert(seen.end(), more.begin(), more.end());
+      for (auto id : std::exchange(f.io.inputs_ended, {})) f.core->input_ended(id);
+      if (job->done()) break;
+      take_sent();
+      auto roll = rng() % 100;
+      if (roll < 70) {  // a producer works: claims, or answers once its chunk ends
+        auto p = rng() % 3;
+        if (at[p].empty()) continue;
+        auto& c = at[p].front();
+        auto* cut = c.s.msg.cut.get();
+        if (cut == nullptr) {
+          f.io.t += std::chrono::microseconds{1 + rng() % 50};
+          auto done = std::move(c);
+          at[p].pop_front();
+          answer(done, false);
+          continue;
+        }
+        if (cut->wanted()) cut->release(c.pos);  // asked: the claimed items not started
+        if (c.pos < cut->next()) {               // an item of its grab starts, and takes a while
+          c.pos += 1;
+          f.io.t += std::chrono::microseconds{rng() % 8 == 0 ? 100 + rng() % 400 : rng() % 10};
+          continue;
+        }
+        if (cut->claim(1 + rng() % 4) == 0) {  // every item up to the cut is done
+          auto done = std::move(c);
+          at[p].pop_front();
+          answer(done, false);
+        }
+      } else if (roll < 85) {  // time passes; the timers due fire
+        f.io.t += std::chrono::microseconds{rng() % 300};
+        auto due = std::move(f.io.due);
+        f.io.due.clear();
+        for (auto& [when, kind, id] : due) {
+          if (when <= f.io.t)
+            f.core->timer_fired(kind, id);
+          else
+            f.io.due.emplace_back(when, kind, id);
+        }
+      } else if (roll < 87 && kills < 2) {  // a producer dies: its answers come late, if ever
+        kills += 1;
+        auto p = rng() % 3;
+        for (auto& c : at[p]) zombies.push_back(std::move(c));
+        at[p].clear();
+        f.core->producer_down(p, "killed by the schedule", false);
+        for (auto [q, gen] : f.io.fresh) f.core->replaced(q, gen);
+        f.io.fresh.clear();
+      } else if (roll < 90 && !zombies.empty()) {
+        auto i = rng() % zombies.size();
+        auto c = std::move(zombies[i]);
+        zombies.erase(zombies.begin() + static_cast<std::ptrdiff_t>(i));
+        answer(c, true);
+      } else if (roll < 92) {
+        // A spurious wakeup (a timer of an older event).
+        f.core->timer_fired(scheduler_io::timer::wakeup, 0);
+      }
+    }
+    if (!job->done()) {
+      std::ostringstream o;
+      o << "the job did not finish: " << seen.size() << " of " << n
+        << " outputs; chunks at the producers";
+      for (auto& q : at) {
+        o << " [";
+        for (auto& c : q)
+          o << " " << c.s.msg.first << "+" << c.s.msg.items.size() << "/pos " << c.pos << "/cut "
+            << (c.s.msg.cut
+                    ? std::to_string(c.s.msg.cut->next()) + ".." +
+                          std::to_string(c.s.msg.cut->end()) + (c.s.msg.cut->wanted() ? "w" : "")
+                    : "-");
+        o << " ]";
+      }
+      o << "; timers due " << f.io.due.size() << ", to consumer " << f.io.to_consumer.size();
+      return o.str();
+    }
+    if (job->error()) {
+      try {
+        std::rethrow_exception(job->error());
+      } catch (const std::exception& e) {
+        return std::string{"the job failed: "} + e.what();
+      }
+    }
+    std::sort(seen.begin(), seen.end());
+    if (seen != test_util::iota(n)) {
+      std::ostringstream o;
+      o << seen.size() << " outputs for " << n << " items";
+      for (std::size_t i = 1; i < seen.size(); ++i)
+        if (seen[i] == seen[i - 1]) {
+          o << ", item " << seen[i] << " twice";
+          break;
+        }
+      return o.str();
+    }
+    splits = f.stats->value.split_chunks;
+    moved = f.stats->value.moved_items;
+    return std::nullopt;
+  }
+
+  std::mt19937_64 rng;
+  std::uint64_t splits = 0, moved = 0;
+};
+
+std::uint64_t split_seeds() {
+  if (auto* e = std::getenv("TROUPE_SPLIT_SEEDS")) return std::stoull(e);
+  return 10000;
+}
+
+TEST(SchedulerCore, SplitsTrimsLateAnswersAndLossesDeliverEveryItemExactlyOnce) {
+  std::uint64_t splits = 0, moved = 0;
+  for (std::uint64_t seed = 1; seed <= split_seeds(); ++seed) {
+    split_schedule sch{seed};
+    auto wrong = sch.run();
+    ASSERT_FALSE(wrong) << "seed " << seed << ": " << *wrong;
+    splits += sch.splits;
+    moved += sch.moved;
+  }
+  // The schedules did split chunks (else this test would prove nothing).
+  EXPECT_GT(splits, split_seeds());
+  EXPECT_GT(moved, splits);
+}
+
+TEST(SchedulerCore, APlantedSplitThatLosesAnItemIsCaught) {
+  namespace fp = troupe::detail::fault_points;
+  fp::planted.store(fp::planted_bug::split_drops_item);
+  std::optional<std::uint64_t> caught;
+  for (std::uint64_t seed = 1; seed <= 2000 && !caught; ++seed)
+    if (split_schedule{seed}.run()) caught = seed;
+  fp::planted.store(fp::planted_bug::none);
+  ASSERT_TRUE(caught);
+  EXPECT_FALSE(split_schedule{*caught}.run()) << "seed " << *caught << " fails without the bug";
+  EXPECT_TRUE(caught) << "a split that loses an item went unnoticed";
 }
 
 }  // namespace

@@ -659,3 +659,140 @@ TEST(FairShare, PickPassesOverJobsWithoutWorkForThisProducerAndDropsStaleOnes) {
   EXPECT_EQ(f.pass(1), 11);
   EXPECT_EQ(*f.pick([](std::uint64_t) { return true; }, [](std::uint64_t) { return true; }), 1u);
 }
+
+// -- chunk_cut and the split policy (options::split_late_chunks) ---------------------------------
+
+#include <random>
+#include <thread>
+
+#include "split_policy.hpp"
+#include "troupe/detail/chunk_cut.hpp"
+
+TEST(ChunkCut, ItemsClaimedAreTheProducersAndUnclaimedOnesTheSchedulers) {
+  troupe::detail::chunk_cut c{10};
+  EXPECT_EQ(c.claim(3), 3u);  // items 0..2 start
+  auto keep = c.trim(false);  // the later half of 3..9 (7 items: 4 taken)
+  ASSERT_TRUE(keep);
+  EXPECT_EQ(*keep, 6u);
+  EXPECT_EQ(c.claim(10), 3u);  // 3..5: the chunk ends at 6
+  EXPECT_EQ(c.claim(1), 0u);
+  EXPECT_FALSE(c.trim(true));  // nothing unclaimed: its producer is asked instead
+  EXPECT_TRUE(c.wanted());
+  c.release(4);  // it had started 3 only: 4 and 5 go back, the request is answered
+  EXPECT_FALSE(c.wanted());
+  EXPECT_EQ(c.next(), 4u);
+  EXPECT_EQ(c.trim(true), std::optional<std::uint64_t>{4});
+  EXPECT_EQ(c.claim(1), 0u);
+}
+
+TEST(ChunkCut, RacingClaimsReleasesAndTrimsLeaveEveryItemToExactlyOneSide) {
+  // Two threads, as a producer and the scheduler: the producer claims grabs and, when asked,
+  // gives back the part of a grab it has not started; the scheduler trims at random. Each item
+  // is worked by the producer or taken by the scheduler, never both, never neither.
+  for (std::uint64_t seed = 1; seed <= 300; ++seed) {
+    constexpr std::uint64_t n = 5000;
+    troupe::detail::chunk_cut c{n};
+    std::vector<int> worked(n, 0);
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> taken;
+    std::thread producer{[&] {
+      std::mt19937_64 rng{seed};
+      std::uint64_t pos = 0;
+      for (;;) {
+        auto g = c.claim(1 + rng() % 16);
+        if (g == 0) return;
+        auto until = pos + g;
+        while (pos < until) {
+          if (c.wanted() && rng() % 2 == 0) {
+            c.release(pos);
+            break;
+          }
+          worked[pos++] += 1;
+        }
+      }
+    }};
+    std::mt19937_64 rng{seed * 7919};
+    std::uint64_t end = n;
+    for (int i = 0; i < 200; ++i) {
+      if (auto keep = c.trim(rng() % 4 == 0)) {
+        taken.emplace_back(*keep, end);
+        end = *keep;
+      }
+      std::this_thread::yield();
+    }
+    producer.join();
+    for (auto [from, to] : taken)
+      for (auto i = from; i < to; ++i) worked[i] += 10;
+    for (std::uint64_t i = 0; i < n; ++i)
+      ASSERT_TRUE(worked[i] == 1 || worked[i] == 10)
+          << "seed " << seed << ": item " << i << " " << worked[i];
+    EXPECT_EQ(c.end(), end);
+  }
+}
+
+TEST(SplitPolicy, TheChunkWhoseUnstartedItemsTakeLongestGivesHalfOrAllOfThem) {
+  using troupe::detail::split_candidate;
+  split_candidate working;  // being worked: 100 items left of 1 us each
+  working.position = 0;
+  working.unclaimed = 100;
+  working.claimed = 10;
+  working.model_ns_per_item = 1000;
+  working.elapsed_ns = 10000;
+  split_candidate queued = working;  // queued behind another: 50 items of 3 us
+  queued.position = 1;
+  queued.unclaimed = 50;
+  queued.claimed = 0;
+  queued.model_ns_per_item = 3000;
+  auto c = troupe::detail::choose_split({working, queued}, 20000);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->index, 1u);
+  EXPECT_TRUE(c->all);  // behind others: all of it
+  c = troupe::detail::choose_split({working}, 20000);
+  ASSERT_TRUE(c);
+  EXPECT_FALSE(c->all);                                           // being worked: the later half
+  EXPECT_FALSE(troupe::detail::choose_split({working}, 200000));  // not worth a chunk
+}
+
+TEST(SplitPolicy, ItemsSlowerThanLearnedAreJudgedByTheirOwnPace) {
+  using troupe::detail::split_candidate;
+  split_candidate c;  // learned at 10 ns per item; 5 items took 2 ms: a slow patch
+  c.position = 0;
+  c.unclaimed = 1000;
+  c.claimed = 5;
+  c.model_ns_per_item = 10;
+  c.elapsed_ns = 2e6;
+  EXPECT_DOUBLE_EQ(troupe::detail::unclaimed_ns(c), 1000 * 4e5);
+  EXPECT_TRUE(troupe::detail::choose_split({c}, 250000));
+  // Every item claimed, late: its producer is asked for the ones it has not started.
+  c.unclaimed = 0;
+  c.expected_ns = 1e5;
+  auto ask = troupe::detail::choose_split({c}, 250000);
+  ASSERT_TRUE(ask);
+  EXPECT_TRUE(ask->ask);
+  c.elapsed_ns = 1.5e5;  // not late yet
+  EXPECT_FALSE(troupe::detail::choose_split({c}, 250000));
+}
+
+TEST(SplitPolicy, AChunkQueuedBehindALateOneIsTakenWholeHoweverCheapItsItems) {
+  // Its producer is stuck in the chunk ahead of it: its one cheap item would wait for ever.
+  troupe::detail::split_candidate c;
+  c.position = 1;
+  c.unclaimed = 1;
+  c.model_ns_per_item = 5000;
+  EXPECT_FALSE(troupe::detail::choose_split({c}, 250000));
+  c.wait_ns = 3e6;  // the chunk ahead has run 3 ms, over twice its expected time
+  auto s = troupe::detail::choose_split({c}, 250000);
+  ASSERT_TRUE(s);
+  EXPECT_TRUE(s->all);
+}
+
+TEST(SplitPolicy, TheOnlyItemOfAChunkNotBegunStaysWhereItIs) {
+  troupe::detail::split_candidate c;  // just sent to an idle producer: not worth a move
+  c.position = 0;
+  c.unclaimed = 1;
+  c.model_ns_per_item = 1e6;
+  EXPECT_FALSE(troupe::detail::choose_split({c}, 250000));
+  c.unclaimed = 2;  // two: half of it goes
+  auto s = troupe::detail::choose_split({c}, 250000);
+  ASSERT_TRUE(s);
+  EXPECT_FALSE(s->all);
+}

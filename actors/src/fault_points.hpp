@@ -14,8 +14,15 @@ extern std::atomic<void (*)()> before_wake;
 /// Mistakes the property tests must catch (tests/simulation_test.cpp), planted in the real
 /// scheduler on a cold path: a retry is dropped; a late answer's outputs (a chunk already
 /// delivered, e.g. by a speculative copy) are delivered again; a wakeup whose time has passed
-/// is sent at once (a livelock in virtual time, found by the property tests at seed 11096).
-enum class planted_bug : int { none = 0, drop_retry, deliver_late_answer, wake_at_once };
+/// is sent at once (a livelock in virtual time, found by the property tests at seed 11096); a
+/// chunk split for an idle producer loses the first item it moves (tests/scheduler_core_test.cpp).
+enum class planted_bug : int {
+  none = 0,
+  drop_retry,
+  deliver_late_answer,
+  wake_at_once,
+  split_drops_item
+};
 extern std::atomic<planted_bug> planted;
 
 }  // namespace troupe::detail::fault_points

@@ -10,8 +10,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
+
+#include "troupe/detail/chunk_cut.hpp"
 
 namespace troupe::detail {
 
@@ -22,9 +26,23 @@ struct sent_chunk {
   std::uint64_t job = 0;
   std::uint64_t id = 0;  ///< the piece's id in its job's table
   std::size_t items = 0;
+  /// Its size for the cost model: its items, or, for items with troupe_cost, its cost in
+  /// multiples of the job's mean cost per item (0: its items).
+  double units = 0;
+  [[nodiscard]] double size() const noexcept {
+    return units > 0 ? units : static_cast<double>(items);
+  }
   clock_type::time_point sent;
   std::size_t behind = 0;  ///< chunks the producer still had when this one was sent
   std::size_t bytes = 0;   ///< the chunk's size in memory (max_chunk_bytes when unknown)
+  /// options::split_late_chunks: where it ends, shared with its producer (null: not cut).
+  std::shared_ptr<chunk_cut> cut;
+  /// When its producer was first asked for the items it claimed and has not started.
+  std::optional<clock_type::time_point> asked;
+  std::uint64_t asked_started = 0;  ///< the items it had started then (chunk_cut::started)
+  /// When the scheduler last looked at its cut, and the items claimed then (its pace).
+  std::optional<clock_type::time_point> looked;
+  std::uint64_t looked_next = 0;
 };
 
 /// The runner options the model reads (from troupe::options).
@@ -171,12 +189,12 @@ class producer_model {
   }
 
   /// The time `job`'s chunk of `items` should take here (ns): a + b·items.
-  [[nodiscard]] double chunk_ns_of(std::uint64_t job, std::size_t items) const {
+  [[nodiscard]] double chunk_ns_of(std::uint64_t job, double items) const {
     if (auto* r = rate(job); r && r->answers > 0) {
       auto [a, b] = r->cost();
-      return a + b * static_cast<double>(items);
+      return a + b * items;
     }
-    return ns_per_item * static_cast<double>(items);
+    return ns_per_item * items;
   }
 
   /// Forgets `job` (it ended).
@@ -220,7 +238,8 @@ class producer_model {
         it = rates.end() - 1;
       }
       auto before = it->answers > 0 ? it->cost() : std::pair<double, double>{0, 0};
-      auto predicted = before.first + before.second * static_cast<double>(rec.items);
+      auto n = rec.size();
+      auto predicted = before.first + before.second * n;
       if (it->answers > 0 && busy > 4 * predicted) {
         // Far slower than its model said (a slow patch of items): start the model again from
         // this answer, so that the next chunks shrink at once.
@@ -230,14 +249,14 @@ class producer_model {
         it->job = job;
         it->chunk_items = items;
       }
-      it->add(static_cast<double>(rec.items), std::max(busy, 1.0));
+      it->add(n, std::max(busy, 1.0));
       if (!s.chunk_size) {
         if (busy > 4 * predicted && it->answers == 1)
           it->chunk_items = 1;  // grows again from one item: ×4 per answer
         it->size(s, local);
       }
       // Trivial items take well under 1 ns each (x*x over numbers in the cache).
-      auto per_item = std::max(0.01, busy / static_cast<double>(rec.items));
+      auto per_item = std::max(0.01, busy / n);
       ns_per_item = ns_per_item == 0 ? per_item : 0.5 * ns_per_item + 0.5 * per_item;
       if (!s.chunk_size) {
         auto target = static_cast<double>(s.target_chunk_time.count());

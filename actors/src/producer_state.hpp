@@ -165,14 +165,17 @@ struct producer_state {
     work_outcome out;
     // Folding is for outputs that stay in this process (never with options::serialize, which
     // makes a local run behave as over a network).
-    producer->work(*joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out);
+    producer->work(*joined, w.first, w.keep_going, serialize ? nullptr : w.fold.get(), out,
+                   w.cut.get());
     std::optional<std::string> device_failure;
     if (!out.failed && !out.wrong_type && !out.consumer_failed && !out.revoked)
       device_failure = synchronize();
     last_end = std::chrono::steady_clock::now();
     r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
-    finish(r, out, w, joined->size(), device_failure);
-    count_worked(r, joined->size());
+    // With a cut, the items up to where it ends now (the scheduler may have taken the rest).
+    auto n = w.cut ? std::min<std::size_t>(joined->size(), w.cut->end()) : joined->size();
+    finish(r, out, w, n, device_failure);
+    count_worked(r, n);
     return r;
   }
 

@@ -39,6 +39,7 @@
 #include "fault_points.hpp"
 #include "producer_model.hpp"
 #include "scheduler_parts.hpp"
+#include "split_policy.hpp"
 #include "stats_box.hpp"
 #include "trace.hpp"
 #include "troupe/detail/job_core.hpp"
@@ -65,7 +66,8 @@ struct producer_slot : producer_model {
   bool end_pending = false;   ///< producer::end() asked (a drain or close), not yet answered
   std::uint64_t end_gen = 0;  ///< which end request (scheduler-wide) the drain_end timer is for
   int restarts_in_row = 0;
-  std::size_t failures_in_row = 0;     ///< items that threw in a row (quarantine)
+  std::size_t failures_in_row = 0;  ///< items that threw in a row (quarantine)
+  bool cuts = false;  ///< its chunks can be cut (options::split_late_chunks): it shares memory
   clock_type::time_point last_done{};  ///< when its last answer arrived
 };
 
@@ -90,6 +92,7 @@ struct job_state {
   bool fold = false;              ///< work_chunk::fold for its chunks
   std::uint64_t queued_left = 0;  ///< its items still counted in stats_box::queued
   std::uint64_t next_item = 0;    ///< index of the next item to pull
+  double cost_pulled = 0;         ///< troupe_cost of the items pulled so far
   std::uint64_t consumed = 0;
   bool exhausted = false;
   bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
@@ -136,6 +139,9 @@ class scheduler_io {
   virtual void forget_job(std::uint64_t job) = 0;
   /// The scheduler has closed: nothing more will come from it.
   virtual void quit() = 0;
+  /// Whether a producer on `d` sees a work_chunk's cut (it shares this process's memory): a
+  /// chunk to a node is never cut.
+  [[nodiscard]] virtual bool cuts_reach(const device& d) const { return d.is_local(); }
 };
 
 class scheduler {
@@ -270,6 +276,15 @@ class scheduler {
   /// yet), and only when `p` has nothing else to do.
   bool speculate(std::size_t p, clock_type::time_point now);
 
+  /// options::split_late_chunks: an idle producer `p` takes back part of a chunk another
+  /// producer has not started (split_policy.hpp chooses which), or asks a late chunk's producer
+  /// for the items it claimed and has not started. False when nothing was sent.
+  bool split_late(std::size_t p, clock_type::time_point now);
+
+  /// Items [keep, n) of the chunk `rec` on producer `q` (taken back from its cut) become a
+  /// piece of their own, sent to `p`.
+  void split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep, std::size_t p);
+
   /// `limit`: at most this many new items (options::batching), else the producer's chunk limit.
   bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now,
                      std::optional<std::size_t> limit = std::nullopt);
@@ -398,6 +413,9 @@ class scheduler {
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
   /// speculate() found no late chunk: none can be before this time (reset by every send).
   std::optional<clock_type::time_point> nothing_late_before_;
+  /// split_late() found nothing worth taking: it looks again at this time (reset by a send).
+  std::optional<clock_type::time_point> no_split_before_;
+  std::optional<clock_type::time_point> split_check_;  ///< a wakeup to look again
   /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
   struct grouped_chunk {
     std::size_t p;

@@ -87,7 +87,155 @@ bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
   auto id = share_.pick(
       [&](std::uint64_t job) { return may_have_work(*jobs_.at(job)); },  // the window, say
       [&](std::uint64_t job) { return has_work_for(*jobs_.at(job), p, now); });
-  return id ? dispatch_from(*jobs_.at(*id), p, now) : speculate(p, now);
+  return id ? dispatch_from(*jobs_.at(*id), p, now) : split_late(p, now) || speculate(p, now);
+}
+
+bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
+  if (!producers_[p].cuts || !producers_[p].outstanding.empty()) return false;
+  // Like speculate(): a scan that found nothing says when to look again (a send resets it).
+  if (no_split_before_ && now < *no_split_before_) return false;
+  auto ns = [](clock_type::duration d) {
+    return std::chrono::duration<double, std::nano>(d).count();
+  };
+  struct place {
+    job_state* j;
+    std::size_t q, k;
+  };
+  std::vector<split_candidate> cs;
+  std::vector<place> at;
+  bool any_cut = false;  // a chunk that may be worth it later (its consumer busy now, say)
+  double longest = 0;    // the longest a producer has been on its current chunk
+  for (std::size_t q = 0; q < producers_.size(); ++q) {
+    auto& s = producers_[q];
+    if (q == p || !s.alive || s.outstanding.empty()) continue;
+    auto elapsed = ns(now - std::max(s.outstanding.front().sent, s.last_done));
+    longest = std::max(longest, elapsed);
+    // The chunks queued behind one that runs late wait at least as long again.
+    auto front_late = elapsed > std::max(ns(opts_.target_chunk_time) / 8,
+                                         2 * s.chunk_ns_of(s.outstanding.front().job,
+                                                           s.outstanding.front().size()));
+    for (std::size_t k = 0; k < s.outstanding.size(); ++k) {
+      auto& rec = s.outstanding[k];
+      if (!rec.cut) continue;
+      any_cut = true;
+      auto ji = jobs_.find(rec.job);
+      if (ji == jobs_.end() || !consumer_has_room(*ji->second)) continue;
+      auto* x = ji->second->pieces.find(rec.id);
+      if (!x || x->holders.size() != 1 || x->holders[0] != q) continue;
+      if (x->avoid && *x->avoid == p && !only_choice(p)) continue;
+      split_candidate c;
+      c.position = k;
+      c.unclaimed = rec.cut->unclaimed();
+      c.claimed = rec.cut->next();
+      c.model_ns_per_item = s.rate(rec.job) ? s.ns_per_item_of(rec.job) : 0;
+      c.expected_ns = s.chunk_ns_of(rec.job, rec.size());
+      c.elapsed_ns = k == 0 ? elapsed : 0;
+      c.wait_ns = k > 0 && front_late ? elapsed : 0;
+      if (k == 0) {  // its pace since the last look (a look at least an eighth target apart)
+        if (rec.looked) {
+          auto dt = ns(now - *rec.looked);
+          auto dn = c.claimed > rec.looked_next ? c.claimed - rec.looked_next : 0;
+          c.recent_ns_per_item = dt / static_cast<double>(std::max<std::uint64_t>(1, dn));
+        }
+        if (!rec.looked || ns(now - *rec.looked) >= ns(opts_.target_chunk_time) / 8) {
+          rec.looked = now;
+          rec.looked_next = c.claimed;
+        }
+      }
+      if (runs_late(c, ns(opts_.target_chunk_time) / 8)) {
+        // Its current grab may hold slow items: asked for the ones it has not started (since
+        // when, unless it still has not looked since the last time).
+        if (!rec.cut->wanted() || !rec.asked) {
+          rec.asked = now;
+          rec.asked_started = rec.cut->started();
+        }
+        rec.cut->ask();
+      }
+      cs.push_back(c);
+      at.push_back(place{ji->second.get(), q, k});
+    }
+  }
+  // Looks again after `after_ns`, or a quarter of the longest a producer has been on its chunk
+  // when that is more (a producer stuck for long is not polled thousands of times a second).
+  auto target = ns(opts_.target_chunk_time);
+  auto look_again = [&](double after_ns) {
+    after_ns = std::max(after_ns, longest / 4);
+    auto t = now + std::chrono::duration_cast<clock_type::duration>(
+                       std::chrono::duration<double, std::nano>(after_ns));
+    no_split_before_ = t;
+    if (!split_check_ || *split_check_ <= now || t < *split_check_) {
+      split_check_ = t;
+      wake_at(t);
+    }
+  };
+  auto choice = choose_split(cs, target / 8);
+  if (!choice) {
+    // Chunks that may become worth it as their items take longer than learned: look again.
+    if (!any_cut)
+      no_split_before_ = clock_type::time_point::max();
+    else
+      look_again(target / 4);
+    return false;
+  }
+  auto& w = at[choice->index];
+  auto& rec = producers_[w.q].outstanding[w.k];
+  auto keep = rec.cut->trim(choice->all);
+  if (!keep) {
+    // Every item claimed: its producer is asked for those it has not started (it gives them
+    // back between two items); look again soon.
+    trace_instant(w.q, "asked back",
+                  "job " + std::to_string(rec.job) + ": for producer " + std::to_string(p));
+    look_again(target / 8);
+    return false;
+  }
+  split_piece(*w.j, w.q, rec, *keep, p);
+  return true;
+}
+
+void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep,
+                            std::size_t p) {
+  auto& x = *j.pieces.find(rec.id);
+  auto n = x.items.size();
+  piece y;
+  y.first = x.first + keep;
+  y.items = x.items.part(static_cast<std::size_t>(keep), n);
+  y.attempt = x.attempt;
+  y.avoid = x.avoid;
+  y.last_error = x.last_error;
+  y.last_where = x.last_where;
+  x.items = x.items.part(0, static_cast<std::size_t>(keep));
+  auto moved = n - static_cast<std::size_t>(keep);
+  if (x.units > 0) {  // costs by item are not kept: shared by count
+    y.units = x.units * static_cast<double>(moved) / static_cast<double>(n);
+    x.units -= y.units;
+  }
+  rec.items = static_cast<std::size_t>(keep);
+  rec.units = x.units;
+  producers_[q].items -= moved;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.split_chunks += 1;
+    stats_->value.moved_items += moved;
+  }
+  trace_instant(q, "split",
+                "job " + std::to_string(j.id) + ": items " + std::to_string(y.first) + ".." +
+                    std::to_string(y.first + moved) + " to producer " + std::to_string(p));
+  if (fault_points::planted.load() == fault_points::planted_bug::split_drops_item &&
+      y.items.size() > 1) {
+    y.first += 1;
+    y.items = y.items.part(1, y.items.size());
+  }
+  if (keep == 0) {
+    // Nothing of it is left to its producer: no longer in flight (its empty answer is dropped),
+    // so that a producer stuck ahead of it cannot hold the job.
+    j.pieces.take_out(rec.id);
+    auto& out = producers_[q].outstanding;
+    out.erase(std::find_if(out.begin(), out.end(), [&](const sent_chunk& c) {
+      return c.job == rec.job && c.id == rec.id;
+    }));
+  }
+  auto id = j.pieces.add(std::move(y));
+  send(p, j, id);
 }
 
 bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
@@ -111,7 +259,7 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
     auto elapsed = std::chrono::duration<double, std::nano>(now - began).count();
     double expected = 0;
     for (auto& rec : s.outstanding) {
-      expected += s.chunk_ns_of(rec.job, rec.items);  // by the job's own cost model there
+      expected += s.chunk_ns_of(rec.job, rec.size());  // by the job's own cost model there
       auto allowed = std::max(floor, opts_.speculation_after * expected);
       if (elapsed <= allowed * most_late) {  // this one and those behind it: on time (yet)
         if (!best_job)
@@ -122,6 +270,24 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
       if (ji == jobs_.end()) continue;
       auto* x = ji->second->pieces.find(rec.id);
       if (!x || x->holders.size() != 1 || x->holders[0] == p) continue;
+      // Items not started yet are taken back (split_late), not copied: a chunk that can be
+      // cut is copied only once its producer, asked for the items it has not started, has
+      // neither looked nor started an item for 10 target chunk times (it is stuck in one).
+      if (rec.cut && rec.asked && rec.cut->started() != rec.asked_started) {
+        rec.asked = now;  // it works on: not stuck
+        rec.asked_started = rec.cut->started();
+      }
+      if (rec.cut && (rec.cut->unclaimed() > 0 || !rec.cut->wanted() || !rec.asked ||
+                      now - *rec.asked < 10 * opts_.target_chunk_time)) {
+        // Look again when it may be (split_late asks its producer meanwhile).
+        auto wait = std::chrono::duration<double, std::nano>(
+                        rec.asked ? *rec.asked + 10 * opts_.target_chunk_time - now
+                                  : clock_type::duration{10 * opts_.target_chunk_time})
+                        .count();
+        wait = std::max(wait, floor / 10);
+        if (!best_job) next_late = std::min(next_late.value_or(wait), wait);
+        continue;
+      }
       best_job = ji->second.get();
       best_id = rec.id;
       most_late = elapsed / allowed;
@@ -236,9 +402,23 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
     if (s.local && j.fold && j.source->lease())
       x.items = j.source->pull(folded_chunk_limit(j, s), std::numeric_limits<std::size_t>::max(),
                                opts_.target_chunk_time);
-    else
-      x.items = j.source->pull(limit ? *limit : new_job_limit(j, s), opts_.max_chunk_bytes,
+    else {
+      auto n = limit ? *limit : new_job_limit(j, s);
+      // Items with troupe_cost: the model's n items are n times the job's mean cost so far, and
+      // a chunk is cut once its items cost that much (heavy items make short chunks).
+      bool by_cost = j.source->costed() && !limit && !settings_.chunk_size &&
+                     !settings_.max_in_flight && j.next_item > 0 && j.cost_pulled > 0;
+      j.source->limit_cost(by_cost ? static_cast<double>(n) * j.cost_pulled /
+                                         static_cast<double>(j.next_item)
+                                   : std::numeric_limits<double>::infinity());
+      x.items = j.source->pull(by_cost ? settings_.max_chunk_items : n, opts_.max_chunk_bytes,
                                opts_.target_chunk_time);
+      if (j.source->costed() && !x.items.empty()) {
+        j.cost_pulled += j.source->last_cost();
+        auto mean = j.cost_pulled / static_cast<double>(j.next_item + x.items.size());
+        if (mean > 0) x.units = std::max(1e-3, j.source->last_cost() / mean);
+      }
+    }
   } catch (...) {
     j.exhausted = true;
     end_job(j.id, std::current_exception());
@@ -320,13 +500,19 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   }
   x.holders.push_back(p);
   nothing_late_before_.reset();  // this chunk may be late before the others
+  no_split_before_.reset();      // or worth splitting
   sent_chunk rec;
   rec.job = j.id;
   rec.id = id;
   rec.items = x.items.size();
+  rec.units = x.units;
   rec.sent = clock_now();
   rec.behind = s.outstanding.size();
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
+  // A chunk an idle producer may take items of (not one folded on its producer, nor a part of
+  // a batched call).
+  if (s.cuts && group_ == nullptr && !j.fold && rec.items > 0 && rec.items <= chunk_cut::max_items)
+    rec.cut = std::make_shared<chunk_cut>(rec.items);
   s.outstanding.push_back(rec);
   s.items += rec.items;
   {  // both counts at once: a scrape never sees a first send without its send
@@ -345,7 +531,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
     }
   }
   if (trace_) trace_->dispatch(p, flow_id(j.id, id), rec.sent);
-  auto cost = s.rate(j.id) ? s.chunk_ns_of(j.id, rec.items)
+  auto cost = s.rate(j.id) ? s.chunk_ns_of(j.id, rec.size())
                            : static_cast<double>(rec.items) *
                                  (s.ns_per_item > 0 ? s.ns_per_item : unknown_ns_per_item);
   share_.charge(j.id, cost, static_cast<double>(j.opts.weight));
@@ -354,6 +540,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   auto job = j.id;
   work_chunk w{job, x.first, x.items, !j.opts.on_error.fails_fast(), nullptr};
   if (j.fold) w.fold = j.gate;
+  w.cut = rec.cut;
   if (group_ != nullptr) {  // dispatch_batch sends the group once it is complete
     group_->push_back(grouped_chunk{p, gen, id, std::move(w)});
     return;

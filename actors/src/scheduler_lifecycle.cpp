@@ -91,6 +91,7 @@ producer_slot scheduler::make_slot(const device& d) const {
   producer_slot s;
   s.where = d;
   s.local = d.is_local();
+  s.cuts = opts_.split_late_chunks && io_.cuts_reach(d);
   if (opts_.chunk_size) s.chunk_items = opts_.chunk_size;
   return s;
 }

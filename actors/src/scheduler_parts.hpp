@@ -74,6 +74,8 @@ struct basic_piece {
   Batch items;
   std::vector<std::size_t> holders;  ///< producers it was sent to that may still answer
   unsigned attempt = 0;              ///< attempts of its items that threw already
+  /// Items with troupe_cost: its cost in multiples of the job's mean cost per item (0: count).
+  double units = 0;
   std::optional<std::size_t> avoid;  ///< the producer its item threw on (a retry)
   clock_type::time_point not_before{};
   std::string last_error;  ///< what its item threw last (a retry)

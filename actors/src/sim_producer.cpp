@@ -19,10 +19,10 @@ class scripted_ops final : public producer_ops {
       : inner_(std::move(inner)), sim_(sim), index_(index) {}
 
   void work(const batch& items, std::uint64_t first, bool keep_going, job_gate* fold,
-            work_outcome& out) override {
+            work_outcome& out, chunk_cut* cut = nullptr) override {
     auto k = scripted_throw(first, items.size());
     if (!k) {
-      inner_->work(items, first, keep_going, fold, out);
+      inner_->work(items, first, keep_going, fold, out, cut);
       return;
     }
     auto what =

@@ -68,11 +68,14 @@ void trace_writer::lane(std::size_t p, const std::string& node, const std::strin
 }
 
 void trace_writer::dispatch(std::size_t p, std::uint64_t flow, time_point t) {
-  latest_ = std::max(latest_, us(t));
-  auto ts = std::to_string(us(t));
-  // A 1 us slice on the scheduler's lane for the arrow to start from.
+  // A 10 ns slice on the scheduler's lane for the arrow to start from, after the previous one
+  // (several chunks go out in one event: slices that overlapped were mis-nested by Perfetto).
+  auto start = std::max(us(t), dispatch_until_);
+  dispatch_until_ = start + 0.01;
+  latest_ = std::max(latest_, dispatch_until_);
+  auto ts = std::to_string(start);
   write(R"({"ph":"X","name":"dispatch","pid":1,"tid":0,"ts":)" + ts +
-        R"(,"dur":1,"args":{"producer":)" + std::to_string(p) + "}}");
+        R"(,"dur":0.01,"args":{"producer":)" + std::to_string(p) + "}}");
   write(R"({"ph":"s","name":"chunk","cat":"chunk","id":)" + std::to_string(flow) +
         R"(,"pid":1,"tid":0,"ts":)" + ts + "}");
 }

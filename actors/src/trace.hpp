@@ -52,7 +52,9 @@ class trace_writer {
   std::map<std::string, int> pids_;           ///< node ("" = this process) -> pid
   std::map<std::size_t, int> pid_of_;         ///< producer slot -> pid
   std::map<std::size_t, double> busy_until_;  ///< lane -> end of its last X event (us)
-  double latest_ = 0;                         ///< the latest time written (us)
+  double latest_ = 0;
+  double dispatch_until_ = 0;  ///< where the scheduler lane's last dispatch slice ends (us) ///<
+                               ///< the latest time written (us)
 };
 
 }  // namespace troupe::detail

@@ -158,6 +158,12 @@ std::vector<MetricFamily> collect() {
   auto duplicated =
       family("troupe_duplicated_items_total",
              "Items worked on a second time as speculative copies.", MetricType::Counter);
+  auto split_chunks =
+      family("troupe_split_chunks_total",
+             "Chunks whose items not yet started went to an idle producer.", MetricType::Counter);
+  auto moved = family("troupe_moved_items_total",
+                      "Items taken back from a late chunk for an idle producer (worked once).",
+                      MetricType::Counter);
   auto splits =
       family("troupe_batch_split_calls_total",
              "Batch producers: calls on halves of a batch that threw.", MetricType::Counter);
@@ -229,6 +235,8 @@ std::vector<MetricFamily> collect() {
     add(queued, rl, static_cast<double>(r.queued_items));
     add(duplicated, rl, static_cast<double>(s.duplicated_items));
     add(splits, rl, static_cast<double>(s.split_calls));
+    add(split_chunks, rl, static_cast<double>(s.split_chunks));
+    add(moved, rl, static_cast<double>(s.moved_items));
     add(late, rl, static_cast<double>(s.late_answers));
     add_histogram(chunk_time, rl, r.chunk_seconds);
     add_histogram(job_time, rl, r.job_seconds);

@@ -101,6 +101,14 @@ struct options {
   /// How late a chunk must be for a speculative copy, in multiples of its expected time (Spark
   /// copies a task at 1.5 × the median; troupe measures each producer on its own).
   double speculation_after = 2.0;
+  /// A producer that falls idle (no job has an item for it) takes back part of a chunk that
+  /// another local producer has not started yet: the later half of its items not started, or
+  /// all of them for a chunk queued behind others, when they are worth at least an eighth of
+  /// target_chunk_time there (stats::split_chunks, moved_items). Items are claimed before they
+  /// start, so each is worked exactly once; a speculative copy is then made only of a chunk
+  /// whose items have all started (a producer stuck in one). Chunks to nodes, batched calls
+  /// (options::batching) and chunks folded on their producer (consumer::merge) are not split.
+  bool split_late_chunks = true;
   /// close() and the destructor wait this long, in all, for the producers to finish their
   /// current chunk and run producer::end(); producers still busy then are left behind (their
   /// threads end when work() returns).
@@ -156,6 +164,10 @@ struct stats {
   /// Items sent to a second producer as speculative copies (options::speculative): work()
   /// calls beyond one per item, retries aside.
   std::uint64_t duplicated_items = 0;
+  /// options::split_late_chunks: chunks whose items not yet started were taken back for an
+  /// idle producer, and those items (each still worked once).
+  std::uint64_t split_chunks = 0;
+  std::uint64_t moved_items = 0;
   /// Batch producers (work(troupe::span<const In>)): calls made again on halves of a batch
   /// that threw, to find the items that fail alone.
   std::uint64_t split_calls = 0;

@@ -144,6 +144,14 @@ class batch_base {
   /// A copy of items [from, to) (for a retried item, or outputs around a skipped one).
   [[nodiscard]] virtual std::shared_ptr<batch_base> slice(std::size_t from,
                                                           std::size_t to) const = 0;
+  /// Items [from, to) of a batch that views items it does not own, as a view under the same
+  /// lease (nothing is read); nullptr for a batch that owns its items.
+  [[nodiscard]] virtual std::shared_ptr<batch_base> sub_view(std::size_t from,
+                                                             std::size_t to) const {
+    (void)from;
+    (void)to;
+    return nullptr;
+  }
   /// These items followed by those of `other`, a batch of the same type (a simulated item
   /// failure: the outputs around it).
   [[nodiscard]] virtual std::shared_ptr<batch_base> concat(const batch_base& other) const {
@@ -244,6 +252,10 @@ class batch_view final : public batch_base {
   [[nodiscard]] std::shared_ptr<batch_base> slice(std::size_t from, std::size_t to) const override {
     return std::make_shared<batch_of<T>>(std::vector<T>(data_ + from, data_ + to));
   }
+  [[nodiscard]] std::shared_ptr<batch_base> sub_view(std::size_t from,
+                                                     std::size_t to) const override {
+    return std::make_shared<batch_view<T>>(data_ + from, to - from, lease_);
+  }
 
  private:
   const T* data_;
@@ -320,6 +332,13 @@ class batch {
   /// A copy of items [from, to).
   [[nodiscard]] batch slice(std::size_t from, std::size_t to) const {
     return ptr_ ? batch{ptr_->slice(from, to)} : batch{};
+  }
+  /// Items [from, to): a view of a view (a caller's lent range stays lent, nothing read), a
+  /// copy of items the batch owns.
+  [[nodiscard]] batch part(std::size_t from, std::size_t to) const {
+    if (!ptr_) return batch{};
+    if (auto v = ptr_->sub_view(from, to)) return batch{std::move(v)};
+    return batch{ptr_->slice(from, to)};
   }
   /// A copy of these items followed by those of `other` (of the same type).
   [[nodiscard]] batch concat(const batch& other) const {

@@ -43,6 +43,7 @@
 
 #include "troupe/batch.hpp"
 #include "troupe/config.hpp"
+#include "troupe/detail/chunk_cut.hpp"
 #include "troupe/detail/work_outcome.hpp"
 #include "troupe/error.hpp"
 
@@ -91,6 +92,11 @@ struct work_chunk {
   /// call; each is answered on its own. 0: alone.
   std::uint32_t group_size = 0;
   std::uint32_t group_pos = 0;
+  /// Local only (never written to the wire), options::split_late_chunks: where the chunk ends,
+  /// shared with the scheduler. The producer claims items here before it starts them; the
+  /// scheduler takes back those not claimed for an idle producer. Null: every item is the
+  /// producer's.
+  std::shared_ptr<detail::chunk_cut> cut{};
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.

@@ -22,6 +22,7 @@
 
 #include "troupe/batch.hpp"
 #include "troupe/config.hpp"
+#include "troupe/detail/chunk_cut.hpp"
 #include "troupe/detail/job_gate.hpp"
 #include "troupe/detail/work_outcome.hpp"
 #include "troupe/device.hpp"
@@ -41,8 +42,10 @@ class producer_ops {
   /// Runs producer::work on every item of `items` (item i has index `first + i`). `fold`
   /// (work_chunk::fold, never with keep_going): the outputs go into a consumer of the job's
   /// own, made for this chunk, handed back as a folded_chunk for the job's consumer to merge.
+  /// `cut` (work_chunk::cut, or null): items are claimed there before they start, and the
+  /// chunk ends where the scheduler cut it (the outcome then covers items [0, cut->end())).
   virtual void work(const batch& items, std::uint64_t first, bool keep_going, job_gate* fold,
-                    work_outcome& out) = 0;
+                    work_outcome& out, chunk_cut* cut = nullptr) = 0;
   /// options::batching: the chunks `parts` (of any jobs, none lent or folded) in one call where
   /// the job's producer takes a batch (work(span)): their items concatenated, each part's
   /// outcome in outs[i]. A call that throws (or returns another number of outputs) is made
@@ -245,6 +248,73 @@ std::shared_ptr<device_state_holder<S>> device_state_for(const device& d, const 
   return h;
 }
 
+/// A producer's side of a chunk_cut: the chunk's items claimed in grabs of about two
+/// microseconds of work (an atomic exchange each, a clock read each), and between grabs' checks
+/// the scheduler's request for claimed items looked at every few items (a relaxed load), so that
+/// a grab of items that turn out slow is given back at once.
+class cut_claims {
+ public:
+  /// For a chunk with cut `cut` (null: every item is the producer's).
+  void start(chunk_cut* cut) noexcept {
+    cut_ = cut;
+    granted_ = 0;
+    grab_ = 1;
+    step_ = 1;
+    timed_ = false;
+  }
+  [[nodiscard]] bool cutting() const noexcept { return cut_ != nullptr; }
+
+  /// How many of the chunk's items from `at` (its index in the chunk: every item before it
+  /// started) may start now without looking again, at most `want`; 0: the chunk ends at `at`.
+  std::size_t allow(std::size_t at, std::size_t want) {
+    if (cut_ == nullptr) return want;
+    cut_->note_started(at);
+    if (at < granted_ && !cut_->wanted()) return std::min({want, granted_ - at, step_});
+    return claim_more(at, want, false);
+  }
+  /// The same, all `want` items at once when the cut allows (one call of a batch producer).
+  std::size_t allow_all(std::size_t at, std::size_t want) {
+    if (cut_ == nullptr) return want;
+    cut_->note_started(at);
+    return claim_more(at, want, true);
+  }
+
+ private:
+  using steady = std::chrono::steady_clock;
+  std::size_t claim_more(std::size_t at, std::size_t want, bool all) {
+    auto now = steady::now();
+    if (cut_->wanted() || at < granted_) {  // asked for claimed items: the rest of the grab
+      cut_->release(at);
+      granted_ = at;
+      grab_ = 1;
+      timed_ = false;
+    } else if (timed_ && granted_ > grab_from_) {
+      // The last grab's items took this long each: the next grab lasts about 2 us.
+      auto ns =
+          static_cast<double>(
+              std::chrono::duration_cast<std::chrono::nanoseconds>(now - grab_start_).count()) /
+          static_cast<double>(granted_ - grab_from_);
+      auto fit = ns > 0 ? static_cast<std::size_t>(2000.0 / ns) : max_grab;
+      grab_ = std::clamp<std::size_t>(fit, 1, std::min(max_grab, 2 * grab_));
+    }
+    step_ = std::clamp<std::size_t>(grab_ / 8, 1, 32);
+    auto g = cut_->claim(all ? want : grab_);
+    grab_from_ = at;
+    grab_start_ = now;
+    timed_ = true;
+    granted_ = at + g;
+    return all ? g : std::min({want, g, step_});
+  }
+  static constexpr std::size_t max_grab = 4096;
+  chunk_cut* cut_ = nullptr;
+  std::size_t granted_ = 0;  ///< items [0, granted_) are claimed
+  std::size_t grab_ = 1;     ///< items the next claim asks for
+  std::size_t step_ = 1;     ///< items between two looks at the scheduler's request
+  std::size_t grab_from_ = 0;
+  steady::time_point grab_start_{};
+  bool timed_ = false;
+};
+
 template <class Job>
 class typed_producer final : public producer_ops {
  public:
@@ -261,7 +331,10 @@ class typed_producer final : public producer_ops {
   }
 
   void work(const batch& chunk, std::uint64_t first, bool keep_going, job_gate* fold,
-            work_outcome& r) override {
+            work_outcome& r, chunk_cut* cut = nullptr) override {
+    claims_.start(cut);
+    chunk_first_ = first;
+    cut_short_ = false;
     const in* x = nullptr;
     std::size_t n = 0;
     if constexpr (raw_items<in>) {
@@ -277,6 +350,9 @@ class typed_producer final : public producer_ops {
     auto* lease = chunk.lease();  // only ever for numbers: a caller's contiguous range
     if constexpr (traits::folds) {
       if (fold != nullptr && !keep_going) {
+        // A folded chunk is not cut (the scheduler gives none): were one given, every item
+        // is claimed first, so that none is both folded here and taken back.
+        n = claims_.allow_all(0, n);
         work_folded(*fold, lease, x, n, first, r);
         return;
       }
@@ -375,7 +451,7 @@ class typed_producer final : public producer_ops {
   /// job's handle that takes the range back waits for one block's copy at most.
   bool work_on_lent(range_lease& lease, const in* x, std::size_t n, std::uint64_t first,
                     bool keep_going, work_outcome& r, std::vector<out>& outputs, std::size_t& k) {
-    for (std::size_t at = 0; at < n; at += lent_block) {
+    for (std::size_t at = 0; at < n && !cut_short_; at += lent_block) {
       auto m = std::min(lent_block, n - at);
       auto* copy = copy_lent_block(lease, x, at, m, n, r);
       if (copy == nullptr || !work_on(copy, m, first + at, keep_going, r, outputs, k)) return false;
@@ -515,7 +591,11 @@ class typed_producer final : public producer_ops {
                std::vector<out>& outputs, std::size_t& k) {
     if constexpr (traits::batched) {
       if (n == 0) return true;
-      return work_on_batch(x, n, first, keep_going, r, outputs, k);
+      // One call for the items the cut leaves it (all of them unless the scheduler took some).
+      auto m = claims_.allow_all(static_cast<std::size_t>(first - chunk_first_), n);
+      if (m < n) cut_short_ = true;
+      if (m == 0) return true;
+      return work_on_batch(x, m, first, keep_going, r, outputs, k);
     } else {
       return work_on_items(x, n, first, keep_going, r, outputs, k);
     }
@@ -525,16 +605,23 @@ class typed_producer final : public producer_ops {
                      work_outcome& r, std::vector<out>& outputs, std::size_t& k) {
     std::size_t i = 0;
     auto& p = *p_;
+    auto at = static_cast<std::size_t>(first - chunk_first_);  // x[0]'s index in the chunk
     while (i < n) {
+      // The items that may start now (all of them without a cut).
+      auto m = claims_.allow(at + i, n - i);
+      if (m == 0) {  // the scheduler took the rest of the chunk
+        cut_short_ = true;
+        return true;
+      }
       std::size_t j = 0;  // items done since i
       try {
         if constexpr (in_place) {
           // A counted loop over two local pointers: vectorized where the work allows it.
           const in* src = x + i;
           out* dst = outputs.data() + k;
-          for (std::size_t m = n - i; j < m; ++j) dst[j] = p.work(in(src[j]));
+          for (; j < m; ++j) dst[j] = p.work(in(src[j]));
         } else {
-          for (; i + j < n; ++j) outputs.push_back(produce(p, x[i + j]));
+          for (; j < m; ++j) outputs.push_back(produce(p, x[i + j]));
         }
         i += j;
         k += j;
@@ -620,6 +707,9 @@ class typed_producer final : public producer_ops {
   }
   /// A caller's range is read this many items at a time (16 KiB: copy_lent_block).
   static constexpr std::size_t lent_block = std::max<std::size_t>(1, 16384 / sizeof(in));
+  cut_claims claims_;              ///< the current chunk's cut (work_chunk::cut)
+  std::uint64_t chunk_first_ = 0;  ///< the current chunk's first index
+  bool cut_short_ = false;         ///< the current chunk ended where the scheduler cut it
   std::vector<in> block_;  ///< copy_lent_block: the block of a caller's range being worked on
   std::shared_ptr<buffer_pool<out>> pool_ = std::make_shared<buffer_pool<out>>();
 };

@@ -27,6 +27,21 @@ template <class T>
 struct has_troupe_size<T, std::void_t<decltype(troupe_size(std::declval<const T&>()))>>
     : std::true_type {};
 
+/// `double troupe_cost(const T&)`, found by argument-dependent lookup: how heavy an item is,
+/// relative to others of its type (docs/api.md, "Item costs: troupe_cost").
+template <class T, class = void>
+struct has_troupe_cost : std::false_type {};
+template <class T>
+struct has_troupe_cost<T, std::void_t<decltype(troupe_cost(std::declval<const T&>()))>>
+    : std::true_type {};
+
+/// An item's troupe_cost, at least 0 (a NaN or negative cost counts as 0).
+template <class T>
+double item_cost(const T& x) {
+  auto c = static_cast<double>(troupe_cost(x));
+  return c > 0 ? c : 0.0;
+}
+
 template <class T, class = void>
 struct is_range : std::false_type {};
 template <class T>
@@ -80,19 +95,33 @@ class input_source {
   virtual batch pull(std::size_t max_items, std::size_t max_bytes,
                      std::chrono::nanoseconds budget) = 0;
   [[nodiscard]] bool exhausted() const noexcept { return exhausted_; }
+  /// Whether the items have troupe_cost(): chunks are then cut by their total cost too.
+  [[nodiscard]] bool costed() const noexcept { return costed_; }
+  /// The next pull() stops once its items cost this much in all (the item that crosses it
+  /// included); infinity: no bound.
+  void limit_cost(double c) noexcept { cost_limit_ = c; }
+  /// The total troupe_cost of the items the last pull() returned.
+  [[nodiscard]] double last_cost() const noexcept { return last_cost_; }
   [[nodiscard]] std::optional<std::uint64_t> total() const noexcept { return total_; }
   /// The lease of a caller's range lent to the producers without a copy, else nullptr.
   [[nodiscard]] const std::shared_ptr<range_lease>& lease() const noexcept { return lease_; }
 
  protected:
   bool exhausted_ = false;
+  bool costed_ = false;
+  double cost_limit_ = std::numeric_limits<double>::infinity();
+  double last_cost_ = 0;
   std::optional<std::uint64_t> total_;
   std::shared_ptr<range_lease> lease_;
 };
 
+/// Up to max_items items from `next`: fewer once they hold max_bytes, once they cost max_cost
+/// in all (troupe_cost; their total in `cost`), once pulling has taken `budget`, or when `next`
+/// has no more (`exhausted`).
 template <class In, class Next>
 batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanoseconds budget,
-           bool& exhausted, Next&& next) {
+           bool& exhausted, double max_cost, double& cost, Next&& next) {
+  cost = 0;
   using clock = std::chrono::steady_clock;
   std::vector<In> items;
   std::size_t bytes = 0;
@@ -113,6 +142,10 @@ batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanosecond
       break;
     }
     if constexpr (!std::is_arithmetic<In>::value) bytes += item_bytes(items.back());
+    if constexpr (has_troupe_cost<In>::value) {
+      cost += item_cost(items.back());
+      if (cost >= max_cost) break;
+    }
     auto n = items.size();
     if ((n & (check_every - 1)) == 0) {
       if (clock::now() - start >= budget) break;
@@ -140,6 +173,7 @@ class range_source final : public input_source {
   /// `lend`: hand out parts of a contiguous range of numbers instead of copies (the caller
   /// keeps it alive until the job's handle has revoked the lease).
   explicit range_source(Range& r, bool lend = false) : it_(std::begin(r)), end_(std::end(r)) {
+    costed_ = has_troupe_cost<In>::value;
     using iter = decltype(std::begin(r));
     if constexpr (std::is_base_of<std::forward_iterator_tag,
                                   typename std::iterator_traits<iter>::iterator_category>::value)
@@ -165,12 +199,13 @@ class range_source final : public input_source {
         return b;
       }
     }
-    auto b = fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
-      if (it_ == end_) return false;
-      out.emplace_back(*it_);
-      ++it_;
-      return true;
-    });
+    auto b = fill<In>(max_items, max_bytes, budget, exhausted_, cost_limit_, last_cost_,
+                      [this](std::vector<In>& out) {
+                        if (it_ == end_) return false;
+                        out.emplace_back(*it_);
+                        ++it_;
+                        return true;
+                      });
     if (it_ == end_) exhausted_ = true;  // known now: the last chunk can say so
     return b;
   }
@@ -186,15 +221,16 @@ class range_source final : public input_source {
 template <class In, class F>
 class generator_source final : public input_source {
  public:
-  explicit generator_source(generator<F>& g) : g_(g) {}
+  explicit generator_source(generator<F>& g) : g_(g) { costed_ = has_troupe_cost<In>::value; }
   batch pull(std::size_t max_items, std::size_t max_bytes,
              std::chrono::nanoseconds budget) override {
-    return fill<In>(max_items, max_bytes, budget, exhausted_, [this](std::vector<In>& out) {
-      auto x = g_.next();
-      if (!x) return false;
-      out.emplace_back(std::move(*x));
-      return true;
-    });
+    return fill<In>(max_items, max_bytes, budget, exhausted_, cost_limit_, last_cost_,
+                    [this](std::vector<In>& out) {
+                      auto x = g_.next();
+                      if (!x) return false;
+                      out.emplace_back(std::move(*x));
+                      return true;
+                    });
   }
 
  private:
@@ -215,11 +251,14 @@ class owning_source final : public input_source {
  public:
   explicit owning_source(Range&& r) : range_(std::move(r)), inner_(make_source<In>(range_)) {
     total_ = inner_->total();
+    costed_ = inner_->costed();
   }
   batch pull(std::size_t max_items, std::size_t max_bytes,
              std::chrono::nanoseconds budget) override {
+    inner_->limit_cost(cost_limit_);
     auto b = inner_->pull(max_items, max_bytes, budget);
     exhausted_ = inner_->exhausted();
+    last_cost_ = inner_->last_cost();
     return b;
   }
 
