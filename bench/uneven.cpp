@@ -4,7 +4,8 @@
 // number of microseconds (work on the CPU, not sleeps).
 //   slow-after-fast  5 jobs of 200,000 trivial items, then one job of 3,000 items of 200 us
 //   slow-patch       100,000 trivial items with 1,500 items of 400 us in the middle
-//   lognormal        20,000 items whose cost is drawn from a lognormal (median 50 us, sigma 1.5)
+//   lognormal        20,000 items whose cost is drawn from a lognormal (median 50 us, sigma 1.5),
+//                    as plain numbers and as items with troupe_cost (lognormal-cost)
 //   batch            a batch producer of 2 ms per call + 10 us per item, a plain run() of 5,000
 //                    items, against fixed chunk sizes (a sweep)
 // For each: the makespan, the ideal (total work / producers, or the longest item when longer),
@@ -52,6 +53,25 @@ struct costed {
     std::int64_t end() { return total; }
     std::int64_t total = 0;
   };
+};
+
+/// An item whose cost its user states (docs/api.md, "Item costs: troupe_cost"): microseconds.
+struct stated {
+  std::int64_t us = 0;
+};
+double troupe_cost(const stated& x) {
+  return static_cast<double>(x.us);
+}
+
+/// The same work as `costed`, on items with troupe_cost.
+struct costed_stated {
+  struct producer {
+    std::int64_t work(const stated& x) {
+      spin_us(x.us);
+      return x.us;
+    }
+  };
+  using consumer = costed::consumer;
 };
 
 /// 2 ms per call + 10 us per item (a forward pass on a GPU).
@@ -117,7 +137,7 @@ int main(int argc, char** argv) {
   std::size_t producers = 3;
   std::string only;
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
-  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal or batch");
+  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-cost or batch");
   CLI11_PARSE(app, argc, argv);
   tbb::global_control threads{tbb::global_control::max_allowed_parallelism, producers};
   tbb::task_arena arena{static_cast<int>(producers)};
@@ -149,6 +169,22 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> us(20'000);
     for (auto& x : us) x = static_cast<std::int64_t>(std::min(50'000.0, cost(rng)));
     measure("lognormal", us, 1, 1'000);
+  }
+  if (want("lognormal-cost")) {  // the same items, their cost stated (troupe_cost)
+    std::mt19937_64 rng{7};
+    std::lognormal_distribution<double> cost{std::log(50.0), 1.5};
+    std::vector<std::int64_t> us(20'000);
+    for (auto& x : us) x = static_cast<std::int64_t>(std::min(50'000.0, cost(rng)));
+    std::vector<stated> xs;
+    for (auto x : us) xs.push_back(stated{x});
+    troupe::unordered_runner<costed_stated> r{troupe::cpus(producers)};
+    r.run(std::vector<stated>(1'000));
+    auto dup0 = r.stats().duplicated_items;
+    auto t0 = clock_type::now();
+    r.run(xs);
+    auto secs = seconds_since(t0);
+    report("lognormal-cost", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0,
+           us.size(), tbb_makespan(arena, us));
   }
   if (want("batch")) {
     std::vector<std::int64_t> xs(5'000, 1);

@@ -92,7 +92,10 @@ struct job_state {
   bool fold = false;              ///< work_chunk::fold for its chunks
   std::uint64_t queued_left = 0;  ///< its items still counted in stats_box::queued
   std::uint64_t next_item = 0;    ///< index of the next item to pull
-  double cost_pulled = 0;         ///< troupe_cost of the items pulled so far
+  /// Items with troupe_cost: the cost of one unit of the job's cost model (the mean cost of the
+  /// items of its first chunk, then fixed: units stay comparable from chunk to chunk); 0: none
+  /// pulled yet.
+  double cost_unit = 0;
   std::uint64_t consumed = 0;
   bool exhausted = false;
   bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next

@@ -404,19 +404,19 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
                                opts_.target_chunk_time);
     else {
       auto n = limit ? *limit : new_job_limit(j, s);
-      // Items with troupe_cost: the model's n items are n times the job's mean cost so far, and
-      // a chunk is cut once its items cost that much (heavy items make short chunks).
+      // Items with troupe_cost: the model counts units of the job's cost (cost_unit), and a
+      // chunk of n units is cut once its items cost n units (heavy items make short chunks).
       bool by_cost = j.source->costed() && !limit && !settings_.chunk_size &&
-                     !settings_.max_in_flight && j.next_item > 0 && j.cost_pulled > 0;
-      j.source->limit_cost(by_cost ? static_cast<double>(n) * j.cost_pulled /
-                                         static_cast<double>(j.next_item)
+                     !settings_.max_in_flight && j.cost_unit > 0;
+      j.source->limit_cost(by_cost ? static_cast<double>(n) * j.cost_unit
                                    : std::numeric_limits<double>::infinity());
       x.items = j.source->pull(by_cost ? settings_.max_chunk_items : n, opts_.max_chunk_bytes,
                                opts_.target_chunk_time);
       if (j.source->costed() && !x.items.empty()) {
-        j.cost_pulled += j.source->last_cost();
-        auto mean = j.cost_pulled / static_cast<double>(j.next_item + x.items.size());
-        if (mean > 0) x.units = std::max(1e-3, j.source->last_cost() / mean);
+        auto cost = j.source->last_cost();
+        if (j.cost_unit <= 0)
+          j.cost_unit = cost > 0 ? cost / static_cast<double>(x.items.size()) : 1.0;
+        x.units = std::max(1e-3, cost / j.cost_unit);
       }
     }
   } catch (...) {
