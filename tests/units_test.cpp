@@ -506,6 +506,26 @@ TEST(ProducerModel, ABatchProducersFixedCostPerCallMakesItsBatchesGrow) {
   EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 2)), 2000, 2);
 }
 
+TEST(ProducerModel, ABatchProducersBatchesGrowAsFastAsTheCallsTimeAtMostDoubles) {
+  // 2 ms per call + 10 us per item: a call of 2 items takes 2.02 ms, one of 32 takes 2.32 ms.
+  // Growing 4x per answer from one item took 7 calls to reach full batches (a short run's
+  // items were gone by then); growing until the call's time doubles (at most 16x) takes fewer.
+  model_settings s;
+  producer_model m{true, s};
+  auto call = [](std::size_t n) { return 2'000'000.0 + 10'000.0 * static_cast<double>(n); };
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 6; ++i) {
+    sizes.push_back(m.chunk_limit(s, 1));
+    answer(m, s, 1, 1, call);
+  }
+  // 1, then 2 (one size seen: twice the items), then 16x while the fixed cost dominates.
+  EXPECT_EQ(sizes[0], 1u);
+  EXPECT_EQ(sizes[1], 2u);
+  EXPECT_EQ(sizes[2], 32u);
+  EXPECT_GE(sizes[3], 8 * sizes[2]);
+  EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 1)), 1400, 2);
+}
+
 TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
   // Each remote chunk costs the coordinator a message and its answer: 2 ms items go 8 at a time
   // to a node (16 ms), one at a time to a local producer.

@@ -128,9 +128,15 @@ struct job_rate {
     // under a sixteenth of the target (trivial items reach full-size chunks in 4 answers, not
     // 8: each answer is a round trip while the producer waits).
     auto now_ns = a + b * static_cast<double>(chunk_items);
-    auto growth = now_ns * 16 < static_cast<double>(s.target_chunk_time.count()) ? 16 : 4;
-    chunk_items =
-        std::max<std::size_t>(1, std::min({want, s.max_chunk_items, chunk_items * growth}));
+    double growth = now_ns * 16 < static_cast<double>(s.target_chunk_time.count()) ? 16 : 4;
+    // Where a call's fixed cost dominates (a batch producer), more items barely lengthen it:
+    // grow as far as doubles the call's time (at most 16x), not 4x.
+    if (a > 0)
+      growth = std::max(growth,
+                        std::min(16.0, (2 * now_ns - a) / (b * static_cast<double>(chunk_items))));
+    chunk_items = std::max<std::size_t>(
+        1, std::min({want, s.max_chunk_items,
+                     static_cast<std::size_t>(static_cast<double>(chunk_items) * growth)}));
   }
 };
 
