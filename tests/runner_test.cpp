@@ -876,32 +876,39 @@ struct patchy_job {
 TEST(Runner, ALateChunksItemsNotStartedGoToTheIdleProducerAndEachRunsOnce) {
   // A chunk sized for trivial items that holds the slow patch: the producer that falls idle
   // takes back the items the other has not started (options::split_late_chunks), instead of a
-  // speculative copy of the whole chunk. Every item's work() runs exactly once.
-  auto path = ::testing::TempDir() + "troupe_trace_split_test.json";
-  troupe::options o;
-  o.trace_file = path;
-  // Splits alone: a speculative copy is for a producer that started nothing for 10 target chunk
-  // times, which a thread starved by a loaded CI machine can look like (it did once).
-  o.speculative = false;
-  troupe::unordered_runner<patchy_job> r{troupe::cpus(2), {}, o};
-  EXPECT_EQ(r.run(iota(patchy_job::n)), patchy_job::n * (patchy_job::n - 1) / 2);
-  auto s = r.stats();
-  std::cout << s.split_chunks << " chunks split, " << s.moved_items << " items moved, "
-            << s.duplicated_items << " duplicated\n";
-  for (std::size_t i = 0; i < patchy_job::calls.size(); ++i)
-    ASSERT_EQ(patchy_job::calls[i].load(), 1) << "item " << i;
-  EXPECT_EQ(s.duplicated_items, 0u);
-  EXPECT_GE(s.split_chunks, 1u);
-  EXPECT_GE(s.moved_items, 1u);
-  {
+  // speculative copy of the whole chunk. Every item's work() runs exactly once, in every run.
+  // That the patch is shared depends on the machine's scheduling (under a loaded CI machine
+  // one run of many once saw no split): up to 3 runs, one of which must share it.
+  bool shared = false;
+  for (int attempt = 0; attempt < 3 && !shared; ++attempt) {
+    for (auto& c : patchy_job::calls) c = 0;
+    {
+      std::lock_guard<std::mutex> guard{patchy_job::mtx};
+      patchy_job::slow_by_thread.clear();
+    }
+    auto path = ::testing::TempDir() + "troupe_trace_split_test.json";
+    troupe::options o;
+    o.trace_file = path;
+    // Splits alone: a speculative copy is for a producer that started nothing for 10 target
+    // chunk times, which a thread starved by a loaded CI machine can look like (it did once).
+    o.speculative = false;
+    troupe::unordered_runner<patchy_job> r{troupe::cpus(2), {}, o};
+    EXPECT_EQ(r.run(iota(patchy_job::n)), patchy_job::n * (patchy_job::n - 1) / 2);
+    auto s = r.stats();
+    std::cout << s.split_chunks << " chunks split, " << s.moved_items << " items moved, "
+              << s.duplicated_items << " duplicated\n";
+    for (std::size_t i = 0; i < patchy_job::calls.size(); ++i)
+      ASSERT_EQ(patchy_job::calls[i].load(), 1) << "item " << i;
+    EXPECT_EQ(s.duplicated_items, 0u);
+    r.close();  // the trace is complete
+    std::string text;
+    auto events = read_trace(path, &text);
+    auto splits = std::count_if(events.begin(), events.end(), [](const trace_event& e) {
+      return e.ph == "i" && e.name == "split";
+    });
+    EXPECT_EQ(static_cast<std::uint64_t>(splits), s.split_chunks) << "a trace event per split";
     std::lock_guard<std::mutex> guard{patchy_job::mtx};
-    EXPECT_EQ(patchy_job::slow_by_thread.size(), 2u) << "one producer worked the whole slow patch";
+    shared = s.split_chunks >= 1 && s.moved_items >= 1 && patchy_job::slow_by_thread.size() == 2;
   }
-  r.close();  // the trace is complete
-  std::string text;
-  auto events = read_trace(path, &text);
-  auto splits = std::count_if(events.begin(), events.end(), [](const trace_event& e) {
-    return e.ph == "i" && e.name == "split";
-  });
-  EXPECT_EQ(static_cast<std::uint64_t>(splits), s.split_chunks) << "a trace event per split";
+  EXPECT_TRUE(shared) << "in 3 runs, one producer always worked the whole slow patch";
 }
