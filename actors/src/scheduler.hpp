@@ -7,8 +7,10 @@
 // consumer, and ends the job at its deadline or when cancelled. Per producer it sizes chunks
 // (about target_chunk_time of work), keeps about one round trip of work queued, re-sends the
 // work of a lost or stuck producer, replaces stuck local producers, quarantines producers that
-// keep throwing, and sends a chunk that holds up a job to an idle producer as well (first
-// answer wins). At close() it ends every job, then the producers.
+// keep throwing, gives an idle producer the items a late chunk's producer has not started
+// (split_late, chosen by split_policy.hpp; every item claimed or taken back exactly once through
+// the chunk's chunk_cut), and sends a chunk whose producer is stuck in an item to an idle
+// producer as well (first answer wins). At close() it ends every job, then the producers.
 //
 // The scheduler is a core with no actor in it: events come in as calls (a job submitted, a
 // producer's answer, a producer lost, a consumer's acknowledgement, a timer, cancel, close) and
@@ -19,8 +21,8 @@
 // defined in three files, one per concern: scheduler_dispatch.cpp (which chunk goes to which
 // producer, speculation, timers), scheduler_results.cpp (answers, error policies, producer
 // health: give-up, restart, quarantine) and scheduler_jobs.cpp (jobs arriving and ending, a
-// job's consumer, its progress, close). Its smaller parts, producer_model.hpp, fair_share.hpp
-// and scheduler_parts.hpp, are unit-tested on their own.
+// job's consumer, its progress, close). Its smaller parts, producer_model.hpp, fair_share.hpp,
+// split_policy.hpp and scheduler_parts.hpp, are unit-tested on their own.
 #pragma once
 
 #include <algorithm>
