@@ -15,12 +15,14 @@ bool scheduler::window_open(const job_state& j) const {
 }
 
 std::vector<std::size_t> scheduler::producers_with_room() const {
-  std::vector<std::size_t> out;
+  // Each load computed once (the sort compared them O(P log P) times), ties in slot order.
+  std::vector<std::pair<std::pair<double, std::size_t>, std::size_t>> keyed;
   for (std::size_t i = 0; i < producers_.size(); ++i)
-    if (has_room(producers_[i])) out.push_back(i);
-  auto load = [this](std::size_t i) { return producers_[i].load(); };
-  std::stable_sort(out.begin(), out.end(),
-                   [&](std::size_t a, std::size_t b) { return load(a) < load(b); });
+    if (has_room(producers_[i])) keyed.emplace_back(producers_[i].load(), i);
+  std::sort(keyed.begin(), keyed.end());
+  std::vector<std::size_t> out;
+  out.reserve(keyed.size());
+  for (auto& k : keyed) out.push_back(k.second);
   return out;
 }
 
