@@ -18,8 +18,9 @@
 // a producer, arm a timer), with the time read from it. No CAF type crosses that interface: the
 // actor shell (scheduler_actor.cpp) runs the commands with CAF, resolves and splits bulk
 // payloads at its edge, and turns CAF's answers and errors into the core's events. The class is
-// defined in three files, one per concern: scheduler_dispatch.cpp (which chunk goes to which
-// producer, speculation, timers), scheduler_results.cpp (answers, error policies, producer
+// defined in four files, one per concern: scheduler_dispatch.cpp (which chunk goes to which
+// producer, speculation, timers), scheduler_split.cpp (late chunks split for idle producers),
+// scheduler_results.cpp (answers, error policies, producer
 // health: give-up, restart, quarantine) and scheduler_jobs.cpp (jobs arriving and ending, a
 // job's consumer, its progress, close). Its smaller parts, producer_model.hpp, fair_share.hpp,
 // split_policy.hpp and scheduler_parts.hpp, are unit-tested on their own.
@@ -40,6 +41,7 @@
 #include "fair_share.hpp"
 #include "fault_points.hpp"
 #include "producer_model.hpp"
+#include "scheduler_io.hpp"
 #include "scheduler_parts.hpp"
 #include "split_policy.hpp"
 #include "stats_box.hpp"
@@ -113,40 +115,6 @@ struct job_state {
   job_report report;
   clock_type::time_point started;
   clock_type::time_point last_progress;
-};
-
-/// The commands the scheduler gives. Each answer comes back as the event named beside it.
-class scheduler_io {
- public:
-  enum class timer { deadline, wakeup, stall_check, close_timeout, drain_end };
-  virtual ~scheduler_io() = default;
-  /// Now: steady_clock in a runner, virtual time in a simulation.
-  virtual clock_type::time_point now() = 0;
-  /// To producer `p` (generation `gen`): on_result(p, gen, job, id, answer), or
-  /// producer_failed(p, gen, why, unreachable) when it cannot answer.
-  virtual void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) = 0;
-  /// producer::end() on `p`: producer_ended() either way.
-  virtual void end_producer(std::size_t p) = 0;
-  /// Ends `p`'s actor without waiting (a producer given up on, or left at close).
-  virtual void stop_producer(std::size_t p) = 0;
-  /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
-  /// replace_failed(p, gen, why). Throws std::exception when none can be started.
-  virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;
-  /// Outputs to the job's consumer (`n` of them): consumed(job, n, last) or
-  /// consumer_failed(job, why).
-  virtual void consume(consume_chunk msg, std::size_t n) = 0;
-  /// The job's input is complete (consumer::end()): input_ended(job) or consumer_failed(job,
-  /// why).
-  virtual void end_input(std::uint64_t job) = 0;
-  /// timer_fired(t, id) after `after`.
-  virtual void set_timer(std::chrono::nanoseconds after, timer t, std::uint64_t id) = 0;
-  /// The job has ended: its consumer is no longer needed here.
-  virtual void forget_job(std::uint64_t job) = 0;
-  /// The scheduler has closed: nothing more will come from it.
-  virtual void quit() = 0;
-  /// Whether a producer on `d` sees a work_chunk's cut (it shares this process's memory): a
-  /// chunk to a node is never cut.
-  [[nodiscard]] virtual bool cuts_reach(const device& d) const { return d.is_local(); }
 };
 
 class scheduler {

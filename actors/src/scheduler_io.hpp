@@ -1,0 +1,48 @@
+// The commands the scheduler's core gives (scheduler.hpp): the actor shell runs them with CAF
+// (scheduler_actor.cpp), a test records them (tests/scheduler_core_test.cpp).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+#include "producer_model.hpp"
+#include "troupe/device.hpp"
+#include "troupe/protocol.hpp"
+
+namespace troupe::detail {
+
+/// The commands the scheduler gives. Each answer comes back as the event named beside it.
+class scheduler_io {
+ public:
+  enum class timer { deadline, wakeup, stall_check, close_timeout, drain_end };
+  virtual ~scheduler_io() = default;
+  /// Now: steady_clock in a runner, virtual time in a simulation.
+  virtual clock_type::time_point now() = 0;
+  /// To producer `p` (generation `gen`): on_result(p, gen, job, id, answer), or
+  /// producer_failed(p, gen, why, unreachable) when it cannot answer.
+  virtual void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) = 0;
+  /// producer::end() on `p`: producer_ended() either way.
+  virtual void end_producer(std::size_t p) = 0;
+  /// Ends `p`'s actor without waiting (a producer given up on, or left at close).
+  virtual void stop_producer(std::size_t p) = 0;
+  /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
+  /// replace_failed(p, gen, why). Throws std::exception when none can be started.
+  virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;
+  /// Outputs to the job's consumer (`n` of them): consumed(job, n, last) or
+  /// consumer_failed(job, why).
+  virtual void consume(consume_chunk msg, std::size_t n) = 0;
+  /// The job's input is complete (consumer::end()): input_ended(job) or consumer_failed(job,
+  /// why).
+  virtual void end_input(std::uint64_t job) = 0;
+  /// timer_fired(t, id) after `after`.
+  virtual void set_timer(std::chrono::nanoseconds after, timer t, std::uint64_t id) = 0;
+  /// The job has ended: its consumer is no longer needed here.
+  virtual void forget_job(std::uint64_t job) = 0;
+  /// The scheduler has closed: nothing more will come from it.
+  virtual void quit() = 0;
+  /// Whether a producer on `d` sees a work_chunk's cut (it shares this process's memory): a
+  /// chunk to a node is never cut.
+  [[nodiscard]] virtual bool cuts_reach(const device& d) const { return d.is_local(); }
+};
+
+}  // namespace troupe::detail

@@ -1,0 +1,156 @@
+// The scheduler (scheduler.hpp): late chunks split for idle producers (options::
+// split_late_chunks). Which chunk loses items is split_policy.hpp's choice; the items move through
+// the chunk's chunk_cut, each claimed by its producer or taken back here, exactly once.
+#include "scheduler.hpp"
+
+namespace troupe::detail {
+
+bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
+  if (!producers_[p].cuts || !producers_[p].outstanding.empty()) return false;
+  // Like speculate(): a scan that found nothing says when to look again (a send resets it).
+  if (no_split_before_ && now < *no_split_before_) return false;
+  auto ns = [](clock_type::duration d) {
+    return std::chrono::duration<double, std::nano>(d).count();
+  };
+  struct place {
+    job_state* j;
+    std::size_t q, k;
+  };
+  std::vector<split_candidate> cs;
+  std::vector<place> at;
+  bool any_cut = false;  // a chunk that may be worth it later (its consumer busy now, say)
+  double longest = 0;    // the longest a producer has been on its current chunk
+  for (std::size_t q = 0; q < producers_.size(); ++q) {
+    auto& s = producers_[q];
+    if (q == p || !s.alive || s.outstanding.empty()) continue;
+    auto elapsed = ns(now - std::max(s.outstanding.front().sent, s.last_done));
+    longest = std::max(longest, elapsed);
+    // The chunks queued behind one that runs late wait at least as long again.
+    auto front_late = elapsed > std::max(ns(opts_.target_chunk_time) / 8,
+                                         2 * s.chunk_ns_of(s.outstanding.front().job,
+                                                           s.outstanding.front().size()));
+    for (std::size_t k = 0; k < s.outstanding.size(); ++k) {
+      auto& rec = s.outstanding[k];
+      if (!rec.cut) continue;
+      any_cut = true;
+      auto ji = jobs_.find(rec.job);
+      if (ji == jobs_.end() || !consumer_has_room(*ji->second)) continue;
+      auto* x = ji->second->pieces.find(rec.id);
+      if (!x || x->holders.size() != 1 || x->holders[0] != q) continue;
+      if (x->avoid && *x->avoid == p && !only_choice(p)) continue;
+      split_candidate c;
+      c.position = k;
+      c.unclaimed = rec.cut->unclaimed();
+      c.claimed = rec.cut->next();
+      c.model_ns_per_item = s.rate(rec.job) ? s.ns_per_item_of(rec.job) : 0;
+      c.expected_ns = s.chunk_ns_of(rec.job, rec.size());
+      c.elapsed_ns = k == 0 ? elapsed : 0;
+      c.wait_ns = k > 0 && front_late ? elapsed : 0;
+      if (k == 0) {  // its pace since the last look (a look at least an eighth target apart)
+        if (rec.looked) {
+          auto dt = ns(now - *rec.looked);
+          auto dn = c.claimed > rec.looked_next ? c.claimed - rec.looked_next : 0;
+          c.recent_ns_per_item = dt / static_cast<double>(std::max<std::uint64_t>(1, dn));
+        }
+        if (!rec.looked || ns(now - *rec.looked) >= ns(opts_.target_chunk_time) / 8) {
+          rec.looked = now;
+          rec.looked_next = c.claimed;
+        }
+      }
+      if (runs_late(c, ns(opts_.target_chunk_time) / 8)) {
+        // Its current grab may hold slow items: asked for the ones it has not started (since
+        // when, unless it still has not looked since the last time).
+        if (!rec.cut->wanted() || !rec.asked) {
+          rec.asked = now;
+          rec.asked_started = rec.cut->started();
+        }
+        rec.cut->ask();
+      }
+      cs.push_back(c);
+      at.push_back(place{ji->second.get(), q, k});
+    }
+  }
+  // Looks again after `after_ns`, or a quarter of the longest a producer has been on its chunk
+  // when that is more (a producer stuck for long is not polled thousands of times a second).
+  auto target = ns(opts_.target_chunk_time);
+  auto look_again = [&](double after_ns) {
+    after_ns = std::max(after_ns, longest / 4);
+    auto t = now + std::chrono::duration_cast<clock_type::duration>(
+                       std::chrono::duration<double, std::nano>(after_ns));
+    no_split_before_ = t;
+    if (!split_check_ || *split_check_ <= now || t < *split_check_) {
+      split_check_ = t;
+      wake_at(t);
+    }
+  };
+  auto choice = choose_split(cs, target / 8);
+  if (!choice) {
+    // Chunks that may become worth it as their items take longer than learned: look again.
+    if (!any_cut)
+      no_split_before_ = clock_type::time_point::max();
+    else
+      look_again(target / 4);
+    return false;
+  }
+  auto& w = at[choice->index];
+  auto& rec = producers_[w.q].outstanding[w.k];
+  auto keep = rec.cut->trim(choice->all);
+  if (!keep) {
+    // Every item claimed: its producer is asked for those it has not started (it gives them
+    // back between two items); look again soon.
+    trace_instant(w.q, "asked back",
+                  "job " + std::to_string(rec.job) + ": for producer " + std::to_string(p));
+    look_again(target / 8);
+    return false;
+  }
+  split_piece(*w.j, w.q, rec, *keep, p);
+  return true;
+}
+
+void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep,
+                            std::size_t p) {
+  auto& x = *j.pieces.find(rec.id);
+  auto n = x.items.size();
+  piece y;
+  y.first = x.first + keep;
+  y.items = x.items.part(static_cast<std::size_t>(keep), n);
+  y.attempt = x.attempt;
+  y.avoid = x.avoid;
+  y.last_error = x.last_error;
+  y.last_where = x.last_where;
+  x.items = x.items.part(0, static_cast<std::size_t>(keep));
+  auto moved = n - static_cast<std::size_t>(keep);
+  if (x.units > 0) {  // costs by item are not kept: shared by count
+    y.units = x.units * static_cast<double>(moved) / static_cast<double>(n);
+    x.units -= y.units;
+  }
+  rec.items = static_cast<std::size_t>(keep);
+  rec.units = x.units;
+  producers_[q].items -= moved;
+  {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.split_chunks += 1;
+    stats_->value.moved_items += moved;
+  }
+  trace_instant(q, "split",
+                "job " + std::to_string(j.id) + ": items " + std::to_string(y.first) + ".." +
+                    std::to_string(y.first + moved) + " to producer " + std::to_string(p));
+  if (fault_points::planted.load() == fault_points::planted_bug::split_drops_item &&
+      y.items.size() > 1) {
+    y.first += 1;
+    y.items = y.items.part(1, y.items.size());
+  }
+  if (keep == 0) {
+    // Nothing of it is left to its producer: no longer in flight (its empty answer is dropped),
+    // so that a producer stuck ahead of it cannot hold the job.
+    j.pieces.take_out(rec.id);
+    auto& out = producers_[q].outstanding;
+    out.erase(std::find_if(out.begin(), out.end(), [&](const sent_chunk& c) {
+      return c.job == rec.job && c.id == rec.id;
+    }));
+  }
+  auto id = j.pieces.add(std::move(y));
+  send(p, j, id);
+}
+
+}  // namespace troupe::detail
