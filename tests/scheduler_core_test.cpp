@@ -23,6 +23,15 @@
 namespace {
 
 using namespace std::chrono_literals;
+
+// Every scheduler in this test binary (runners, simulations, the cores below) checks its index
+// of the producers with room against a scan of every producer at every pass: a change to a
+// producer that forgot room_changed() fails the test that made it (std::logic_error).
+struct scheduler_index_checks : ::testing::Environment {
+  void SetUp() override { troupe::detail::fault_points::check_indexes = true; }
+};
+[[maybe_unused]] auto* const index_checks =
+    ::testing::AddGlobalTestEnvironment(new scheduler_index_checks);
 using troupe::batch;
 using troupe::chunk_result;
 using troupe::consume_chunk;

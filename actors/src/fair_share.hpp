@@ -58,6 +58,8 @@ class fair_share {
   }
 
   [[nodiscard]] bool ready(std::uint64_t id) const { return at(id).ready; }
+  /// Whether some job may have work (marked ready; pick() may still find it has none).
+  [[nodiscard]] bool any_ready() const noexcept { return !ready_.empty(); }
   [[nodiscard]] double pass(std::uint64_t id) const { return at(id).pass; }
   [[nodiscard]] std::size_t size() const noexcept { return jobs_.size(); }
 

@@ -16,6 +16,10 @@ extern std::atomic<void (*)()> before_wake;
 /// delivered, e.g. by a speculative copy) are delivered again; a wakeup whose time has passed
 /// is sent at once (a livelock in virtual time, found by the property tests at seed 11096); a
 /// chunk split for an idle producer loses the first item it moves (tests/scheduler_core_test.cpp).
+/// Tests set it: the scheduler checks its index of the producers with room against a scan of
+/// every producer at every pass (a change that missed room_changed() throws std::logic_error).
+extern std::atomic<bool> check_indexes;
+
 enum class planted_bug : int {
   none = 0,
   drop_retry,

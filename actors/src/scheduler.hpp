@@ -36,6 +36,8 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fair_share.hpp"
@@ -216,8 +218,20 @@ class scheduler {
 
   bool has_room(const producer_slot& s) const { return s.has_room(settings_); }
 
-  /// Live producers with room, the least loaded first.
-  std::vector<std::size_t> producers_with_room() const;
+  /// Slot `p`'s queue, items, model or health changed: its place in room_ is looked at again
+  /// before the next pass. Every such change calls this (fault_points::check_indexes checks).
+  void room_changed(std::size_t p) {
+    room_dirty_.push_back(p);
+    any_cuts_ = any_cuts_ || producers_[p].cuts;
+  }
+  /// Applies the changes to room_ (not during a pass, which reads it: in_pass_).
+  void update_room();
+  /// fault_points::check_indexes: room_ against a scan of every producer (std::logic_error).
+  void check_room() const;
+
+  /// Whether speculate() or split_late() may find a late chunk now (false while both know
+  /// nothing can be late before a later time).
+  bool late_chunks_possible(clock_type::time_point now) const;
 
   /// Whether a retry that threw on `p` may go back to it: no other producer can take work.
   bool only_choice(std::size_t p) const;
@@ -383,6 +397,15 @@ class scheduler {
   /// pass (those that may have work for a producer apart), and the jobs this event changed.
   fair_share share_;
   std::vector<std::uint64_t> touched_;
+  /// The producers with room by load (producer_model::load, then slot): a pass reads the ones
+  /// with room in order instead of sorting every producer, so that an event costs what the
+  /// producers it changed do, not O(P log P). room_key_: each slot's key in room_, if there.
+  std::set<std::tuple<double, std::size_t, std::size_t>> room_;
+  std::vector<std::optional<std::pair<double, std::size_t>>> room_key_;
+  std::vector<std::size_t> room_dirty_;
+  bool in_pass_ = false;     ///< pump() is reading room_
+  bool pass_again_ = false;  ///< pump() was called during a pass: one more pass after it
+  bool any_cuts_ = false;    ///< some producer's chunks can be split (producer_slot::cuts)
   std::optional<clock_type::time_point> speculation_check_;  ///< a wakeup to look for late chunks
   /// speculate() found no late chunk: none can be before this time (reset by every send).
   std::optional<clock_type::time_point> nothing_late_before_;

@@ -14,6 +14,7 @@ namespace troupe::detail {
 
 std::atomic<void (*)()> fault_points::before_wake{nullptr};
 std::atomic<fault_points::planted_bug> fault_points::planted{fault_points::planted_bug::none};
+std::atomic<bool> fault_points::check_indexes{false};
 
 namespace {
 

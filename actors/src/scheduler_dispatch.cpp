@@ -14,16 +14,31 @@ bool scheduler::window_open(const job_state& j) const {
   return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
 }
 
-std::vector<std::size_t> scheduler::producers_with_room() const {
-  // Each load computed once (the sort compared them O(P log P) times), ties in slot order.
-  std::vector<std::pair<std::pair<double, std::size_t>, std::size_t>> keyed;
-  for (std::size_t i = 0; i < producers_.size(); ++i)
-    if (has_room(producers_[i])) keyed.emplace_back(producers_[i].load(), i);
-  std::sort(keyed.begin(), keyed.end());
-  std::vector<std::size_t> out;
-  out.reserve(keyed.size());
-  for (auto& k : keyed) out.push_back(k.second);
-  return out;
+void scheduler::update_room() {
+  if (in_pass_) return;  // a pass reads room_: the changes wait for the next one
+  room_key_.resize(producers_.size());
+  for (auto p : room_dirty_) {
+    std::optional<std::pair<double, std::size_t>> key;
+    if (has_room(producers_[p])) key = producers_[p].load();
+    auto& old = room_key_[p];
+    if (old == key) continue;
+    if (old) room_.erase({old->first, old->second, p});
+    if (key) room_.emplace(key->first, key->second, p);
+    old = key;
+  }
+  room_dirty_.clear();
+  if (fault_points::check_indexes.load(std::memory_order_relaxed)) check_room();
+}
+
+void scheduler::check_room() const {
+  std::set<std::tuple<double, std::size_t, std::size_t>> want;
+  for (std::size_t p = 0; p < producers_.size(); ++p)
+    if (has_room(producers_[p]))
+      want.emplace(producers_[p].load().first, producers_[p].load().second, p);
+  if (want != room_)
+    throw std::logic_error("scheduler: the index of producers with room (" +
+                           std::to_string(room_.size()) + ") differs from a scan (" +
+                           std::to_string(want.size()) + "): a change missed room_changed()");
 }
 
 bool scheduler::only_choice(std::size_t p) const {
@@ -34,7 +49,10 @@ bool scheduler::only_choice(std::size_t p) const {
 
 bool scheduler::has_work_for(const job_state& j, std::size_t p, clock_type::time_point now) const {
   if (!consumer_has_room(j)) return false;
-  return j.pieces.has_queued(p, now, only_choice(p)) || (!j.exhausted && window_open(j));
+  // only_choice() scans every producer: asked only when a queued piece avoids `p`.
+  return j.pieces.has_queued(p, now, false) ||
+         (j.pieces.queued() > 0 && only_choice(p) && j.pieces.has_queued(p, now, true)) ||
+         (!j.exhausted && window_open(j));
 }
 
 bool scheduler::may_have_work(const job_state& j) const {
@@ -50,14 +68,34 @@ void scheduler::pump() {
   if (closing_) return;
   settle();
   // Passes over the producers with room, the least loaded first, one chunk each, until a pass
-  // sends nothing. (Sorting them again after every chunk cost O(P log P) per chunk: with
-  // thousands of producers that was most of the scheduler's time.)
+  // sends nothing. They are read from room_ in order (sorting every producer once per event was
+  // most of the scheduler's time with thousands of them), and a pass stops as soon as no job
+  // has work and no late chunk can be split or copied (only an idle producer takes one, and the
+  // idle ones come first) before some later time: thousands of producers with room at a job's
+  // tail would each be asked in vain.
+  if (in_pass_) {  // called from inside a pass: the pass goes on, and then another one
+    pass_again_ = true;
+    return;
+  }
   bool sent = true;
-  while (sent) {
+  while (sent || std::exchange(pass_again_, false)) {
     sent = false;
     auto now = clock_now();
-    for (auto p : producers_with_room())
-      if (has_room(producers_[p]) && dispatch_to(p, now)) sent = true;
+    update_room();
+    in_pass_ = true;
+    try {
+      for (auto& key : room_) {
+        auto p = std::get<2>(key);  // its key may be stale: it stays in place until the pass ends
+        if (!batching() && !share_.any_ready() &&
+            (!producers_[p].outstanding.empty() || !late_chunks_possible(now)))
+          break;  // (a stale key that ends the pass early: it sent a chunk, so a pass follows)
+        if (has_room(producers_[p]) && dispatch_to(p, now)) sent = true;
+      }
+    } catch (...) {
+      in_pass_ = false;
+      throw;
+    }
+    in_pass_ = false;
   }
   settle();
 }
@@ -80,6 +118,12 @@ void scheduler::settle() {
       share_.set_ready(id, may_have_work(j));
     }
   }
+}
+
+bool scheduler::late_chunks_possible(clock_type::time_point now) const {
+  auto before = [&](const std::optional<clock_type::time_point>& t) { return t && now < *t; };
+  return (opts_.speculative && !before(nothing_late_before_)) ||
+         (any_cuts_ && !before(no_split_before_));
 }
 
 bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
@@ -246,8 +290,12 @@ bool scheduler::dispatch_batch(std::size_t p, clock_type::time_point now) {
 
 bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_point now,
                               std::optional<std::size_t> limit) {
-  if (auto id = j.pieces.take_queued(p, now, only_choice(p))) {
-    send(p, j, *id);
+  // only_choice() scans every producer: asked only when every queued piece avoids `p`.
+  auto queued = j.pieces.take_queued(p, now, false);
+  if (!queued && j.pieces.queued() > 0 && only_choice(p))
+    queued = j.pieces.take_queued(p, now, true);
+  if (queued) {
+    send(p, j, *queued);
     return true;
   }
   auto& s = producers_[p];
@@ -369,6 +417,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
     rec.cut = std::make_shared<chunk_cut>(rec.items);
   s.outstanding.push_back(rec);
   s.items += rec.items;
+  room_changed(p);
   {  // both counts at once: a scrape never sees a first send without its send
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->chunks_sent += 1;

@@ -6,7 +6,10 @@ namespace troupe::detail {
 scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts,
                      std::shared_ptr<stats_box> stats)
     : io_(io), opts_(std::move(opts)), settings_(settings_of(opts_)), stats_(std::move(stats)) {
-  for (auto& d : devices) producers_.push_back(make_slot(d));
+  for (auto& d : devices) {
+    producers_.push_back(make_slot(d));
+    room_changed(producers_.size() - 1);
+  }
   if (!opts_.trace_file.empty()) {
     try {
       trace_ = std::make_unique<trace_writer>(opts_.trace_file, opts_.trace_max_bytes, io_.now());
@@ -99,6 +102,7 @@ producer_slot scheduler::make_slot(const device& d) const {
 void scheduler::add_producers(const std::vector<device>& devices) {
   for (auto& d : devices) {
     producers_.push_back(make_slot(d));
+    room_changed(producers_.size() - 1);
     trace_lane(producers_.size() - 1);
     trace_instant(producers_.size() - 1, "added", "add_devices");
     emit(producer_event::kind::added, producers_.size() - 1, "add_devices");
@@ -120,6 +124,7 @@ void scheduler::drain(const std::vector<std::size_t>& slots,
   for (auto p : slots) {
     if (p >= producers_.size() || producers_[p].retired) continue;
     producers_[p].draining = true;
+    room_changed(p);
     w.left.insert(p);
   }
   if (w.left.empty()) {
@@ -158,6 +163,7 @@ void scheduler::retire(std::size_t p, const std::string& why) {
   s.alive = false;
   s.draining = false;
   s.retired = true;
+  room_changed(p);
   s.restarting = false;
   s.end_pending = false;
   s.gen += 1;              // answers still on their way are dropped

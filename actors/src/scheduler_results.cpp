@@ -24,6 +24,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     if (rec->items > 0) s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
     s.items -= rec->items;
     s.outstanding.erase(rec);
+    room_changed(p);
   }
   s.last_done = now;
   s.restarts_in_row = 0;
@@ -256,6 +257,7 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
   s.alive = false;
   s.gen += 1;
   s.quarantined = quarantine;
+  room_changed(p);
   bool replace =
       s.local && !closing_ && !quarantine && !s.draining && s.restarts_in_row < max_restarts_in_row;
   if (quarantine)
@@ -301,6 +303,7 @@ void scheduler::requeue_outstanding(std::size_t p) {
   }
   s.outstanding.clear();
   s.items = 0;
+  room_changed(p);
 }
 
 void scheduler::quarantine_producer(std::size_t p) {
@@ -331,6 +334,7 @@ void scheduler::replaced(std::size_t p, std::uint64_t gen) {
   s.alive = true;
   s.outstanding.clear();
   s.items = 0;
+  room_changed(p);
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     auto& ps = stats_->value.producers[p];

@@ -127,6 +127,7 @@ void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::u
   rec.items = static_cast<std::size_t>(keep);
   rec.units = x.units;
   producers_[q].items -= moved;
+  room_changed(q);
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->value.split_chunks += 1;
