@@ -3,12 +3,17 @@
 request's 16 numbers as a 1x4x4 image and answers 10 class scores, saved with torch.jit.script
 (TorchScript, loaded in C++ with torch::jit::load), with reference inputs and outputs beside it
 (FILE.ref.txt: one line per input, its 16 numbers, then ";", then the 10 scores Python computed).
+A name ending in .pt2 saves it the way torch 2.15 recommends instead: torch.export with a batch
+size from 1 to --max-batch, compiled ahead of time by AOTInductor into a package that C++ loads
+with torch::inductor::AOTIModelPackageLoader (no Python, no TorchScript interpreter).
 
     /opt/troupe-venv/bin/python examples/export_model.py model.pt [--width 16] [--seed 0]
+    /opt/troupe-venv/bin/python examples/export_model.py model.pt2 [--max-batch 64]
 
-Run it with the project's venv (tools/setup.sh): the same torch as the C++ side. torch 2.15 warns
-that torch.jit.script is deprecated in favour of torch.export; the C++ path for torch.export is
-an AOTInductor package (.pt2), which troupe's serve does not load yet.
+Run it with the project's venv (tools/setup.sh): the same torch as the C++ side. A .pt2 needs a
+C++ compiler (g++) and takes about 40 s on 2 cores; it is compiled for this machine's CPU (its
+instruction set), so build it where it will be served. The same seed gives the same weights in
+both formats.
 """
 import argparse
 import warnings
@@ -50,12 +55,28 @@ class TinyResNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+def export_package(model: nn.Module, out: str, max_batch: int):
+    """torch.export with a dynamic batch size, then AOTInductor: the package, loaded back."""
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    program = torch.export.export(model, (torch.randn(4, 16),), dynamic_shapes={"x": {0: batch}})
+    import torch.fx.experimental._config as fx_config
+
+    # Without these the package silently takes a narrower range than exported (a convolution's
+    # guard specializes the batch below or above 16) and refuses batches of 1.
+    with fx_config.patch(backed_size_oblivious=True):
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=out, inductor_configs={"aot_inductor.check_lowerbound": False})
+    return torch._inductor.aoti_load_package(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="where to write the TorchScript model (e.g. model.pt)")
     ap.add_argument("--width", type=int, default=16, help="channels of the CNN")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--references", type=int, default=8, help="reference rows to write")
+    ap.add_argument("--max-batch", type=int, default=64,
+                    help=".pt2: the largest batch the package takes (serve's --max-batch)")
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     model = TinyResNet(a.width)
@@ -65,13 +86,16 @@ def main() -> None:
         for _ in range(4):
             model(torch.randn(64, 16))
     model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
-        scripted = torch.jit.script(model)
-    scripted.save(a.out)
+    if a.out.endswith(".pt2"):
+        run = export_package(model, a.out, a.max_batch)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
+            run = torch.jit.script(model)
+        run.save(a.out)
     x = torch.randn(a.references, 16)
     with torch.no_grad():
-        y = scripted(x)
+        y = run(x)
     with open(a.out + ".ref.txt", "w") as f:
         for xi, yi in zip(x.tolist(), y.tolist()):
             f.write(" ".join(repr(v) for v in xi) + " ; " + " ".join(repr(v) for v in yi) + "\n")

@@ -6,7 +6,9 @@
 //         callers ──▶ one producer::work(span) call for up to --max-batch of them ──▶ each
 //         answer back to its own request: {"class": K, "score": S}
 //   GET /metrics (with troupe::metrics), GET /health
-//   503 when --max-queued requests wait already (troupe::overloaded), 400 on a bad body.
+//   503 when --max-queued requests wait already (troupe::overloaded), 400 on a bad body, and
+//   400 with the model's own message when a model from a file refuses a request (a wrong
+//   shape): only that request fails, the ones batched with it are answered.
 //
 // One thread runs the HTTP side (Boost.Beast coroutines): no thread waits for a request's
 // answer (troupe::async_get completes the coroutine). Two models answer 10 classes:
@@ -14,9 +16,13 @@
 //   --model mlp     a LibTorch MLP (16 -> --hidden x --layers, ReLU -> 10) on each producer's
 //                   device, cpu or cuda:N: one forward pass per batch (builds with LibTorch);
 //   --model F.pt    a TorchScript model exported from Python ([N, 16] -> [N, 10]; see
-//                   examples/export_model.py): loaded once per device (a device_state shared
+//                   examples/export_model.py; requests of any width reach it, and it says
+//                   which it takes): loaded once per device (a device_state shared
 //                   by that device's producers), warmed up before the first request, checked
 //                   against F.pt.ref.txt when that file is there.
+//   --model F.pt2   the same model from torch.export, compiled ahead of time by AOTInductor
+//                   (examples/export_model.py F.pt2): one loader per device, an instance of
+//                   the model per producer; its input checks on (AOTI_RUNTIME_CHECK_INPUTS).
 // --call-us and --item-us add a simulated cost per call and per row (a kernel launch, a forward
 // pass), so that batching pays on a CPU as it does on a GPU.
 //
@@ -37,10 +43,13 @@
 #include <sstream>
 #include <troupe/asio.hpp>
 #ifdef TROUPE_EXAMPLES_TORCH
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <troupe/torch.hpp>
 #endif
@@ -55,6 +64,10 @@ using tcp = net::ip::tcp;
 namespace {
 
 constexpr std::size_t n_features = 16, n_classes = 10;
+
+/// A request the model refused (a wrong shape, say): the producers throw it with the model's
+/// own message; the server answers 400 with that message, not 500.
+constexpr const char* bad_input = "the model refused the input: ";
 
 /// The model's weights: the same in every producer and in the self-test's check.
 std::vector<float> weights() {
@@ -84,6 +97,7 @@ prediction predict(const std::vector<float>& w, const std::vector<float>& x) {
 
 /// One call for a batch of requests (of any callers): what a GPU model does per forward pass.
 struct classify {
+  static constexpr std::size_t width = n_features;  ///< numbers per request
   struct producer {
     producer(const troupe::device&, const troupe::config& cfg)
         : w(weights()),
@@ -126,12 +140,13 @@ torch::nn::Sequential make_mlp(std::int64_t hidden, std::int64_t layers) {
   return m;
 }
 
-/// Requests as one [rows, 16] host tensor.
-at::Tensor stack(troupe::span<const std::vector<float>> rows) {
-  auto x = torch::empty({static_cast<std::int64_t>(rows.size()), std::int64_t{n_features}});
+/// Requests as one [rows, width] host tensor.
+at::Tensor stack(troupe::span<const std::vector<float>> rows, std::size_t width = n_features) {
+  auto x = torch::empty({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(width)});
   auto* p = x.data_ptr<float>();
   for (auto& r : rows) {
-    if (r.size() != n_features) throw std::invalid_argument("expected 16 features");
+    if (r.size() != width)
+      throw std::invalid_argument("expected " + std::to_string(width) + " numbers per request");
     p = std::copy(r.begin(), r.end(), p);
   }
   return x;
@@ -152,6 +167,7 @@ std::vector<prediction> best_classes(const at::Tensor& scores) {
 
 /// The same service with a LibTorch MLP: one forward pass on the producer's device per batch.
 struct classify_mlp {
+  static constexpr std::size_t width = n_features;
   struct producer {
     producer(const troupe::device& d, const troupe::config& cfg)
         : where(d),
@@ -183,6 +199,7 @@ struct classify_mlp {
 /// each producer warms it up once before its first request (the profiling executor's first
 /// calls are slow: they stay out of the first requests' latency).
 struct classify_script {
+  static constexpr std::size_t width = 0;  ///< any: the model says what it takes
   struct device_state {
     device_state(const troupe::device& d, const troupe::config& cfg)
         : where(troupe::torch_device(d)),
@@ -205,8 +222,61 @@ struct classify_script {
     std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
       classify::producer::calls += 1;
       classify::producer::rows_seen += rows.size();
+      // Requests of other widths in one call cannot be stacked: this call throws and troupe
+      // runs it again in halves, down to single requests, each of which the model judges alone.
+      auto x = stack(rows, rows.empty() ? 0 : rows.front().size());
       c10::InferenceMode inference;
-      return best_classes(model.module.forward({troupe::to_device(stack(rows), where)}).toTensor());
+      try {
+        return best_classes(model.module.forward({troupe::to_device(x, where)}).toTensor());
+      } catch (const c10::OutOfMemoryError&) {
+        throw;  // the device's fault, not the request's
+      } catch (const c10::Error& e) {
+        throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
+      }
+    }
+    troupe::device where;
+    device_state& model;
+  };
+};
+
+/// An AOTInductor package (cfg "model_file", a .pt2 from torch.export, examples/export_model.py)
+/// served the same way: compiled code, no interpreter. One loader per device and process
+/// (device_state) with a model instance for each of the device's producers (cfg "runners"), so
+/// that they run at once; it takes batches up to the size it was exported for (a larger one
+/// throws, and troupe runs it again in halves).
+struct classify_package {
+  static constexpr std::size_t width = 0;  ///< any: the package checks its inputs
+  struct device_state {
+    device_state(const troupe::device& d, const troupe::config& cfg)
+        : where(troupe::torch_device(d)),
+          loader(cfg.get<std::string>("model_file"), "model", false,
+                 static_cast<std::size_t>(cfg.get_or<std::int64_t>("runners", 1)),
+                 where.is_cuda() ? where.index() : c10::DeviceIndex{-1}) {
+      classify_script::device_state::loads += 1;
+    }
+    torch::Device where;
+    torch::inductor::AOTIModelPackageLoader loader;
+  };
+  struct producer {
+    producer(const troupe::device& d, const troupe::config&, device_state& shared)
+        : where(d), model(shared) {}
+    void warmup() {
+      c10::InferenceMode inference;
+      for (int i = 0; i < 3; ++i)
+        model.loader.run({torch::zeros({4, std::int64_t{n_features}}, model.where)});
+    }
+    std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
+      classify::producer::calls += 1;
+      classify::producer::rows_seen += rows.size();
+      auto x = stack(rows, rows.empty() ? 0 : rows.front().size());
+      c10::InferenceMode inference;
+      try {
+        return best_classes(model.loader.run({troupe::to_device(x, where)}).at(0));
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
+      } catch (const c10::Error& e) {  // AOTI_RUNTIME_CHECK_INPUTS: a shape it was not built for
+        throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
+      }
     }
     troupe::device where;
     device_state& model;
@@ -215,13 +285,37 @@ struct classify_script {
 
 namespace {
 
+bool is_package(const std::string& model_file) {
+  return model_file.size() > 4 && model_file.compare(model_file.size() - 4, 4, ".pt2") == 0;
+}
+
+/// The model in `model_file` (.pt or .pt2), loaded on the CPU, as a function of a batch: for the
+/// checks, apart from the producers. A package takes at most the batch it was exported for: the
+/// rows go through in slices of 64 (export_model.py's default).
+std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model_file) {
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  if (is_package(model_file)) {
+    auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_file);
+    forward = [loader](const at::Tensor& x) { return loader->run({x}).at(0); };
+  } else {
+    auto module = std::make_shared<torch::jit::Module>(torch::jit::load(model_file));
+    module->eval();
+    forward = [module](const at::Tensor& x) { return module->forward({x}).toTensor(); };
+  }
+  return [forward](const at::Tensor& x) {
+    std::vector<at::Tensor> parts;
+    for (std::int64_t at = 0; at < x.size(0); at += 64)
+      parts.push_back(forward(x.slice(0, at, std::min<std::int64_t>(x.size(0), at + 64))));
+    return torch::cat(parts).contiguous();
+  };
+}
+
 /// FILE.ref.txt (examples/export_model.py): each line's 16 inputs and the 10 scores Python
 /// computed. Throws when the model loaded here answers otherwise (beyond float rounding).
 std::size_t check_reference(const std::string& model_file) {
   std::ifstream in(model_file + ".ref.txt");
   if (!in) return 0;
-  auto module = torch::jit::load(model_file);
-  module.eval();
+  auto forward = load_model(model_file);
   c10::InferenceMode inference;
   std::string line;
   std::size_t rows = 0;
@@ -234,9 +328,8 @@ std::size_t check_reference(const std::string& model_file) {
     for (float v; ys >> v;) y.push_back(v);
     if (x.size() != n_features || y.size() != n_classes)
       throw std::runtime_error(model_file + ".ref.txt: a line without 16 inputs and 10 scores");
-    auto got = module.forward({torch::from_blob(x.data(), {1, std::int64_t{n_features}}).clone()})
-                   .toTensor()
-                   .contiguous();
+    auto got =
+        forward(torch::from_blob(x.data(), {1, std::int64_t{n_features}}).clone()).contiguous();
     for (std::size_t c = 0; c < n_classes; ++c)
       if (std::fabs(got.data_ptr<float>()[c] - y[c]) > 1e-4f * (1.0f + std::fabs(y[c])))
         throw std::runtime_error(model_file + " answers " +
@@ -253,8 +346,12 @@ std::size_t check_reference(const std::string& model_file) {
 
 namespace {
 
-/// "0.1,0.2" or "[0.1, 0.2]": the numbers; nullopt when it is not 16 numbers.
-std::optional<std::vector<float>> parse_features(const std::string& body) {
+/// The most numbers a request may hold when the model, not the server, says what fits.
+constexpr std::size_t max_width = 65536;
+
+/// "0.1,0.2" or "[0.1, 0.2]": the numbers; nullopt when they are not `width` numbers (0: any
+/// count from 1 to max_width, for a model from a file, which says itself what it takes).
+std::optional<std::vector<float>> parse_features(const std::string& body, std::size_t width) {
   std::string s;
   for (char c : body)
     if (c != '[' && c != ']' && c != ' ' && c != '\n' && c != '\r' && c != '\t') s += c;
@@ -270,12 +367,29 @@ std::optional<std::vector<float>> parse_features(const std::string& body) {
     } catch (const std::exception&) {
       return std::nullopt;
     }
+    if (out.size() > max_width) return std::nullopt;
   }
-  if (out.size() != n_features) return std::nullopt;
+  if (width != 0 ? out.size() != width : out.empty()) return std::nullopt;
   return out;
 }
 
-struct server_stats {
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+struct server_state {
+  std::size_t width = n_features;  ///< numbers per request (parse_features; 0: the model says)
   std::atomic<std::uint64_t> ok{0}, overloaded{0}, late{0}, bad{0};
 };
 
@@ -293,7 +407,7 @@ http::response<http::string_body> reply(const http::request<http::string_body>& 
 
 template <class Runner>
 net::awaitable<http::response<http::string_body>> handle(http::request<http::string_body> req,
-                                                         Runner& runner, server_stats& stats) {
+                                                         Runner& runner, server_state& stats) {
   if (req.target() == "/health") co_return reply(req, http::status::ok, "ok\n", "text/plain");
 #ifdef TROUPE_EXAMPLES_METRICS
   if (req.target() == "/metrics")
@@ -301,11 +415,15 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
 #endif
   if (req.target() != "/predict" || req.method() != http::verb::post)
     co_return reply(req, http::status::not_found, "{\"error\": \"POST /predict\"}\n");
-  auto x = parse_features(req.body());
+  auto x = parse_features(req.body(), stats.width);
   if (!x) {
     stats.bad += 1;
     co_return reply(req, http::status::bad_request,
-                    "{\"error\": \"the body must be 16 comma-separated numbers\"}\n");
+                    stats.width != 0
+                        ? "{\"error\": \"the body must be " + std::to_string(stats.width) +
+                              " comma-separated numbers\"}\n"
+                        : "{\"error\": \"the body must be 1 to " + std::to_string(max_width) +
+                              " comma-separated numbers\"}\n");
   }
   troupe::job_options o;
   if (auto d = req.find("X-Deadline-Ms"); d != req.end()) {
@@ -337,8 +455,16 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
       stats.late += 1;
       co_return reply(req, http::status::gateway_timeout, "{\"error\": \"deadline\"}\n");
     } catch (const std::exception& e) {
+      // A batch call that throws is run again in halves down to single requests (troupe's
+      // batching), so a refusal names this request's own input, not its neighbours'.
+      std::string what = e.what();
+      if (auto at = what.find(bad_input); at != std::string::npos) {
+        stats.bad += 1;
+        co_return reply(req, http::status::bad_request,
+                        "{\"error\": " + json_string(what.substr(at)) + "}\n");
+      }
       co_return reply(req, http::status::internal_server_error,
-                      std::string{"{\"error\": \""} + e.what() + "\"}\n");
+                      "{\"error\": " + json_string(what) + "}\n");
     }
   }
   stats.ok += 1;
@@ -377,7 +503,7 @@ struct connection {
 };
 
 template <class Runner>
-net::awaitable<void> session(tcp::socket socket, Runner& runner, server_stats& stats,
+net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& stats,
                              std::shared_ptr<connections> all) {
   connection c{std::move(socket), std::move(all)};
   auto* stream = &c.stream;
@@ -403,7 +529,7 @@ net::awaitable<void> session(tcp::socket socket, Runner& runner, server_stats& s
 }
 
 template <class Runner>
-net::awaitable<void> listen(tcp::acceptor& acceptor, Runner& runner, server_stats& stats) {
+net::awaitable<void> listen(tcp::acceptor& acceptor, Runner& runner, server_state& stats) {
   auto all = std::make_shared<connections>();
   if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
     all->limit = std::max<std::size_t>(8, static_cast<std::size_t>(lim.rlim_cur) / 2);
@@ -491,9 +617,7 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
             ->forward(x)
             .contiguous();
   } else {
-    auto module = torch::jit::load(model);
-    module.eval();
-    y = module.forward({x}).toTensor().contiguous();
+    y = load_model(model)(x);
   }
   const auto* p = y.data_ptr<float>();
   for (auto& row : scores) {
@@ -524,7 +648,8 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
            const std::string& model, const std::string& listen_on, std::size_t requests,
            std::size_t concurrency) {
   troupe::unordered_runner<Job> runner{f.device_list(), cfg, opts};
-  server_stats stats;
+  server_state stats;
+  stats.width = Job::width;
 
   net::io_context io{1};
   auto hp = troupe::detail::parse_host_port(listen_on);
@@ -588,12 +713,14 @@ int main(int argc, char** argv) {
   std::int64_t max_delay_us = 2000, call_us = 0, item_us = 0, hidden = 256, layers = 2;
   app.add_option("--listen", listen_on, "HOST:PORT to serve HTTP on (port 0: any free port)");
   app.add_option("--model", model,
-                 "linear (plain C++), mlp (LibTorch, on the producers' devices) or FILE.pt (a "
-                 "TorchScript model [N,16] -> [N,10], e.g. from examples/export_model.py)")
+                 "linear (plain C++), mlp (LibTorch, on the producers' devices), FILE.pt (a "
+                 "TorchScript model [N,16] -> [N,10], e.g. from examples/export_model.py) or "
+                 "FILE.pt2 (the same from torch.export, compiled by AOTInductor)")
       ->check([](const std::string& m) -> std::string {
         if (m == "linear" || m == "mlp") return {};
         if (m.size() > 3 && m.compare(m.size() - 3, 3, ".pt") == 0) return {};
-        return "--model: linear, mlp or a FILE.pt";
+        if (m.size() > 4 && m.compare(m.size() - 4, 4, ".pt2") == 0) return {};
+        return "--model: linear, mlp, a FILE.pt or a FILE.pt2";
       });
   app.add_option("--hidden", hidden, "--model mlp: hidden units per layer")
       ->check(CLI::PositiveNumber);
@@ -626,11 +753,23 @@ int main(int argc, char** argv) {
 #ifdef TROUPE_EXAMPLES_TORCH
     if (model == "mlp")
       return serve<classify_mlp>(f, cfg, opts, model, listen_on, requests, concurrency);
+    // A package checks its inputs' shapes only when asked (read once, at its first run): a
+    // request of a wrong shape is then an error (a 400), not a read past its buffer.
+    if (is_package(model)) ::setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
     if (auto rows = check_reference(model); rows > 0)
       std::cerr << "reference: " << model << " gives Python's scores on " << rows << " rows"
                 << std::endl;
     cfg.set("model_file", model);
-    serve<classify_script>(f, cfg, opts, model, listen_on, requests, concurrency);
+    if (is_package(model)) {
+      // Each producer of a device runs its own instance of the package's model at once.
+      auto ds = f.device_list();
+      std::int64_t most = 1;
+      for (auto& d : ds) most = std::max<std::int64_t>(most, std::count(ds.begin(), ds.end(), d));
+      cfg.set("runners", most);
+      serve<classify_package>(f, cfg, opts, model, listen_on, requests, concurrency);
+    } else {
+      serve<classify_script>(f, cfg, opts, model, listen_on, requests, concurrency);
+    }
     std::cerr << "model loaded " << classify_script::device_state::loads
               << " time(s): once per device" << std::endl;
 #else

@@ -1,25 +1,84 @@
 #!/usr/bin/env bash
-# serve --model FILE.pt: a small ResNet-style CNN exported from Python at test time
+# serve --model FILE.pt (or FILE.pt2 with a third argument pt2: the same model through
+# torch.export and AOTInductor): a small ResNet-style CNN exported from Python at test time
 # (examples/export_model.py, with the project's venv), served by 2 CPU producers that share one
 # loaded copy (device_state) and warm it up; the reference rows Python computed must come back
-# from the C++ side, and every one of the self-test's answers is checked.
+# from the C++ side, and every one of the self-test's answers is checked. Then as a client sees
+# it: requests of a wrong shape, sent at once with right ones (one batch), get a 400 with the
+# model's own message while the right ones are answered; the server goes on, and SIGTERM ends it.
 set -euo pipefail
 serve=$1
 exporter=$2
+ext=${3:-pt}
 python=${TROUPE_VENV:-/opt/troupe-venv}/bin/python
 if ! "$python" -c 'import torch' 2>/dev/null; then
   echo "skipped: no torch in $python (tools/setup.sh installs it)"
   exit 77
 fi
 dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-"$python" "$exporter" "$dir/tiny.pt" --width 8 --references 8
-"$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$dir/tiny.pt" --requests 300 \
+pid=
+cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true; rm -rf "$dir"; }
+trap cleanup EXIT
+model=$dir/tiny.$ext
+"$python" "$exporter" "$model" --width 8 --references 8
+"$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --requests 300 \
   --concurrency 16 --max-batch 16 --max-delay-us 500 > "$dir/out" 2> "$dir/err" ||
   { cat "$dir/err"; exit 1; }
 cat "$dir/err" "$dir/out"
-grep -q "reference: $dir/tiny.pt gives Python's scores on 8 rows" "$dir/err"
+grep -q "reference: $model gives Python's scores on 8 rows" "$dir/err"
 grep -q "model loaded 1 time(s)" "$dir/err"
 grep -q "0 wrong" "$dir/err"
 grep -Eq "^result: [0-9]+$" "$dir/out"
-echo "TorchScript model served: ok"
+echo "$model served: ok"
+
+"$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --max-batch 16 \
+  --max-delay-us 200000 2> "$dir/err2" > "$dir/out2" &
+pid=$!
+for _ in $(seq 300); do grep -q "serving HTTP on" "$dir/err2" && break; sleep 0.1; done
+port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err2")
+[ -n "$port" ] || { cat "$dir/err2"; exit 1; }
+python3 - "$port" <<'PY'
+import http.client, json, sys, threading
+port = int(sys.argv[1])
+def call(body):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/predict", body=body)
+    r = c.getresponse()
+    return r.status, r.read().decode()
+right = ",".join(str(i / 10) for i in range(16))
+wrong = [",".join(str(i / 10) for i in range(n)) for n in (15, 17, 3)]
+bodies = [right] * 6 + wrong
+answers = [None] * len(bodies)
+def go(i):
+    answers[i] = call(bodies[i])
+threads = [threading.Thread(target=go, args=(i,)) for i in range(len(bodies))]
+for t in threads: t.start()
+for t in threads: t.join()
+for (status, body), b in zip(answers, bodies):
+    if b == right:
+        assert status == 200 and '"class": ' in body, (status, body)
+    else:
+        assert status == 400, (status, body)
+        error = json.loads(body)["error"]
+        assert error.startswith("the model refused the input: "), error
+        assert len(error) > len("the model refused the input: ") + 10, error  # the model's words
+print("wrong shapes:", [json.loads(a[1])["error"][:120] for a in answers[6:]])
+status, body = call(right)
+assert status == 200, (status, body)  # and it goes on
+# A flood of refused requests takes no producer out (no quarantine by default).
+flood = [None] * 40
+def bad(i):
+    flood[i] = call(wrong[i % 3])[0]
+threads = [threading.Thread(target=bad, args=(i,)) for i in range(len(flood))]
+for t in threads: t.start()
+for t in threads: t.join()
+assert flood == [400] * len(flood), flood
+status, body = call(right)
+assert status == 200, (status, body)
+PY
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+pid=
+[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err2"; exit 1; }
+echo "wrong shapes refused with the model's message, the others answered: ok"
