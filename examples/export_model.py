@@ -39,26 +39,30 @@ class Block(nn.Module):
 
 
 class TinyResNet(nn.Module):
-    """[N, 16] -> [N, 10]: the 16 numbers as a 1x4x4 image, a stem, two residual blocks,
-    global average pooling and a linear classifier."""
+    """[N, C*S*S] -> [N, 10]: each row as a CxSxS image (1x4x4 by default: serve's 16 numbers),
+    a stem, residual blocks, global average pooling and a linear classifier."""
 
-    def __init__(self, width: int = 16, classes: int = 10):
+    def __init__(self, width: int = 16, classes: int = 10, channels: int = 1, side: int = 4,
+                 blocks: int = 2):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False),
+        self.channels = channels
+        self.side = side
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(width), nn.ReLU())
-        self.blocks = nn.Sequential(Block(width), Block(width))
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(blocks)])
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(x.size(0), 1, 4, 4)
+        x = x.view(x.size(0), self.channels, self.side, self.side)
         x = self.blocks(self.stem(x))
         return self.head(x.mean(dim=(2, 3)))
 
 
-def export_package(model: nn.Module, out: str, max_batch: int):
+def export_package(model: nn.Module, out: str, max_batch: int, inputs: int):
     """torch.export with a dynamic batch size, then AOTInductor: the package, loaded back."""
     batch = torch.export.Dim("batch", min=1, max=max_batch)
-    program = torch.export.export(model, (torch.randn(4, 16),), dynamic_shapes={"x": {0: batch}})
+    program = torch.export.export(model, (torch.randn(4, inputs),),
+                                  dynamic_shapes={"x": {0: batch}})
     import torch.fx.experimental._config as fx_config
 
     # Without these the package silently takes a narrower range than exported (a convolution's
@@ -75,25 +79,29 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16, help="channels of the CNN")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--references", type=int, default=8, help="reference rows to write")
+    ap.add_argument("--channels", type=int, default=1, help="channels of an input image")
+    ap.add_argument("--side", type=int, default=4, help="an input image is side x side")
+    ap.add_argument("--blocks", type=int, default=2, help="residual blocks")
     ap.add_argument("--max-batch", type=int, default=64,
                     help=".pt2: the largest batch the package takes (serve's --max-batch)")
     a = ap.parse_args()
     torch.manual_seed(a.seed)
-    model = TinyResNet(a.width)
+    model = TinyResNet(a.width, channels=a.channels, side=a.side, blocks=a.blocks)
+    inputs = a.channels * a.side * a.side
     # Batch statistics that are not the identity, as a trained model has.
     with torch.no_grad():
         model.train()
         for _ in range(4):
-            model(torch.randn(64, 16))
+            model(torch.randn(64, inputs))
     model.eval()
     if a.out.endswith(".pt2"):
-        run = export_package(model, a.out, a.max_batch)
+        run = export_package(model, a.out, a.max_batch, inputs)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
             run = torch.jit.script(model)
         run.save(a.out)
-    x = torch.randn(a.references, 16)
+    x = torch.randn(a.references, inputs)
     with torch.no_grad():
         y = run(x)
     with open(a.out + ".ref.txt", "w") as f:
