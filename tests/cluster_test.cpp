@@ -359,10 +359,70 @@ TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
       std::this_thread::sleep_for(std::chrono::milliseconds{5});
   }
   EXPECT_GE(runner.stats().late_answers, 1u);
-  // Its process was given up on: it never becomes a member again (its restart would).
+  // Its process was given up on: nothing of that incarnation is used again. add() says so and
+  // asks the node to start over; the new incarnation it takes is a member (as a restart's).
+  auto given_up = c.members()[0].incarnation;
   EXPECT_THROW(c.add(a.address()), troupe::node_error);
   EXPECT_GE(c.fenced_answers(), 1u);
   EXPECT_EQ(c.members()[0].what, troupe::member::state::lost);
+  bool back = false;
+  for (int i = 0; i < 200 && !back; ++i) {  // the node handles the request as its next message
+    try {
+      c.add(a.address());
+      back = true;
+    } catch (const troupe::node_error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds{20});
+    }
+  }
+  ASSERT_TRUE(back) << "the thawed node never answered as a new incarnation";
+  EXPECT_EQ(c.members()[0].what, troupe::member::state::up);
+  EXPECT_NE(c.members()[0].incarnation, given_up);
+  EXPECT_EQ(ev.count(troupe::membership_event::rejoined, a.address()), 1u);
+  EXPECT_EQ(runner.run(iota(40)), sum_of_squares(40));  // on both nodes again
+}
+
+TEST(Cluster, ANodeFrozenPastLostAfterThenThawedRejoinsByItselfAndTakesWorkInTheRunningJob) {
+  // A freeze (or a partition) that outlasts lost_after, then heals: the process is alive, with
+  // the incarnation the cluster gave up on. The cluster's reconnector finds it, asks it to
+  // start over (its old producers end), and admits its new incarnation (rejoined): the running
+  // job uses it again. Before, it stayed lost until someone restarted it, and a fleet whose
+  // nodes paused now and then ran out of producers (seen in bench/churn_soak).
+  node_process a{"cpu", {"--idle-timeout-ms", "60000"}}, b{"cpu", {"--idle-timeout-ms", "60000"}};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.heartbeat = std::chrono::milliseconds{100};
+  o.lost_after = std::chrono::milliseconds{1000};
+  o.reconnect_every = std::chrono::milliseconds{200};
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
+  running_job run{c, 200};
+  auto given_up = c.members()[0].incarnation;
+  a.kill(SIGSTOP);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "node a lost"};
+    ev.wait_for(troupe::membership_event::lost, a.address());
+  }
+  a.kill(SIGCONT);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "node a rejoined"};
+    ev.wait_for(troupe::membership_event::rejoined, a.address());
+  }
+  EXPECT_NE(c.members()[0].incarnation, given_up);
+  EXPECT_EQ(c.members()[0].what, troupe::member::state::up);
+  // Its new producer takes items of the job under way.
+  auto on_a = [&] {
+    std::uint64_t n = 0;
+    for (auto& p : run.runner.stats().producers)
+      if (p.alive && p.where.node() == a.address()) n += p.items;
+    return n;
+  };
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "items on the rejoined node"};
+    while (on_a() == 0) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  EXPECT_GT(on_a(), 0u);
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, a.address()), 1u);
+  run.finish();
 }
 
 TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) {

@@ -90,9 +90,12 @@ void cluster_core::admit(reached& r, bool rethrow) {
     std::lock_guard<std::mutex> guard{mtx_};
     if (core_.fenced(address, r.incarnation)) {
       core_.answered(address, r.incarnation, {}, clock::now(), true);  // counted
+      caf::anon_send(r.handle, given_up_atom::value, r.incarnation);   // starts over
       throw node_error("cannot use node " + address +
                        ": it answered as the process this cluster gave up on (incarnation " +
-                       std::to_string(r.incarnation) + "); restart it to make it a member again");
+                       std::to_string(r.incarnation) +
+                       "); it was asked to start over as a new incarnation, which joins by "
+                       "itself (reconnect) or at the next add()");
     }
     auto events =
         core_.answered(address, r.incarnation, devices_at(address, r.offered), clock::now(), true);

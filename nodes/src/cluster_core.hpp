@@ -130,6 +130,11 @@ class cluster_core {
   void reconnect_loop();
   /// Under mtx_: the leaving notices received so far, applied (draining events).
   std::vector<membership_event> take_notices_locked(clock::time_point now);
+  /// The reconnector found `address` answering as an incarnation given up on: asks it to start
+  /// over as a new one (given_up_atom; rate-limited by reconnect_every like any retry). True
+  /// then (nothing of that answer is used).
+  bool ask_to_start_over(const std::string& address, const caf::actor& handle,
+                         std::uint64_t incarnation);
   /// Asks the node to tell the listener when it drains itself.
   void watch(const caf::actor& node);
   bool stopping();

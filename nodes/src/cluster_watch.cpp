@@ -125,6 +125,7 @@ void cluster_core::reconnect_loop() {
       } catch (const std::exception&) {
         continue;  // not back yet
       }
+      if (ask_to_start_over(address, handle, incarnation)) continue;  // its next answer rejoins
       std::vector<device> devices;
       try {
         devices = devices_at(address, offered);
@@ -152,6 +153,23 @@ void cluster_core::reconnect_loop() {
       if (b) cv_.notify_all();
     }
   }
+}
+
+bool cluster_core::ask_to_start_over(const std::string& address, const caf::actor& handle,
+                                     std::uint64_t incarnation) {
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (!core_.fenced(address, incarnation)) return false;
+    core_.answered(address, incarnation, {}, clock::now(), false);  // counted, not used
+  }
+  // The process this cluster gave up on (frozen or cut off past lost_after) is back. Nothing of
+  // it is used again; it starts over as a new incarnation, as a restart would, and the next
+  // probe admits that one (rejoined): a healed partition needs no operator.
+  caf::anon_send(handle, given_up_atom::value, incarnation);
+  log(log_level::warn, "cluster: " + address + " answers as the process given up on (incarnation " +
+                           std::to_string(incarnation) +
+                           "): asked to start over as a new incarnation");
+  return true;
 }
 
 std::vector<membership_event> cluster_core::take_notices_locked(clock::time_point now) {

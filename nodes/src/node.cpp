@@ -129,6 +129,21 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
     st->producers_of.clear();
   });
   return {
+      [self, st](given_up_atom, std::uint64_t incarnation) {
+        // A cluster gave this process up (it was frozen or cut off past lost_after) and uses
+        // nothing of it again. Start over as a restart would, without one: every producer ends
+        // (their coordinators fenced them, or will see a new incarnation and fence them), and
+        // a new incarnation is a new member for every cluster.
+        if (incarnation != st->incarnation || st->draining) return;
+        for (auto& [owner, ps] : st->producers_of)
+          for (auto& p : ps) self->send_exit(p, caf::exit_reason::user_shutdown);
+        st->incarnation = detail::new_incarnation();
+        log(log_level::warn, "node: a cluster gave up on this process (incarnation " +
+                                 std::to_string(incarnation) +
+                                 "): its producers end, and it answers as incarnation " +
+                                 std::to_string(st->incarnation));
+        st->publish();
+      },
       [st](hello_atom) {
         node_hello hello{node_protocol_version, {}, st->incarnation, st->draining};
         for (auto& d : st->devices) hello.devices.push_back(d.str());
@@ -405,7 +420,10 @@ std::uint16_t node::port() const {
 }
 
 std::uint64_t node::incarnation() const {
-  return impl_ ? impl_->incarnation : 0;
+  if (!impl_) return 0;
+  std::lock_guard<std::mutex> guard{impl_->numbers->mtx};  // new after a given_up_atom
+  return impl_->numbers->view.incarnation != 0 ? impl_->numbers->view.incarnation
+                                               : impl_->incarnation;
 }
 
 std::string node::address() const {

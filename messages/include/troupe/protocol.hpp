@@ -213,6 +213,11 @@ using watch_atom = caf::atom_constant<caf::atom("tr_watch")>;
 /// A cluster, to a runner's scheduler (in-process): the node (address) was given up on; its
 /// producers are lost now and their late answers are dropped (fenced).
 using fence_atom = caf::atom_constant<caf::atom("tr_fence")>;
+/// A cluster, to a node that answers as the process (incarnation) it gave up on: a freeze or a
+/// partition that outlasted lost_after, healed. The node starts over as a restart would: it ends
+/// every producer it holds, for every coordinator, and takes a new incarnation, which the
+/// cluster's next probe admits (rejoined). Ignored unless the incarnation is the node's own.
+using given_up_atom = caf::atom_constant<caf::atom("tr_givenup")>;
 
 /// A node's answer to hello_atom: its protocol version, the devices it offers and its
 /// incarnation (random, new at every start of the node's process: a restart is a new member).

@@ -104,7 +104,9 @@ class node {
   ~node();
 
   [[nodiscard]] std::uint16_t port() const;
-  /// This node's incarnation: random, new at every serve() (so at every start of its process).
+  /// This node's incarnation: random, new at every serve() (so at every start of its process),
+  /// and new when a cluster that gave this process up (a freeze or partition past its
+  /// lost_after) finds it again: the node then starts over as a restart would (its producers end).
   /// Coordinators tell a restarted node from the one they gave up on by it.
   [[nodiscard]] std::uint64_t incarnation() const;
   /// "HOST:PORT" as coordinators should name it.
