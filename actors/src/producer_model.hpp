@@ -156,7 +156,7 @@ class producer_model {
   bool alive = true;      ///< takes work
   bool draining = false;  ///< remove_devices: takes no new work; ends once its chunks are in
   bool retired = false;   ///< removed (drained): never takes work again; its slot is not reused
-  std::deque<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
+  std::vector<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
   std::size_t items = 0;               ///< items outstanding
   double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
   std::size_t chunk_items = 1;
@@ -204,6 +204,14 @@ class producer_model {
   }
 
   /// Forgets `job` (it ended).
+  /// The slot never takes work again (a remote producer lost, a retired one): its model's memory
+  /// goes (a job_rate per job it worked lately, a few kB), its numbers stay in stats(). Slots
+  /// are never reused, so a long-lived runner whose nodes come and go would keep them all.
+  void release() {
+    std::vector<sent_chunk>().swap(outstanding);
+    std::vector<job_rate>().swap(rates);
+  }
+
   void forget(std::uint64_t job) {
     rates.erase(std::remove_if(rates.begin(), rates.end(),
                                [job](const job_rate& r) { return r.job == job; }),

@@ -168,6 +168,7 @@ void scheduler::retire(std::size_t p, const std::string& why) {
   s.end_pending = false;
   s.gen += 1;              // answers still on their way are dropped
   requeue_outstanding(p);  // none after a drain; a loss re-queued them already
+  s.release();
   {
     std::lock_guard<std::mutex> guard{stats_->mtx};
     stats_->value.producers[p].alive = false;
