@@ -42,6 +42,7 @@
 #include <random>
 #include <sstream>
 #include <troupe/asio.hpp>
+#include <troupe/detail/json.hpp>
 #ifdef TROUPE_EXAMPLES_TORCH
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
@@ -194,6 +195,39 @@ struct classify_mlp {
   };
 };
 
+/// A producer of a model from a file (TorchScript or AOTInductor): `State` is the device's one
+/// loaded copy (device_state, with forward()). Each producer warms it up once before its first
+/// request (a TorchScript module's profiling executor specializes on its first runs), and a
+/// batch of requests is one forward pass.
+template <class State>
+struct file_model_producer {
+  file_model_producer(const troupe::device& d, const troupe::config&, State& shared)
+      : where(d), model(shared) {}
+  void warmup() {
+    c10::InferenceMode inference;
+    for (int i = 0; i < 3; ++i)
+      model.forward(torch::zeros({4, std::int64_t{n_features}}, model.where));
+  }
+  std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
+    classify::producer::calls += 1;
+    classify::producer::rows_seen += rows.size();
+    // Requests of other widths in one call cannot be stacked: this call throws and troupe runs
+    // it again in halves, down to single requests, each of which the model judges alone.
+    auto x = stack(rows, rows.empty() ? 0 : rows.front().size());
+    c10::InferenceMode inference;
+    try {
+      return best_classes(model.forward(troupe::to_device(x, where)));
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // the device's fault, not the request's
+    } catch (
+        const c10::Error& e) {  // the model's own refusal (a package: AOTI_RUNTIME_CHECK_INPUTS)
+      throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
+    }
+  }
+  troupe::device where;
+  State& model;
+};
+
 /// A TorchScript model from a file (cfg "model_file"), served the same way. One copy of its
 /// weights per device and process (device_state), however many producers share the device;
 /// each producer warms it up once before its first request (the profiling executor's first
@@ -207,36 +241,12 @@ struct classify_script {
       module.eval();
       loads += 1;
     }
+    at::Tensor forward(const at::Tensor& x) { return module.forward({x}).toTensor(); }
     torch::Device where;
     torch::jit::Module module;
     static inline std::atomic<int> loads{0};
   };
-  struct producer {
-    producer(const troupe::device& d, const troupe::config&, device_state& shared)
-        : where(d), model(shared) {}
-    void warmup() {
-      c10::InferenceMode inference;
-      for (int i = 0; i < 3; ++i)  // the profiling executor specializes on the first runs
-        model.module.forward({torch::zeros({4, std::int64_t{n_features}}, model.where)});
-    }
-    std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
-      classify::producer::calls += 1;
-      classify::producer::rows_seen += rows.size();
-      // Requests of other widths in one call cannot be stacked: this call throws and troupe
-      // runs it again in halves, down to single requests, each of which the model judges alone.
-      auto x = stack(rows, rows.empty() ? 0 : rows.front().size());
-      c10::InferenceMode inference;
-      try {
-        return best_classes(model.module.forward({troupe::to_device(x, where)}).toTensor());
-      } catch (const c10::OutOfMemoryError&) {
-        throw;  // the device's fault, not the request's
-      } catch (const c10::Error& e) {
-        throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
-      }
-    }
-    troupe::device where;
-    device_state& model;
-  };
+  using producer = file_model_producer<device_state>;
 };
 
 /// An AOTInductor package (cfg "model_file", a .pt2 from torch.export, examples/export_model.py)
@@ -254,33 +264,11 @@ struct classify_package {
                  where.is_cuda() ? where.index() : c10::DeviceIndex{-1}) {
       classify_script::device_state::loads += 1;
     }
+    at::Tensor forward(const at::Tensor& x) { return loader.run({x}).at(0); }
     torch::Device where;
     torch::inductor::AOTIModelPackageLoader loader;
   };
-  struct producer {
-    producer(const troupe::device& d, const troupe::config&, device_state& shared)
-        : where(d), model(shared) {}
-    void warmup() {
-      c10::InferenceMode inference;
-      for (int i = 0; i < 3; ++i)
-        model.loader.run({torch::zeros({4, std::int64_t{n_features}}, model.where)});
-    }
-    std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
-      classify::producer::calls += 1;
-      classify::producer::rows_seen += rows.size();
-      auto x = stack(rows, rows.empty() ? 0 : rows.front().size());
-      c10::InferenceMode inference;
-      try {
-        return best_classes(model.loader.run({troupe::to_device(x, where)}).at(0));
-      } catch (const c10::OutOfMemoryError&) {
-        throw;
-      } catch (const c10::Error& e) {  // AOTI_RUNTIME_CHECK_INPUTS: a shape it was not built for
-        throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
-      }
-    }
-    troupe::device where;
-    device_state& model;
-  };
+  using producer = file_model_producer<device_state>;
 };
 
 namespace {
@@ -373,21 +361,6 @@ std::optional<std::vector<float>> parse_features(const std::string& body, std::s
   return out;
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += ' ';
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
 struct server_state {
   std::size_t width = n_features;  ///< numbers per request (parse_features; 0: the model says)
   std::atomic<std::uint64_t> ok{0}, overloaded{0}, late{0}, bad{0};
@@ -461,10 +434,10 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
       if (auto at = what.find(bad_input); at != std::string::npos) {
         stats.bad += 1;
         co_return reply(req, http::status::bad_request,
-                        "{\"error\": " + json_string(what.substr(at)) + "}\n");
+                        "{\"error\": " + troupe::detail::json_quote(what.substr(at)) + "}\n");
       }
       co_return reply(req, http::status::internal_server_error,
-                      "{\"error\": " + json_string(what) + "}\n");
+                      "{\"error\": " + troupe::detail::json_quote(what) + "}\n");
     }
   }
   stats.ok += 1;

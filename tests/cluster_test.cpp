@@ -141,6 +141,16 @@ std::size_t entries(const char* dir) {
   return n;
 }
 
+/// A live cluster's options for the freeze tests: events to `ev`, a heartbeat every 100 ms, lost
+/// after 1 s of silence.
+troupe::cluster_options watched_closely(recorder& ev) {
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.heartbeat = std::chrono::milliseconds{100};
+  o.lost_after = std::chrono::milliseconds{1000};
+  return o;
+}
+
 /// A job of at least `min_items` items that goes on until `more` is set, then `extra` more.
 struct open_ended {
   std::shared_ptr<std::atomic<bool>> more = std::make_shared<std::atomic<bool>>(false);
@@ -327,10 +337,7 @@ TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
   }
   node_process a{"cpu", {"--idle-timeout-ms", "60000"}}, b{"cpu", {"--idle-timeout-ms", "60000"}};
   recorder ev;
-  troupe::cluster_options o;
-  o.on_change = ev.callback();
-  o.heartbeat = std::chrono::milliseconds{100};
-  o.lost_after = std::chrono::milliseconds{1000};
+  auto o = watched_closely(ev);
   o.reconnect = false;
   auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
   troupe::options opts;
@@ -389,10 +396,7 @@ TEST(Cluster, ANodeFrozenPastLostAfterThenThawedRejoinsByItselfAndTakesWorkInThe
   // nodes paused now and then ran out of producers (seen in bench/churn_soak).
   node_process a{"cpu", {"--idle-timeout-ms", "60000"}}, b{"cpu", {"--idle-timeout-ms", "60000"}};
   recorder ev;
-  troupe::cluster_options o;
-  o.on_change = ev.callback();
-  o.heartbeat = std::chrono::milliseconds{100};
-  o.lost_after = std::chrono::milliseconds{1000};
+  auto o = watched_closely(ev);
   o.reconnect_every = std::chrono::milliseconds{200};
   auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
   running_job run{c, 200};
