@@ -251,8 +251,15 @@ void runtime::publish() {
   auto here = present();
   for (std::size_t i = 0; i < slots_.size(); ++i)
     if (here[i]) now.push_back(slots_[i]);
+  if (!published_.empty() && published_.back() == now) return;  // unchanged: the same snapshot
   published_.push_back(std::move(now));
   current_.store(&published_.back());
+  // Every list handed out used to be kept for the runner's life: one per membership change,
+  // which for a long-lived runner over a fleet whose nodes come and go grew without bound
+  // (bench/churn_soak; a 1,000-node list is ~100 kB). The oldest go once kept_snapshots newer
+  // ones exist: a devices() reference stays valid for that many changes (a deque: the others
+  // do not move).
+  while (published_.size() > kept_snapshots) published_.pop_front();
 }
 
 void runtime::abandon(const std::vector<caf::actor>& started, bool keep_anchor) noexcept {

@@ -199,7 +199,10 @@ class runtime {
   std::vector<device> devices_;  ///< as constructed
   /// Every slot's device (constructed, then added); present() says which are still there.
   std::vector<device> slots_;
-  std::deque<std::vector<device>> published_;  ///< every devices() list handed out, kept
+  /// The devices() lists handed out, the latest kept_snapshots of them (a reference to one
+  /// stays valid until that many newer ones exist).
+  std::deque<std::vector<device>> published_;
+  static constexpr std::size_t kept_snapshots = 64;
   std::atomic<const std::vector<device>*> current_{nullptr};
   std::mutex membership_;  ///< one add_devices / remove_devices at a time (taken before mtx_)
   std::string job_;        ///< the registered name, for producers on nodes

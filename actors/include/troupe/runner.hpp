@@ -134,7 +134,9 @@ class basic_runner {
   void remove_devices(std::vector<device> devices) { rt_.remove_devices(std::move(devices)); }
   [[nodiscard]] bool is_open() const { return rt_.is_open(); }
   /// The devices of the producers present now: a snapshot that stays valid (and unchanged)
-  /// for the runner's life; call again after add_devices / remove_devices.
+  /// until 64 later changes of the producers present (add_devices, remove_devices, nodes that
+  /// join or leave), so that a long-lived runner does not keep every list it ever showed; call
+  /// again after a change, copy it to keep it.
   [[nodiscard]] const std::vector<device>& devices() const noexcept { return rt_.devices(); }
   [[nodiscard]] troupe::stats stats() const { return rt_.stats(); }
 
