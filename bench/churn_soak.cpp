@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   double minutes = 1, report_s = 30, hang_s = 60, work_ms = 0.2;
   std::size_t nodes = 4, callers = 3, items = 200;
-  int first_port = 47100;
+  int first_port = 47100, only = -1;
   app.add_option("--minutes", minutes);
   app.add_option("--node-processes", nodes, "node processes")->check(CLI::Range(2, 64));
   app.add_option("--callers", callers);
@@ -130,6 +130,10 @@ int main(int argc, char** argv) {
   app.add_option("--report-s", report_s);
   app.add_option("--hang-s", hang_s, "a job longer than this is a hang");
   app.add_option("--first-port", first_port, "nodes listen on this port and the next ones");
+  app.add_option("--only", only,
+                 "one kind of change only (0 kill+restart, 1 drain+restart, 2 remove+add, 3 "
+                 "freeze): which one the resources follow")
+      ->check(CLI::Range(-1, 3));
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
 
@@ -208,7 +212,7 @@ int main(int argc, char** argv) {
   while (seconds_since(t0) < minutes * 60) {
     std::this_thread::sleep_for(std::chrono::milliseconds{1000 + rng() % 1000});
     auto i = static_cast<std::size_t>(rng() % nodes);
-    auto what = static_cast<int>(rng() % 4);
+    auto what = only >= 0 ? only : static_cast<int>(rng() % 4);
     auto call = clock_type::now();
     if (f.verbose)
       std::fprintf(stderr, "%8.3f action %s on %s\n", seconds_since(t_start), names[what],
