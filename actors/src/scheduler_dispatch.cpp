@@ -14,41 +14,6 @@ bool scheduler::window_open(const job_state& j) const {
   return consumer_has_room(j) && (!j.ordered || j.pieces.size() + j.reorder.size() < window());
 }
 
-void scheduler::update_room() {
-  if (in_pass_) return;  // a pass reads room_: the changes wait for the next one
-  room_key_.resize(producers_.size());
-  for (auto p : room_dirty_) {
-    std::optional<std::pair<double, std::size_t>> key;
-    if (has_room(producers_[p])) key = producers_[p].load();
-    auto& old = room_key_[p];
-    if (old == key) continue;
-    if (old) room_.erase({old->first, old->second, p});
-    if (key) room_.emplace(key->first, key->second, p);
-    old = key;
-  }
-  room_dirty_.clear();
-  if (fault_points::check_indexes.load(std::memory_order_relaxed)) check_room();
-}
-
-void scheduler::check_room() const {
-  // Without allocating (the property tests run it at every pass, also under sanitizers).
-  std::size_t with_room = 0;
-  bool same = room_key_.size() == producers_.size();
-  for (std::size_t p = 0; same && p < producers_.size(); ++p) {
-    std::optional<std::pair<double, std::size_t>> want;
-    if (has_room(producers_[p])) {
-      want = producers_[p].load();
-      with_room += 1;
-      same = room_.count({want->first, want->second, p}) == 1;
-    }
-    same = same && room_key_[p] == want;
-  }
-  if (!same || with_room != room_.size())
-    throw std::logic_error("scheduler: the index of producers with room (" +
-                           std::to_string(room_.size()) + ") differs from a scan (" +
-                           std::to_string(with_room) + "): a change missed room_changed()");
-}
-
 bool scheduler::only_choice(std::size_t p) const {
   for (std::size_t i = 0; i < producers_.size(); ++i)
     if (i != p && can_work(producers_[i])) return false;
@@ -126,12 +91,6 @@ void scheduler::settle() {
       share_.set_ready(id, may_have_work(j));
     }
   }
-}
-
-bool scheduler::late_chunks_possible(clock_type::time_point now) const {
-  auto before = [&](const std::optional<clock_type::time_point>& t) { return t && now < *t; };
-  return (opts_.speculative && !before(nothing_late_before_)) ||
-         (any_cuts_ && !before(no_split_before_));
 }
 
 bool scheduler::dispatch_to(std::size_t p, clock_type::time_point now) {
