@@ -74,8 +74,9 @@ struct classify_images {
 TROUPE_REGISTER_JOB(classify_images);
 
 int main(int argc, char** argv) {
-  CLI::App app{"troupe_model_bench: a model exported from Python over images, troupe's CPU "
-               "producers against the LibTorch loop"};
+  CLI::App app{
+      "troupe_model_bench: a model exported from Python over images, troupe's CPU "
+      "producers against the LibTorch loop"};
   std::string file;
   std::int64_t inputs = 3072, per_item = 1;
   std::size_t images = 512, producers = 2;

@@ -157,8 +157,8 @@ class producer_model {
   bool draining = false;  ///< remove_devices: takes no new work; ends once its chunks are in
   bool retired = false;   ///< removed (drained): never takes work again; its slot is not reused
   std::vector<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
-  std::size_t items = 0;               ///< items outstanding
-  double ns_per_item = 0;              ///< measured inside producer::work; 0 = not yet
+  std::size_t items = 0;                ///< items outstanding
+  double ns_per_item = 0;               ///< measured inside producer::work; 0 = not yet
   std::size_t chunk_items = 1;
   std::size_t depth = min_depth;  ///< chunks kept queued at it
   std::size_t calm = 0;           ///< answers in a row without the producer starving
