@@ -30,8 +30,10 @@
 #include <thread>
 #include <vector>
 
+#include "bench_jobs.hpp"
 #include "common/cli.hpp"
 
+/// bench_jobs.hpp's squares with a cost per item (cfg work_ms, a sleep).
 struct slow_squares {
   struct producer {
     producer(const troupe::device&, const troupe::config& cfg)
@@ -42,11 +44,7 @@ struct slow_squares {
     }
     double work_ms;
   };
-  struct consumer {
-    void work(std::int64_t y) { sum += y; }
-    std::int64_t end() { return sum; }
-    std::int64_t sum = 0;
-  };
+  using consumer = squares::consumer;
 };
 TROUPE_REGISTER_JOB(slow_squares);
 
