@@ -55,20 +55,17 @@ void scheduler::pump() {
     sent = false;
     auto now = clock_now();
     update_room();
-    in_pass_ = true;
-    try {
-      for (auto& key : room_) {
-        auto p = std::get<2>(key);  // its key may be stale: it stays in place until the pass ends
-        if (!batching() && !share_.any_ready() &&
-            (!producers_[p].outstanding.empty() || !late_chunks_possible(now)))
-          break;  // (a stale key that ends the pass early: it sent a chunk, so a pass follows)
-        if (has_room(producers_[p]) && dispatch_to(p, now)) sent = true;
-      }
-    } catch (...) {
-      in_pass_ = false;
-      throw;
+    struct in_pass {
+      bool& flag;
+      ~in_pass() { flag = false; }
+    } reading{in_pass_ = true};
+    for (auto& key : room_) {
+      auto p = std::get<2>(key);  // its key may be stale: it stays in place until the pass ends
+      if (!batching() && !share_.any_ready() &&
+          (!producers_[p].outstanding.empty() || !late_chunks_possible(now)))
+        break;  // (a stale key that ends the pass early: it sent a chunk, so a pass follows)
+      if (has_room(producers_[p]) && dispatch_to(p, now)) sent = true;
     }
-    in_pass_ = false;
   }
   settle();
 }
