@@ -10,6 +10,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "train_coordinator.hpp"
 #include "train_msg.hpp"
 #include "troupe/detail/cluster_state.hpp"
 #include "troupe/detail/introspect.hpp"
@@ -155,8 +156,11 @@ struct trainer::impl {
   /// Never throws (called from destructors of scope guards); a failure leaves the old view.
   void publish() noexcept;
   std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient
-  /// Ring or coordinator, plane or CAF, and the pause after late rings (train_core.hpp).
-  train_core::transport_policy transport;
+  /// The step's decisions (train_coordinator.hpp), and its transport policy across steps: ring
+  /// or coordinator, plane or CAF, the pause after late rings. Made at the first step.
+  std::optional<train_core::train_coordinator> coordinator;
+  /// One step's commands carried to the replicas (train_step.cpp).
+  struct step_shell;
   /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
   /// its own gradients. The next step() first copies the first replica's state to the others.
   bool states_differ = false;
@@ -164,10 +168,6 @@ struct trainer::impl {
   bool warned_fresh_state = false;
   /// Counts (and warns about, once) the replicas among `fresh` whose optimizer started fresh.
   void note_fresh_state(const std::vector<std::size_t>& fresh);
-  bool use_ring(const std::vector<std::size_t>& live) const;
-  /// All-reduces the live replicas' partial sums of step `attempt` in a ring: done, or why not
-  /// (a replica lost or failing meanwhile, the ring late: the sums are then unusable).
-  train_core::transport_policy::ring_end ring_all_reduce(std::uint64_t attempt);
 
   ~impl();
   /// How long the destructor waits for local replicas to free what they hold.
@@ -267,13 +267,6 @@ struct trainer::impl {
   std::vector<std::size_t> start(const std::vector<device>& devices);
   /// Copies the state (parameters, optimizer) of the first live replica not in `to` into `to`.
   void copy_state(const std::vector<std::size_t>& to);
-  /// Splits shards [a, b) among `who` in proportion to their speed (even before it is known).
-  /// When there are at least as many shards as replicas, each gets one before the rest is
-  /// split: a replica measured slow once (a hiccup) would otherwise get none, and so never be
-  /// measured again.
-  /// Shards [a, b) among `who` by their measured speed (train_core::split).
-  std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> split(
-      std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even);
   double step(const batch& samples, mode m);
   std::map<std::size_t, train_msg> get_params(const std::vector<std::size_t>& who);
 };

@@ -1,8 +1,7 @@
-// Data-parallel training, the coordinator's step (train_impl.hpp): shards split among the
-// replicas, lost shards recomputed, gradients reduced (by the coordinator, a fixed tree or a
-// ring among the replicas) and the update applied everywhere.
-#include <algorithm>
-
+// Data-parallel training, the coordinator's step (train_impl.hpp): the shell around
+// train_coordinator (train_coordinator.hpp), which decides. Its commands go to the replicas'
+// actors (shards to compute, a ring to all-reduce, the update to apply); their answers, their
+// actors' deaths and the clock passing replica_timeout come back to it as events.
 #include "ring_plane.hpp"
 #include "train_impl.hpp"
 #include "troupe/detail/network.hpp"
@@ -10,125 +9,41 @@
 namespace troupe::detail {
 namespace {
 
-double seconds(clock::duration d) {
-  return std::chrono::duration<double>(d).count();
+using ns = std::chrono::nanoseconds;
+using train_core::reduce_mode;
+
+static_assert(static_cast<int>(reduce_mode::fast) == static_cast<int>(reduction::fast) &&
+              static_cast<int>(reduce_mode::deterministic) ==
+                  static_cast<int>(reduction::deterministic) &&
+              static_cast<int>(reduce_mode::local) == static_cast<int>(reduction::local) &&
+              static_cast<int>(reduce_mode::ring) == static_cast<int>(reduction::ring));
+
+ns now_ns() {
+  return std::chrono::duration_cast<ns>(clock::now().time_since_epoch());
 }
 
 }  // namespace
 
-bool trainer::impl::use_ring(const std::vector<std::size_t>& live) const {
-  bool remote = false;
-  for (auto i : live) remote = remote || !members[i].d.is_local();
-  return transport.ring(stats.steps, live.size(), grad_bytes, remote);
-}
+/// One step's commands carried to the replicas' actors, and what their answers hold.
+struct trainer::impl::step_shell final : train_core::train_io {
+  step_shell(impl& t, const batch& samples)
+      : t(t),
+        samples(samples),
+        n(samples.size()),
+        ss(t.o.shard_size),
+        shards((n + ss - 1) / ss),
+        losses(shards, 0.0) {}
 
-train_core::transport_policy::ring_end trainer::impl::ring_all_reduce(std::uint64_t attempt) {
-  using ring_end = train_core::transport_policy::ring_end;
-  auto ring = alive();
-  if (ring.size() < 2) return ring_end::lost;
-  auto id = next_id++;
-  // The data plane when every member has a port (CPU replicas on nodes served without TLS).
-  bool ports = true;
-  for (auto i : ring) ports = ports && !members[i].d.is_local() && members[i].data_port != 0;
-  bool plane = transport.plane(o.direct_ring, ports);
-  auto key = plane ? ring_plane::to_hex(ring_plane::random_key()) : std::string{};
-  std::map<std::uint64_t, pending> waiting;
-  for (std::size_t k = 0; k < ring.size(); ++k) {
-    auto& me = members[ring[k]];
-    auto& right = members[ring[(k + 1) % ring.size()]];
-    std::string address;  // a node-to-node hop needs a direct connection
-    if (!plane && !me.d.is_local() && !right.d.is_local() && me.d.node() != right.d.node())
-      address = right.d.node();
-    std::string data;
-    if (plane) {
-      auto host = parse_host_port(right.d.node()).host;
-      if (host.find(':') != std::string::npos) host = "[" + host + "]";
-      data = host + ":" + std::to_string(right.data_port);
-    }
-    auto reply = next_id++;
-    (*self)->send(me.a, ring_atom::value, reply, id, attempt, static_cast<std::uint32_t>(k),
-                  static_cast<std::uint32_t>(ring.size()), right.a, address, data, key);
-    waiting[reply] = pending{ring[k], clock::now(), 0, 0};
+  std::uint64_t begin_attempt(reduce_mode m) override {
+    red = static_cast<reduction>(m);
+    attempt = t.next_id++;
+    std::fill(losses.begin(), losses.end(), 0.0);
+    partials.clear();
+    blocks.clear();
+    return attempt;
   }
-  bool ok = true, lost = false, plane_failed = false, timed_out = false;
-  wait(
-      waiting,
-      [&](const pending&, chunk_result& r, train_msg&) {
-        if (r.ok()) return;
-        ok = false;
-        waiting.clear();  // the others wait for chunks that will not come: give up on them
-        if (plane) {
-          // Most often a neighbour lost (its connection closed before the coordinator heard
-          // of it): the step's recomputation tells (see step()).
-          plane_failed = true;
-          log(log_level::info, r.what + "; reducing this step through the coordinator");
-        } else {
-          log(log_level::warn, r.what + "; reducing through the coordinator from now on");
-        }
-      },
-      [&](const pending&) {
-        ok = false;
-        lost = true;
-        waiting.clear();
-      },
-      [&] {
-        // replica_timeout inside the ring: every member's answer waits for the whole ring,
-        // so lateness names no one. The step is computed again through the coordinator,
-        // where a frozen replica's own request times out and only it is dropped.
-        ok = false;
-        timed_out = true;
-        waiting.clear();
-        log(log_level::warn,
-            "ring all-reduce past replica_timeout; reducing this step "
-            "through the coordinator");
-      });
-  if (ok) {
-    stats.ring_reductions += 1;
-    if (plane) stats.direct_ring_reductions += 1;
-    return ring_end::done;
-  }
-  if (lost) return ring_end::lost;
-  if (timed_out) return ring_end::timed_out;
-  return plane_failed ? ring_end::plane_failed : ring_end::failed;
-}
 
-std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> trainer::impl::split(
-    std::uint64_t a, std::uint64_t b, const std::vector<std::size_t>& who, bool even) {
-  std::vector<double> rates;
-  for (auto i : who) rates.push_back(members[i].rate);
-  std::vector<std::pair<std::size_t, std::pair<std::uint64_t, std::uint64_t>>> out;
-  for (auto& x : train_core::split(a, b, who, rates, even)) out.push_back({x.who, {x.a, x.b}});
-  return out;
-}
-
-double trainer::impl::step(const batch& samples, mode m) {
-  auto started = clock::now();
-  const std::uint64_t n = samples.size();
-  if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
-  const std::uint64_t ss = o.shard_size;
-  const std::uint64_t shards = (n + ss - 1) / ss;
-  if (m == mode::local) {
-    states_differ = true;
-  } else if (states_differ) {
-    auto live = alive();
-    if (live.size() > 1) copy_state(std::vector<std::size_t>(live.begin() + 1, live.end()));
-    states_differ = false;
-  }
-  auto red = m == mode::local ? reduction::local
-                              : (o.deterministic ? reduction::deterministic : reduction::fast);
-  auto live = alive();
-  if (live.empty()) throw node_error("no replica left: every one was lost or removed");
-  if (red == reduction::fast && use_ring(live)) red = reduction::ring;
-  std::vector<double> losses(shards, 0.0);
-  std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
-  std::map<node_key, at::Tensor> blocks;         // deterministic
-  std::map<std::uint64_t, pending> waiting;
-  train_core::ledger book;           // where each shard is counted (train_core.hpp)
-  std::vector<std::size_t> stepped;  // local: who holds a gradient
-  std::uint64_t lost_samples = 0;    // local: of replicas lost with their update
-  std::uint64_t attempt = next_id++;
-
-  auto dispatch = [&](std::size_t who, std::uint64_t a, std::uint64_t b) {
+  std::uint64_t backward(std::size_t who, std::uint64_t a, std::uint64_t b) override {
     train_msg msg;
     msg.code = static_cast<std::uint8_t>(op::backward);
     msg.mode = static_cast<std::uint8_t>(red);
@@ -137,162 +52,183 @@ double trainer::impl::step(const batch& samples, mode m) {
     msg.first_shard = a;
     msg.end_shard = b;
     msg.shard_size = ss;
-    auto from = a * ss, to = std::min(n, b * ss);
-    if (members[who].d.is_local()) {  // shared, not copied
+    if (t.members[who].d.is_local()) {  // shared, not copied
       msg.samples = samples;
       msg.first_sample = 0;
     } else {
-      msg.samples = samples.slice(from, to);
+      auto from = a * ss;
+      msg.samples = samples.slice(from, std::min(n, b * ss));
       msg.first_sample = from;
     }
-    auto id = send(who, std::move(msg));
-    waiting[id] = pending{who, clock::now(), a, b};
-    book.sent(id, who, a, b);
-  };
-  first_failure failure;
-  // Shards given back by a lost replica (in flight, or in ring mode summed on it): computed
-  // again by the survivors, in the same step.
-  auto recompute = [&](const std::vector<train_core::range>& ranges) {
-    auto rest = alive();
-    if (rest.empty()) return;
-    for (auto [a, b] : ranges) {
-      stats.recomputed_shards += b - a;
-      for (auto& [to, range] : split(a, b, rest, false)) dispatch(to, range.first, range.second);
-    }
-  };
-  auto wait_backward = [&] {
-    wait(
-        waiting,
-        [&](const pending& p, chunk_result& r, train_msg& msg) {
-          if (failure.failed(p, r)) {
-            book.failed(r.run);
-            return;
-          }
-          if (!book.answered(r.run)) return;  // a request given up on
-          auto& mem = members[p.member];
-          mem.st.shards += p.b - p.a;
-          mem.st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
-          if (msg.busy_ns > 0) {
-            double rate =
-                static_cast<double>(p.b - p.a) / (static_cast<double>(msg.busy_ns) * 1e-9);
-            mem.rate = mem.rate > 0 ? 0.5 * mem.rate + 0.5 * rate : rate;
-          }
-          for (std::uint64_t s = p.a; s < p.b && s - p.a < msg.losses.size(); ++s)
-            losses[s] = msg.losses[s - p.a];
-          if (red == reduction::fast) {
-            if (msg.tensors.size() == 1) partials[p.a] = msg.tensors[0];
-          } else if (red == reduction::deterministic) {
-            for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
-              blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
-          } else if (red == reduction::local) {
-            stepped.push_back(p.member);
-          }
-        },
-        [&](const pending& p) {
-          if (failure.result) return;
-          auto back = book.lost(p.member);
-          if (red != reduction::local) return recompute(back);
-          // That replica's own update is gone with it: its samples (the last shard may be
-          // short) leave the mean loss.
-          for (auto [a, b] : back) lost_samples += std::min(b * ss, n) - a * ss;
-        });
-  };
-  auto compute = [&] {
-    book = train_core::ledger{shards, red == reduction::ring};
-    for (auto& [who, range] : split(0, shards, alive(), red == reduction::local))
-      dispatch(who, range.first, range.second);
-    // A replica that answered and was lost before the others did took its sum along (ring
-    // mode): its shards go to the survivors, in the same step, until no such loss is left.
-    for (bool again = true; again;) {
-      again = false;
-      wait_backward();
-      if (failure.result) raise(*failure.result, failure.member);
-      if (alive().empty()) break;
-      for (auto who : book.holders())
-        if (!members[who].alive) {
-          recompute(book.lost(who));
-          again = true;
-        }
-    }
-    if (alive().empty()) throw node_error("every replica was lost during the step");
-    if (red != reduction::local) require_whole(book);
-  };
-  compute();
-  using ring_end = train_core::transport_policy::ring_end;
-  using decision = train_core::transport_policy::decision;
-  auto ring_start = clock::now();
-  auto ring = red == reduction::ring ? ring_all_reduce(attempt) : ring_end::done;
-  if (red == reduction::ring) stats.reduce_seconds += seconds(clock::now() - ring_start);
-  if (red == reduction::ring && ring == ring_end::done) transport.ended(ring, stats.steps);
-  if (red == reduction::ring && ring != ring_end::done) {
-    // A replica lost (or failing, or late) inside the ring: the partial sums are half
-    // reduced. The whole step again, on the survivors, summed by the coordinator.
-    red = reduction::fast;
-    attempt = next_id++;
-    std::fill(losses.begin(), losses.end(), 0.0);
-    stats.recomputed_shards += shards;
-    auto lost_before = stats.lost_replicas;
-    auto pause = transport.next_pause();
-    compute();
-    switch (transport.ended(ring, stats.steps, stats.lost_replicas != lost_before)) {
-      case decision::paused:  // a ring too slow although every replica answers on its own
-        log(log_level::warn,
-            "the next " + std::to_string(pause) + " steps reduce through the coordinator");
-        break;
-      case decision::plane_off:  // a data port the others cannot reach, say
-        log(log_level::warn,
-            "a ring over the replicas' data ports failed while every replica answered; rings "
-            "go through CAF from now on");
-        break;
-      default:
-        break;
+    return t.send(who, std::move(msg));
+  }
+
+  void take(std::uint64_t, const train_core::share& x) override {
+    auto& msg = *answer;
+    auto& st = t.members[x.who].st;
+    st.shards += x.b - x.a;
+    st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
+    for (std::uint64_t s = x.a; s < x.b && s - x.a < msg.losses.size(); ++s)
+      losses[s] = msg.losses[s - x.a];
+    if (red == reduction::fast) {
+      if (msg.tensors.size() == 1) partials[x.a] = msg.tensors[0];
+    } else if (red == reduction::deterministic) {
+      for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
+        blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
     }
   }
 
-  auto reduce_start = clock::now();
-  train_msg apply;
-  apply.code = static_cast<std::uint8_t>(op::apply);
-  apply.mode = static_cast<std::uint8_t>(red);
-  std::vector<std::size_t> targets;
-  if (red == reduction::local) {
-    targets = stepped;
-  } else if (red == reduction::ring) {
-    apply.divisor = static_cast<double>(n);  // every replica holds the sum already
-    targets = alive();
-  } else {
-    auto total = red == reduction::fast ? sum_partials(partials)
-                                        : tree_combine(tree_top(shards), 0, shards, blocks);
-    apply.tensors.push_back(total);
-    apply.divisor = static_cast<double>(n);
-    targets = alive();
+  std::vector<std::uint64_t> ring(const std::vector<std::size_t>& ring, bool plane) override {
+    auto id = t.next_id++;
+    auto key = plane ? ring_plane::to_hex(ring_plane::random_key()) : std::string{};
+    std::vector<std::uint64_t> ids;
+    for (std::size_t k = 0; k < ring.size(); ++k) {
+      auto& me = t.members[ring[k]];
+      auto& right = t.members[ring[(k + 1) % ring.size()]];
+      std::string address;  // a node-to-node hop needs a direct connection
+      if (!plane && !me.d.is_local() && !right.d.is_local() && me.d.node() != right.d.node())
+        address = right.d.node();
+      std::string data;
+      if (plane) {
+        auto host = parse_host_port(right.d.node()).host;
+        if (host.find(':') != std::string::npos) host = "[" + host + "]";
+        data = host + ":" + std::to_string(right.data_port);
+      }
+      auto reply = t.next_id++;
+      (*t.self)->send(me.a, ring_atom::value, reply, id, attempt, static_cast<std::uint32_t>(k),
+                      static_cast<std::uint32_t>(ring.size()), right.a, address, data, key);
+      ids.push_back(reply);
+    }
+    return ids;
   }
-  std::optional<std::pair<chunk_result, std::size_t>> apply_failure;
-  std::map<std::uint64_t, pending> applying;
-  for (auto w : targets)
-    if (members[w].alive) applying[send(w, apply)] = pending{w, clock::now(), 0, 0};
-  wait(
-      applying,
-      [&](const pending& p, chunk_result& r, train_msg&) {
-        if (r.ok()) return;
-        // This replica's step() threw after others applied theirs: it no longer matches them.
-        if (!apply_failure) apply_failure.emplace(r, p.member);
-        drop(p.member, /*abandon=*/false);  // idle: retired with the others
-      },
-      [](const pending&) {});
-  auto done = clock::now();
-  stats.reduce_seconds += seconds(done - reduce_start);
-  if (apply_failure) {
-    auto& [r, who] = *apply_failure;
-    throw work_error("replica::step() threw on " + members[who].d.str() +
-                         " (that replica is dropped; the others have stepped): " + r.what,
-                     0, members[who].d.str());
+
+  void reduce() override {
+    update.tensors.push_back(red == reduction::fast
+                                 ? sum_partials(partials)
+                                 : tree_combine(tree_top(shards), 0, shards, blocks));
+  }
+
+  std::uint64_t apply(std::size_t who) override {
+    update.code = static_cast<std::uint8_t>(op::apply);
+    update.mode = static_cast<std::uint8_t>(red);
+    // Summed (by the coordinator, or in the ring on every replica): the mean over the batch.
+    if (red != reduction::local) update.divisor = static_cast<double>(n);
+    return t.send(who, update);
+  }
+
+  void drop(std::size_t who, bool abandon) override { t.drop(who, abandon); }
+
+  void log(bool warn, const std::string& line) override {
+    troupe::log(warn ? log_level::warn : log_level::info, line);
+  }
+
+  impl& t;
+  const batch& samples;
+  const std::uint64_t n, ss, shards;
+  reduction red = reduction::fast;
+  std::uint64_t attempt = 0;
+  std::vector<double> losses;
+  std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
+  std::map<node_key, at::Tensor> blocks;         // deterministic
+  train_msg update;
+  train_msg* answer = nullptr;                     ///< the answer handed to the coordinator
+  std::map<std::uint64_t, chunk_result> failures;  ///< failed answers, by request
+};
+
+double trainer::impl::step(const batch& samples, mode m) {
+  if (samples.size() == 0) throw invalid_argument("step() needs a batch with at least one sample");
+  if (m == mode::local) {
+    states_differ = true;
+  } else if (states_differ) {
+    auto live = alive();
+    if (live.size() > 1) copy_state(std::vector<std::size_t>(live.begin() + 1, live.end()));
+    states_differ = false;
+  }
+  if (!coordinator)
+    coordinator.emplace(train_core::train_coordinator::options{
+        std::chrono::duration_cast<ns>(o.replica_timeout), o.direct_ring});
+  auto& c = *coordinator;
+  auto started = clock::now();
+  step_shell shell{*this, samples};
+  train_core::train_coordinator::step_input in;
+  in.samples = samples.size();
+  in.shard_size = o.shard_size;
+  in.local = m == mode::local;
+  in.deterministic = o.deterministic;
+  in.steps_done = stats.steps;
+  in.grad_bytes = grad_bytes;
+  std::vector<train_core::replica_info> replicas;
+  for (auto& x : members)
+    replicas.push_back(train_core::replica_info{x.alive, x.d.is_local(), x.data_port != 0, x.rate});
+  c.begin(in, std::move(replicas), now_ns(), shell);
+  while (!c.finished()) {
+    auto on_result = [&](chunk_result& r) {
+      train_msg msg;
+      if (r.ok()) {
+        try {
+          auto joined = bulk::resolve(r.outputs);
+          auto* b = joined.as<train_msg>();
+          if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
+          msg = std::move(b->items[0]);
+        } catch (const std::exception& e) {
+          r.code = errc::protocol_error;
+          r.what = e.what();
+        }
+      }
+      if (!r.ok()) shell.failures.emplace(r.run, r);
+      shell.answer = &msg;
+      c.answered(r.run, r.ok(), static_cast<double>(msg.busy_ns) * 1e-9, now_ns());
+      shell.answer = nullptr;
+    };
+    auto on_down = [&](caf::down_msg& dm) {
+      for (std::size_t i = 0; i < members.size(); ++i)
+        if (members[i].alive && members[i].a.address() == dm.source) {
+          drop(i);
+          c.lost(i, now_ns());
+        }
+    };
+    if (auto due = c.deadline()) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*due - now_ns());
+      (*self)->receive(
+          on_result, on_down, [](const bulk::fragment&) {},
+          caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { c.tick(now_ns()); });
+    } else {
+      (*self)->receive(on_result, on_down, [](const bulk::fragment&) {});
+    }
+  }
+  for (std::size_t i = 0; i < members.size() && i < c.replicas().size(); ++i)
+    members[i].rate = c.replicas()[i].rate;
+  auto& counts = c.step_counts();
+  stats.recomputed_shards += counts.recomputed_shards;
+  stats.ring_reductions += counts.ring_reductions;
+  stats.direct_ring_reductions += counts.direct_ring_reductions;
+  stats.reduce_seconds += std::chrono::duration<double>(counts.reduce).count();
+  using end = train_core::train_coordinator::end;
+  auto& out = c.result();
+  switch (out.e) {
+    case end::done:
+      break;
+    case end::no_replica:
+      throw node_error("no replica left: every one was lost or removed");
+    case end::every_replica_lost:
+      throw node_error("every replica was lost during the step");
+    case end::backward_failed:
+      raise(shell.failures.at(out.id), out.who);
+    case end::apply_failed:
+      throw work_error("replica::step() threw on " + members[out.who].d.str() +
+                           " (that replica is dropped; the others have stepped): " +
+                           shell.failures.at(out.id).what,
+                       0, members[out.who].d.str());
+    default:
+      throw protocol_error(out.what);
   }
   stats.steps += 1;
-  stats.shards += shards;
-  stats.step_seconds += seconds(done - started);
+  stats.shards += shell.shards;
+  stats.step_seconds += std::chrono::duration<double>(clock::now() - started).count();
   double sum = 0;
-  for (auto l : losses) sum += l;
-  auto counted = n > lost_samples ? n - lost_samples : 1;
+  for (auto l : shell.losses) sum += l;
+  auto n = samples.size();
+  auto counted = n > counts.lost_samples ? n - counts.lost_samples : 1;
   return sum / static_cast<double>(counted);
 }
 
