@@ -1,9 +1,10 @@
 // Simulated training (troupe/train_simulation.hpp): a discrete-event simulation of the
-// coordinator's step on the calling thread. Shards are planned by train_core::split, recovered
-// by train_core::ledger and summed as train_step.cpp sums them (the fixed tree, or partial sums
-// in shard order); every replica is a real replica_state, so backward() and apply() are the
-// code real replicas run. Virtual time: cost_per_item per sample, jitter per request, faults
-// scripted with simulation::at_step or drawn by draw_training.
+// coordinator's step on the calling thread. The step's decisions are train_coordinator's, the
+// one data_parallel runs (train_coordinator.hpp): this file only carries its commands to
+// simulated replicas and their answers back, in virtual time. Every replica is a real
+// replica_state, so backward() and apply() are the code real replicas run. Virtual time:
+// cost_per_item per sample, jitter per request, faults scripted with simulation::at_step or drawn
+// by draw_training.
 #include <algorithm>
 #include <iomanip>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "train_coordinator.hpp"
 #include "train_replica.hpp"
 #include "troupe/train_simulation.hpp"
 
@@ -41,9 +43,9 @@ struct sim_trainer::impl {
   struct event {
     ns t;
     std::uint64_t seq;
-    /// An answer; a replica given up on (its own timeout); or its node killed (every replica on
-    /// that node is lost with it).
-    enum kind_t { answer, lose_replica, kill_node } kind;
+    /// An answer; an update applied; a replica lost (silent past the heartbeats' limit); or its
+    /// node killed (every replica on that node is lost with it).
+    enum kind_t { answer, apply, lose_replica, kill_node } kind;
     std::uint64_t id;
     std::size_t who;
     std::string why;
@@ -74,6 +76,10 @@ struct sim_trainer::impl {
   }
   std::string name(std::size_t who) const { return members[who].d.str(); }
 
+  /// The coordinator's decisions (shared with trainer::impl: train_coordinator.hpp), and the
+  /// transport policy across steps.
+  train_core::train_coordinator coordinator;
+  struct shell;
   double step(const batch& samples);
   void lose_node(const std::string& node, const std::string& why);
   void lose(std::size_t who, const std::string& why);
@@ -103,175 +109,228 @@ void sim_trainer::impl::lose_node(const std::string& node, const std::string& wh
     if (members[i].d.node() == node) lose(i, why);
 }
 
-double sim_trainer::impl::step(const batch& samples) {
-  const std::uint64_t n = samples.size();
-  if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
-  steps += 1;
-  const std::uint64_t ss = o.shard_size;
-  const std::uint64_t shards = (n + ss - 1) / ss;
-  if (alive().empty()) throw node_error("no replica left: every one was lost or removed");
-  const auto red = o.deterministic ? reduction::deterministic : reduction::fast;
-  const auto attempt = next_id++;
-  note("step " + std::to_string(steps) + ": " + std::to_string(n) + " samples, " +
-       std::to_string(shards) + " shards, " + std::to_string(alive().size()) + " replicas");
-  train_core::ledger book{shards, false};
-  std::map<node_key, at::Tensor> blocks;
-  std::map<std::uint64_t, at::Tensor> partials;
-  std::vector<double> losses(shards, 0.0);
-  std::map<std::uint64_t, request> requests;
-  std::map<std::string, std::size_t> started;  // shards each node began in this step
-  std::priority_queue<event, std::vector<event>, std::greater<>> events;
-  auto shard_cost = [&](std::uint64_t s, const member& m) {
-    auto k = std::min(n, (s + 1) * ss) - s * ss;
-    return ns{
-        static_cast<ns::rep>(static_cast<double>(cost.count()) * static_cast<double>(k) * m.slow)};
-  };
+/// One simulated step's commands (train_coordinator.hpp's train_io): shards scheduled on the
+/// simulated replicas in virtual time, their answers computed by the real replica code.
+struct sim_trainer::impl::shell final : train_core::train_io {
+  shell(impl& s, const batch& samples)
+      : s(s),
+        samples(samples),
+        n(samples.size()),
+        ss(s.o.shard_size),
+        shards((n + ss - 1) / ss),
+        losses(shards, 0.0) {}
 
-  auto dispatch = [&](std::size_t who, std::uint64_t a, std::uint64_t b) {
-    auto id = next_id++;
-    book.sent(id, who, a, b);
-    auto& m = members[who];
-    note("send shards [" + std::to_string(a) + "," + std::to_string(b) + ") to " + name(who));
-    const double j = 1 + jitter * std::uniform_real_distribution<double>(0, 1)(rng);
-    auto t = std::max({now, m.busy_until, m.frozen_until});
+  std::uint64_t begin_attempt(train_core::reduce_mode m) override {
+    red = static_cast<reduction>(m);
+    attempt = s.next_id++;
+    std::fill(losses.begin(), losses.end(), 0.0);
+    partials.clear();
+    blocks.clear();
+    return attempt;
+  }
+
+  std::uint64_t backward(std::size_t who, std::uint64_t a, std::uint64_t b) override {
+    auto id = s.next_id++;
+    auto& m = s.members[who];
+    s.note("send shards [" + std::to_string(a) + "," + std::to_string(b) + ") to " + s.name(who));
+    const double j = 1 + s.jitter * std::uniform_real_distribution<double>(0, 1)(s.rng);
+    auto t = std::max({s.now, m.busy_until, m.frozen_until});
     m.frozen_until = ns{0};
     auto start = t;
     ns frozen_at = never, frozen_for{0};
-    for (auto s = a; s < b; ++s) {
+    for (auto x = a; x < b; ++x) {
       auto k = ++started[m.d.node()];
-      for (auto f : faults_at(who, k)) {
-        fired[f] = true;
-        auto& x = faults[f];
-        if (x.kind == testing::step_fault::kill) {
-          events.push(
-              {t, seq++, event::kill_node, id, who, "killed at its shard " + std::to_string(k)});
+      for (auto f : s.faults_at(who, k)) {
+        s.fired[f] = true;
+        auto& fault = s.faults[f];
+        if (fault.kind == testing::step_fault::kill) {
+          push(t, event::kill_node, id, who, "killed at its shard " + std::to_string(k));
           m.busy_until = never;
-          return;
+          return id;
         }
-        if (x.kind == testing::step_fault::slow) m.slow *= x.value;
-        if (x.kind == testing::step_fault::freeze) {
+        if (fault.kind == testing::step_fault::slow) m.slow *= fault.value;
+        if (fault.kind == testing::step_fault::freeze) {
           frozen_at = std::min(frozen_at, t);
-          frozen_for += ns{static_cast<ns::rep>(x.value)};
-          t += ns{static_cast<ns::rep>(x.value)};
+          frozen_for += ns{static_cast<ns::rep>(fault.value)};
+          t += ns{static_cast<ns::rep>(fault.value)};
         }
       }
-      t += ns{static_cast<ns::rep>(static_cast<double>(shard_cost(s, m).count()) * j)};
+      auto items = std::min(n, (x + 1) * ss) - x * ss;
+      auto cost = ns{static_cast<ns::rep>(static_cast<double>(s.cost.count()) *
+                                          static_cast<double>(items) * m.slow)};
+      t += ns{static_cast<ns::rep>(static_cast<double>(cost.count()) * j)};
     }
     m.busy_until = t;
     requests[id] = request{who, a, b, start, t};
-    // The coordinator's waits: replica_timeout from the request, heartbeats during a freeze.
-    ns lost_at = never;
-    std::string why;
-    if (o.replica_timeout.count() > 0 && t - now > o.replica_timeout) {
-      lost_at = now + o.replica_timeout;
-      why = "no answer within replica_timeout";
-    }
-    if (frozen_for >= idle_timeout && frozen_at + idle_timeout < lost_at) {
-      lost_at = frozen_at + idle_timeout;
-      why = "silent for limits::idle_timeout (frozen)";
-    }
-    if (lost_at != never)
-      events.push({lost_at, seq++, event::lose_replica, id, who, why});
+    // Frozen past the heartbeats' limit: lost then (replica_timeout is the coordinator's).
+    if (frozen_for >= s.idle_timeout)
+      push(frozen_at + s.idle_timeout, event::lose_replica, id, who,
+           "silent for limits::idle_timeout (frozen)");
     else
-      events.push({t, seq++, event::answer, id, who, {}});
-  };
-  auto recompute = [&](const std::vector<train_core::range>& back) {
-    if (back.empty()) return;
-    auto rest = alive();
-    if (rest.empty()) throw node_error("every replica was lost during the step");
-    std::vector<double> rates;
-    for (auto i : rest) rates.push_back(members[i].rate);
-    for (auto [a, b] : back) {
-      stats.recomputed_shards += b - a;
-      note("recompute shards [" + std::to_string(a) + "," + std::to_string(b) + ")");
-      for (auto& x : train_core::split(a, b, rest, rates, false)) dispatch(x.who, x.a, x.b);
-    }
-  };
-  {
-    auto live = alive();
-    std::vector<double> rates;
-    for (auto i : live) rates.push_back(members[i].rate);
-    for (auto& x : train_core::split(0, shards, live, rates, false)) dispatch(x.who, x.a, x.b);
+      push(t, event::answer, id, who, {});
+    return id;
   }
-  while (book.waiting()) {
-    if (events.empty()) throw protocol_error("internal: a simulated step with nothing to wait for");
-    auto e = events.top();
-    events.pop();
-    now = std::max(now, e.t);
-    if (e.kind != event::answer) {
-      if (!members[e.who].alive) continue;
-      if (e.kind == event::kill_node)
-        lose_node(members[e.who].d.node(), e.why);
-      else
-        lose(e.who, e.why);
-      for (std::size_t i = 0; i < members.size(); ++i)
-        if (!members[i].alive) recompute(book.lost(i));
-      continue;
+
+  void take(std::uint64_t, const train_core::share& x) override {
+    auto& out = *answer;
+    for (auto k = x.a; k < x.b && k - x.a < out.losses.size(); ++k) losses[k] = out.losses[k - x.a];
+    if (red == reduction::fast) {
+      if (out.tensors.size() == 1) partials[x.a] = out.tensors[0];
+    } else {
+      for (std::size_t k = 0; k < out.tensors.size() && 2 * k + 1 < out.nodes.size(); ++k)
+        blocks[{static_cast<int>(out.nodes[2 * k]), out.nodes[2 * k + 1]}] = out.tensors[k];
     }
-    if (!members[e.who].alive) continue;
-    auto x = book.answered(e.id);
-    if (!x) {
-      note("late answer from " + name(e.who) + " dropped");
-      continue;
+    s.note("answer [" + std::to_string(x.a) + "," + std::to_string(x.b) + ") from " +
+           s.name(x.who));
+  }
+
+  std::vector<std::uint64_t> ring(const std::vector<std::size_t>&, bool) override {
+    throw protocol_error("internal: the simulation does not simulate rings");
+  }
+
+  void reduce() override {
+    update.code = static_cast<std::uint8_t>(op::apply);
+    update.mode = static_cast<std::uint8_t>(red);
+    update.tensors.push_back(red == reduction::fast
+                                 ? sum_partials(partials)
+                                 : tree_combine(tree_top(shards), 0, shards, blocks));
+    update.divisor = static_cast<double>(n);
+  }
+
+  std::uint64_t apply(std::size_t who) override {
+    auto id = s.next_id++;
+    push(s.now, event::apply, id, who, {});
+    return id;
+  }
+
+  void drop(std::size_t who, bool abandon) override {
+    s.lose(who, abandon ? "no answer within replica_timeout" : "its step() threw");
+  }
+
+  void log(bool, const std::string& line) override { s.note(line); }
+
+  void push(ns t, event::kind_t k, std::uint64_t id, std::size_t who, std::string why) {
+    events.push({t, s.seq++, k, id, who, std::move(why)});
+  }
+
+  /// Runs the event that is due: an answer computed by the replica's code, an update applied,
+  /// a replica or a node lost.
+  void run(const event& e, train_core::train_coordinator& c) {
+    auto& m = s.members[e.who];
+    if (!m.alive) return;
+    if (e.kind == event::kill_node || e.kind == event::lose_replica) {
+      for (std::size_t i = 0; i < s.members.size(); ++i) {
+        if (!s.members[i].alive) continue;
+        if (e.kind == event::kill_node ? s.members[i].d.node() != m.d.node() : i != e.who) continue;
+        s.lose(i, e.why);
+        c.lost(i, s.now);
+      }
+      return;
     }
-    auto& m = members[e.who];
+    train_msg out;
+    bool ok = true;
+    if (e.kind == event::apply) {
+      try {
+        m.st->apply(update);
+      } catch (const std::exception& ex) {
+        ok = false;
+        failures.emplace(e.id, std::make_pair(std::string{ex.what()}, std::uint64_t{0}));
+      }
+      return c.answered(e.id, ok, 0, s.now);
+    }
     auto& r = requests[e.id];
-    train_msg cmd, out;
+    train_msg cmd;
     cmd.code = static_cast<std::uint8_t>(op::backward);
     cmd.mode = static_cast<std::uint8_t>(red);
     cmd.step = attempt;
     cmd.total_shards = shards;
-    cmd.first_shard = x->a;
-    cmd.end_shard = x->b;
+    cmd.first_shard = r.a;
+    cmd.end_shard = r.b;
     cmd.shard_size = ss;
     cmd.samples = samples;
     cmd.first_sample = 0;
     try {
       m.st->backward(cmd, out);
     } catch (const std::exception& ex) {
-      throw work_error("replica::backward threw on " + name(e.who) + ": " + ex.what(),
-                       m.st->failing_sample, name(e.who));
+      ok = false;
+      failures.emplace(e.id, std::make_pair(std::string{ex.what()}, m.st->failing_sample));
     }
     auto busy = std::chrono::duration<double>(r.done - r.started).count();
-    m.rs.shards += x->b - x->a;
-    m.rs.busy_seconds += busy;
-    if (busy > 0) {
-      double rate = static_cast<double>(x->b - x->a) / busy;
-      m.rate = m.rate > 0 ? 0.5 * m.rate + 0.5 * rate : rate;
+    if (ok) {
+      m.rs.shards += r.b - r.a;
+      m.rs.busy_seconds += busy;
     }
-    for (auto s = x->a; s < x->b && s - x->a < out.losses.size(); ++s)
-      losses[s] = out.losses[s - x->a];
-    if (red == reduction::fast) {
-      if (out.tensors.size() == 1) partials[x->a] = out.tensors[0];
-    } else {
-      for (std::size_t k = 0; k < out.tensors.size() && 2 * k + 1 < out.nodes.size(); ++k)
-        blocks[{static_cast<int>(out.nodes[2 * k]), out.nodes[2 * k + 1]}] = out.tensors[k];
-    }
-    note("answer [" + std::to_string(x->a) + "," + std::to_string(x->b) + ") from " + name(e.who));
+    answer = &out;
+    c.answered(e.id, ok, busy, s.now);
+    answer = nullptr;
   }
-  if (alive().empty()) throw node_error("every replica was lost during the step");
-  require_whole(book);
-  auto total = red == reduction::fast ? sum_partials(partials)
-                                      : tree_combine(tree_top(shards), 0, shards, blocks);
-  train_msg apply;
-  apply.code = static_cast<std::uint8_t>(op::apply);
-  apply.mode = static_cast<std::uint8_t>(red);
-  apply.tensors.push_back(total);
-  apply.divisor = static_cast<double>(n);
-  // Every replica steps; one whose step() throws no longer matches the others: it is dropped
-  // (as in data_parallel), and the step reports the first such failure once all have stepped.
-  std::optional<work_error> apply_failure;
-  for (auto i : alive()) {
-    try {
-      members[i].st->apply(apply);
-    } catch (const std::exception& ex) {
-      if (!apply_failure)
-        apply_failure.emplace(
-            "replica::step() threw on " + name(i) +
-                " (that replica is dropped; the others have stepped): " + ex.what(),
-            0, name(i));
-      lose(i, "its step() threw");
+
+  impl& s;
+  const batch& samples;
+  const std::uint64_t n, ss, shards;
+  reduction red = reduction::fast;
+  std::uint64_t attempt = 0;
+  std::vector<double> losses;
+  std::map<std::uint64_t, at::Tensor> partials;
+  std::map<node_key, at::Tensor> blocks;
+  train_msg update;
+  train_msg* answer = nullptr;
+  std::map<std::uint64_t, request> requests;
+  std::map<std::string, std::size_t> started;  ///< shards each node began in this step
+  std::priority_queue<event, std::vector<event>, std::greater<>> events;
+  /// Failed answers by request: what the replica threw, and at which sample.
+  std::map<std::uint64_t, std::pair<std::string, std::uint64_t>> failures;
+};
+
+double sim_trainer::impl::step(const batch& samples) {
+  const std::uint64_t n = samples.size();
+  if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
+  steps += 1;
+  shell io{*this, samples};
+  note("step " + std::to_string(steps) + ": " + std::to_string(n) + " samples, " +
+       std::to_string(io.shards) + " shards, " + std::to_string(alive().size()) + " replicas");
+  train_core::train_coordinator::step_input in;
+  in.samples = n;
+  in.shard_size = o.shard_size;
+  in.deterministic = o.deterministic;
+  in.steps_done = stats.steps;
+  in.grad_bytes = 0;  // rings are not simulated
+  std::vector<train_core::replica_info> infos;
+  for (auto& m : members) infos.push_back(train_core::replica_info{m.alive, true, false, m.rate});
+  coordinator.begin(in, std::move(infos), now, io);
+  while (!coordinator.finished()) {
+    auto due = coordinator.deadline();
+    if (io.events.empty() && !due)
+      throw protocol_error("internal: a simulated step with nothing to wait for");
+    if (due && (io.events.empty() || *due < io.events.top().t)) {
+      now = std::max(now, *due);
+      coordinator.tick(now);
+      continue;
     }
+    auto e = io.events.top();
+    io.events.pop();
+    now = std::max(now, e.t);
+    io.run(e, coordinator);
+  }
+  for (std::size_t i = 0; i < members.size(); ++i) members[i].rate = coordinator.replicas()[i].rate;
+  stats.recomputed_shards += coordinator.step_counts().recomputed_shards;
+  using end = train_core::train_coordinator::end;
+  auto& out = coordinator.result();
+  switch (out.e) {
+    case end::done:
+    case end::apply_failed:
+      break;
+    case end::no_replica:
+      throw node_error("no replica left: every one was lost or removed");
+    case end::every_replica_lost:
+      throw node_error("every replica was lost during the step");
+    case end::backward_failed: {
+      auto& [what, sample] = io.failures.at(out.id);
+      throw work_error("replica::backward threw on " + name(out.who) + ": " + what, sample,
+                       name(out.who));
+    }
+    default:
+      throw protocol_error(out.what);
   }
   // Faults at a shard the node did not reach in this step happen right after it.
   for (std::size_t f = 0; f < faults.size(); ++f) {
@@ -295,11 +354,15 @@ double sim_trainer::impl::step(const batch& samples) {
       }
     }
   }
-  if (apply_failure) throw *apply_failure;
+  if (out.e == end::apply_failed)
+    throw work_error(
+        "replica::step() threw on " + name(out.who) +
+            " (that replica is dropped; the others have stepped): " + io.failures.at(out.id).first,
+        0, name(out.who));
   stats.steps += 1;
-  stats.shards += shards;
+  stats.shards += io.shards;
   double sum = 0;
-  for (auto l : losses) sum += l;
+  for (auto l : io.losses) sum += l;
   std::ostringstream line;
   line << "step " << steps << " applied on " << alive().size() << " replicas, loss "
        << std::setprecision(6) << sum / static_cast<double>(n);
@@ -314,6 +377,8 @@ sim_trainer::sim_trainer(const testing::simulation& sim, std::vector<device> dev
   if (devices.empty()) throw invalid_argument("data_parallel needs at least one device");
   if (o.shard_size == 0) throw invalid_argument("train_options::shard_size must be at least 1");
   s.o = o;
+  s.coordinator = train_core::train_coordinator{train_core::train_coordinator::options{
+      std::chrono::duration_cast<ns>(o.replica_timeout), false}};
   s.rng.seed(sim.seed() ^ 0x747261696eULL);  // "train": its own stream of the seed
   s.cost = sim.item_cost();
   s.jitter = sim.jitter_factor();
@@ -412,7 +477,12 @@ namespace troupe::testing {
 void draw_training(simulation& sim, const explore_training_options& eo, std::size_t steps) {
   if (eo.nodes == 0) throw invalid_argument("explore_training_options: at least one node");
   std::vector<std::string> names;
-  for (std::size_t i = 0; i < eo.nodes; ++i) names.push_back("n" + std::to_string(i) + ":1");
+  for (std::size_t i = 0; i < eo.nodes; ++i) {
+    std::string name = "n";  // (GCC 12 warns falsely, -Wrestrict, on "n" + to_string(i))
+    name += std::to_string(i);
+    name += ":1";
+    names.push_back(std::move(name));
+  }
   sim.nodes(names, cpus(1));
   sim.cost_per_item(eo.cost_per_item);
   if (!eo.faults || steps == 0) return;
