@@ -1,0 +1,296 @@
+// Simulated training (troupe/train_simulation.hpp): a discrete-event simulation of the
+// coordinator's step on the calling thread. The step's decisions are train_coordinator's, the
+// one data_parallel runs (train_coordinator.hpp): this file only carries its commands to
+// simulated replicas and their answers back, in virtual time. Every replica is a real
+// replica_state, so backward() and apply() are the code real replicas run. Virtual time:
+// cost_per_item per sample, jitter per request, faults scripted with simulation::at_step or drawn
+#include <algorithm>
+#include <queue>
+
+#include "train_sim_impl.hpp"
+
+namespace troupe::detail {
+namespace {
+
+using ns = std::chrono::nanoseconds;
+constexpr ns never = ns::max();
+
+}  // namespace
+
+void sim_trainer::impl::lose(std::size_t who, const std::string& why) {
+  auto& m = members[who];
+  if (!m.alive) return;
+  m.alive = false;
+  m.rs.lost = true;
+  stats.lost_replicas += 1;
+  note("lose " + name(who) + ": " + why);
+  m.st->release();
+}
+
+void sim_trainer::impl::lose_node(const std::string& node, const std::string& why) {
+  for (std::size_t i = 0; i < members.size(); ++i)
+    if (members[i].d.node() == node) lose(i, why);
+}
+
+/// One simulated step's commands (train_coordinator.hpp's train_io): shards scheduled on the
+/// simulated replicas in virtual time, their answers computed by the real replica code.
+struct sim_trainer::impl::shell final : train_core::train_io {
+  shell(impl& s, const batch& samples)
+      : s(s),
+        samples(samples),
+        n(samples.size()),
+        ss(s.o.shard_size),
+        shards((n + ss - 1) / ss),
+        losses(shards, 0.0) {}
+
+  std::uint64_t begin_attempt(train_core::reduce_mode m) override {
+    red = static_cast<reduction>(m);
+    attempt = s.next_id++;
+    std::fill(losses.begin(), losses.end(), 0.0);
+    partials.clear();
+    blocks.clear();
+    return attempt;
+  }
+
+  std::uint64_t backward(std::size_t who, std::uint64_t a, std::uint64_t b) override {
+    auto id = s.next_id++;
+    auto& m = s.members[who];
+    s.note("send shards [" + std::to_string(a) + "," + std::to_string(b) + ") to " + s.name(who));
+    const double j = 1 + s.jitter * std::uniform_real_distribution<double>(0, 1)(s.rng);
+    auto t = std::max({s.now, m.busy_until, m.frozen_until});
+    m.frozen_until = ns{0};
+    auto start = t;
+    ns frozen_at = never, frozen_for{0};
+    for (auto x = a; x < b; ++x) {
+      auto k = ++started[m.d.node()];
+      for (auto f : s.faults_at(who, k)) {
+        s.fired[f] = true;
+        auto& fault = s.faults[f];
+        if (fault.kind == testing::step_fault::kill) {
+          push(t, event::kill_node, id, who, "killed at its shard " + std::to_string(k));
+          m.busy_until = never;
+          return id;
+        }
+        if (fault.kind == testing::step_fault::slow) m.slow *= fault.value;
+        if (fault.kind == testing::step_fault::freeze) {
+          frozen_at = std::min(frozen_at, t);
+          frozen_for += ns{static_cast<ns::rep>(fault.value)};
+          t += ns{static_cast<ns::rep>(fault.value)};
+        }
+      }
+      auto items = std::min(n, (x + 1) * ss) - x * ss;
+      auto cost = ns{static_cast<ns::rep>(static_cast<double>(s.cost.count()) *
+                                          static_cast<double>(items) * m.slow)};
+      t += ns{static_cast<ns::rep>(static_cast<double>(cost.count()) * j)};
+    }
+    m.busy_until = t;
+    requests[id] = request{who, a, b, start, t};
+    // Frozen past the heartbeats' limit: lost then (replica_timeout is the coordinator's).
+    if (frozen_for >= s.idle_timeout)
+      push(frozen_at + s.idle_timeout, event::lose_replica, id, who,
+           "silent for limits::idle_timeout (frozen)");
+    else
+      push(t, event::answer, id, who, {});
+    return id;
+  }
+
+  void take(std::uint64_t, const train_core::share& x) override {
+    auto& out = *answer;
+    for (auto k = x.a; k < x.b && k - x.a < out.losses.size(); ++k) losses[k] = out.losses[k - x.a];
+    if (red == reduction::fast) {
+      if (out.tensors.size() == 1) partials[x.a] = out.tensors[0];
+    } else {
+      for (std::size_t k = 0; k < out.tensors.size() && 2 * k + 1 < out.nodes.size(); ++k)
+        blocks[{static_cast<int>(out.nodes[2 * k]), out.nodes[2 * k + 1]}] = out.tensors[k];
+    }
+    s.note("answer [" + std::to_string(x.a) + "," + std::to_string(x.b) + ") from " +
+           s.name(x.who));
+  }
+
+  std::vector<std::uint64_t> ring(const std::vector<std::size_t>&, bool) override {
+    throw protocol_error("internal: the simulation does not simulate rings");
+  }
+
+  void reduce() override {
+    update.code = static_cast<std::uint8_t>(op::apply);
+    update.mode = static_cast<std::uint8_t>(red);
+    update.tensors.push_back(red == reduction::fast
+                                 ? sum_partials(partials)
+                                 : tree_combine(tree_top(shards), 0, shards, blocks));
+    update.divisor = static_cast<double>(n);
+  }
+
+  std::uint64_t apply(std::size_t who) override {
+    auto id = s.next_id++;
+    push(s.now, event::apply, id, who, {});
+    return id;
+  }
+
+  void drop(std::size_t who, bool abandon) override {
+    s.lose(who, abandon ? "no answer within replica_timeout" : "its step() threw");
+  }
+
+  void log(bool, const std::string& line) override { s.note(line); }
+
+  void push(ns t, event::kind_t k, std::uint64_t id, std::size_t who, std::string why) {
+    events.push({t, s.seq++, k, id, who, std::move(why)});
+  }
+
+  /// Runs the event that is due: an answer computed by the replica's code, an update applied,
+  /// a replica or a node lost.
+  void run(const event& e, train_core::train_coordinator& c) {
+    auto& m = s.members[e.who];
+    if (!m.alive) return;
+    if (e.kind == event::kill_node || e.kind == event::lose_replica) {
+      for (std::size_t i = 0; i < s.members.size(); ++i) {
+        if (!s.members[i].alive) continue;
+        if (e.kind == event::kill_node ? s.members[i].d.node() != m.d.node() : i != e.who) continue;
+        s.lose(i, e.why);
+        c.lost(i, s.now);
+      }
+      return;
+    }
+    train_msg out;
+    bool ok = true;
+    if (e.kind == event::apply) {
+      try {
+        m.st->apply(update);
+      } catch (const std::exception& ex) {
+        ok = false;
+        failures.emplace(e.id, std::make_pair(std::string{ex.what()}, std::uint64_t{0}));
+      }
+      return c.answered(e.id, ok, 0, s.now);
+    }
+    auto& r = requests[e.id];
+    train_msg cmd;
+    cmd.code = static_cast<std::uint8_t>(op::backward);
+    cmd.mode = static_cast<std::uint8_t>(red);
+    cmd.step = attempt;
+    cmd.total_shards = shards;
+    cmd.first_shard = r.a;
+    cmd.end_shard = r.b;
+    cmd.shard_size = ss;
+    cmd.samples = samples;
+    cmd.first_sample = 0;
+    try {
+      m.st->backward(cmd, out);
+    } catch (const std::exception& ex) {
+      ok = false;
+      failures.emplace(e.id, std::make_pair(std::string{ex.what()}, m.st->failing_sample));
+    }
+    auto busy = std::chrono::duration<double>(r.done - r.started).count();
+    if (ok) {
+      m.rs.shards += r.b - r.a;
+      m.rs.busy_seconds += busy;
+    }
+    answer = &out;
+    c.answered(e.id, ok, busy, s.now);
+    answer = nullptr;
+  }
+
+  impl& s;
+  const batch& samples;
+  const std::uint64_t n, ss, shards;
+  reduction red = reduction::fast;
+  std::uint64_t attempt = 0;
+  std::vector<double> losses;
+  std::map<std::uint64_t, at::Tensor> partials;
+  std::map<node_key, at::Tensor> blocks;
+  train_msg update;
+  train_msg* answer = nullptr;
+  std::map<std::uint64_t, request> requests;
+  std::map<std::string, std::size_t> started;  ///< shards each node began in this step
+  std::priority_queue<event, std::vector<event>, std::greater<>> events;
+  /// Failed answers by request: what the replica threw, and at which sample.
+  std::map<std::uint64_t, std::pair<std::string, std::uint64_t>> failures;
+};
+
+double sim_trainer::impl::step(const batch& samples) {
+  const std::uint64_t n = samples.size();
+  if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
+  steps += 1;
+  shell io{*this, samples};
+  note("step " + std::to_string(steps) + ": " + std::to_string(n) + " samples, " +
+       std::to_string(io.shards) + " shards, " + std::to_string(alive().size()) + " replicas");
+  train_core::train_coordinator::step_input in;
+  in.samples = n;
+  in.shard_size = o.shard_size;
+  in.deterministic = o.deterministic;
+  in.steps_done = stats.steps;
+  in.grad_bytes = 0;  // rings are not simulated
+  std::vector<train_core::replica_info> infos;
+  for (auto& m : members) infos.push_back(train_core::replica_info{m.alive, true, false, m.rate});
+  coordinator.begin(in, std::move(infos), now, io);
+  while (!coordinator.finished()) {
+    auto due = coordinator.deadline();
+    if (io.events.empty() && !due)
+      throw protocol_error("internal: a simulated step with nothing to wait for");
+    if (due && (io.events.empty() || *due < io.events.top().t)) {
+      now = std::max(now, *due);
+      coordinator.tick(now);
+      continue;
+    }
+    auto e = io.events.top();
+    io.events.pop();
+    now = std::max(now, e.t);
+    io.run(e, coordinator);
+  }
+  for (std::size_t i = 0; i < members.size(); ++i) members[i].rate = coordinator.replicas()[i].rate;
+  stats.recomputed_shards += coordinator.step_counts().recomputed_shards;
+  using end = train_core::train_coordinator::end;
+  auto& out = coordinator.result();
+  switch (out.e) {
+    case end::done:
+    case end::apply_failed:
+      break;
+    case end::no_replica:
+      throw node_error("no replica left: every one was lost or removed");
+    case end::every_replica_lost:
+      throw node_error("every replica was lost during the step");
+    case end::backward_failed: {
+      auto& [what, sample] = io.failures.at(out.id);
+      throw work_error("replica::backward threw on " + name(out.who) + ": " + what, sample,
+                       name(out.who));
+    }
+    default:
+      throw protocol_error(out.what);
+  }
+  // Faults at a shard the node did not reach in this step happen right after it.
+  for (std::size_t f = 0; f < faults.size(); ++f) {
+    if (fired[f] || faults[f].step != steps) continue;
+    fired[f] = true;
+    auto& x = faults[f];
+    if (x.kind == testing::step_fault::kill) {
+      lose_node(x.node, "killed after step " + std::to_string(steps));
+    } else {
+      auto d = ns{static_cast<ns::rep>(x.value)};
+      if (x.kind == testing::step_fault::freeze && d >= idle_timeout) {
+        // Silent past the heartbeats' limit before the next step has begun.
+        lose_node(x.node, "silent for limits::idle_timeout (frozen after step " +
+                              std::to_string(steps) + ")");
+        continue;
+      }
+      for (auto& m : members) {
+        if (m.d.node() != x.node) continue;
+        if (x.kind == testing::step_fault::slow) m.slow *= x.value;
+        if (x.kind == testing::step_fault::freeze) m.frozen_until = now + d;
+      }
+    }
+  }
+  if (out.e == end::apply_failed)
+    throw work_error(
+        "replica::step() threw on " + name(out.who) +
+            " (that replica is dropped; the others have stepped): " + io.failures.at(out.id).first,
+        0, name(out.who));
+  stats.steps += 1;
+  stats.shards += io.shards;
+  double sum = 0;
+  for (auto l : io.losses) sum += l;
+  std::ostringstream line;
+  line << "step " << steps << " applied on " << alive().size() << " replicas, loss "
+       << std::setprecision(6) << sum / static_cast<double>(n);
+  note(line.str());
+  return sum / static_cast<double>(n);
+}
+
+}  // namespace troupe::detail
