@@ -1,8 +1,8 @@
 // Simulated training for users' tests (docs/api.md, "Simulated training"): data_parallel on a
 // simulation's nodes, in virtual time, on the calling thread. The job's own replica code runs
 // (LibTorch on the CPU), one replica per simulated device, constructed one at a time; shards
-// are planned, recovered and summed by the coordinator's own pure parts (train_core.hpp) and
-// each replica computes and applies them with the real replica code, so the parameters are
+// are planned, recovered and summed by the coordinator core data_parallel runs
+// (torch/src/train_coordinator.hpp) and each replica computes and applies them with the real replica code, so the parameters are
 // the ones data_parallel gives. Time, nodes and faults are simulated:
 //
 //   troupe::testing::simulation sim{42};
