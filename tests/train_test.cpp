@@ -1164,6 +1164,49 @@ TEST(TrainHostile, FuzzedReplaysOfARealTrainingSessionLeaveTheNodeTraining) {
   EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
 }
 
+TEST(SimulatedTraining, LocalStepsAveragingAndAStepAfterThemEqualDataParallelBitForBit) {
+  // Local SGD as its users write it: local steps, an average every 2, then a synchronous step
+  // (which starts from replica 0's state). The simulation drives the coordinator core that
+  // data_parallel runs, so the parameters and the mean losses are the same bits.
+  auto batches = make_batches(7, 64);
+  auto cfg = small_cfg();
+  cfg.set("optim", std::string{"adam"});
+  dp_t real{{"cpu", "cpu"}, cfg, opts(16, true)};
+  troupe::testing::simulation sim{3};
+  sim.nodes({"a:1", "b:1"}, troupe::cpus(1));
+  auto simulated = sim.data_parallel<example::classifier>(sim.devices(), cfg, opts(16, true));
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    double a = 0, b = 0;
+    if (i + 1 == batches.size()) {
+      a = real.step(batches[i]);
+      b = simulated.step(batches[i]);
+    } else {
+      a = real.local_step(batches[i]);
+      b = simulated.local_step(batches[i]);
+    }
+    EXPECT_EQ(a, b) << "step " << i;
+    if (i % 2 == 1) {
+      real.average_parameters();
+      simulated.average_parameters();
+    }
+  }
+  EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())));
+  auto reps = simulated.replica_parameters();
+  ASSERT_EQ(reps.size(), 2u);
+  EXPECT_TRUE(same_bits(reps[0], reps[1]));
+  EXPECT_NE(simulated.trace().find("local step 1: 64 samples"), std::string::npos);
+  // A replica killed during a local step takes its update and its samples' losses with it.
+  troupe::testing::simulation faulty{3};
+  faulty.nodes({"a:1", "b:1"}, troupe::cpus(1));
+  faulty.at_step(2).at_shard(1).kill("b:1");
+  auto dp = faulty.data_parallel<example::classifier>(faulty.devices(), cfg, opts(16, true));
+  dp.local_step(batches[0]);
+  dp.local_step(batches[1]);
+  EXPECT_EQ(dp.devices().size(), 1u);
+  EXPECT_EQ(dp.stats().lost_replicas, 1u);
+  EXPECT_EQ(dp.stats().recomputed_shards, 0u) << dp.trace();  // a local step recomputes nothing
+}
+
 TEST(SimulatedTraining, FaultsPastANodesShardsHappenAfterTheStepAndShortFreezesOnlyDelay) {
   auto batches = make_batches(4, 32);  // 4 shards of 8 a step
   auto run = [&](auto&& script) {

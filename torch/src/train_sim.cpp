@@ -61,8 +61,12 @@ sim_trainer::~sim_trainer() {
   for (auto& m : impl_->members) m.st->release();
 }
 
-double sim_trainer::step(const batch& samples) {
-  return impl_->step(samples);
+double sim_trainer::step(const batch& samples, bool local) {
+  return impl_->step(samples, local);
+}
+
+void sim_trainer::average_parameters() {
+  impl_->average_parameters();
 }
 
 std::vector<at::Tensor> sim_trainer::parameters() {

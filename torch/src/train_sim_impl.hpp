@@ -72,7 +72,10 @@ struct sim_trainer::impl {
   /// transport policy across steps.
   train_core::train_coordinator coordinator;
   struct shell;
-  double step(const batch& samples);
+  /// local_step() ran since the replicas' states were last the same (as data_parallel).
+  bool states_differ = false;
+  double step(const batch& samples, bool local);
+  void average_parameters();
   void lose_node(const std::string& node, const std::string& why);
   void lose(std::size_t who, const std::string& why);
   /// The faults of this step on `who`'s node that fire at its shard `k` (1-based).

@@ -99,7 +99,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     for (auto k = x.a; k < x.b && k - x.a < out.losses.size(); ++k) losses[k] = out.losses[k - x.a];
     if (red == reduction::fast) {
       if (out.tensors.size() == 1) partials[x.a] = out.tensors[0];
-    } else {
+    } else if (red == reduction::deterministic) {
       for (std::size_t k = 0; k < out.tensors.size() && 2 * k + 1 < out.nodes.size(); ++k)
         blocks[{static_cast<int>(out.nodes[2 * k]), out.nodes[2 * k + 1]}] = out.tensors[k];
     }
@@ -112,8 +112,6 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   }
 
   void reduce() override {
-    update.code = static_cast<std::uint8_t>(op::apply);
-    update.mode = static_cast<std::uint8_t>(red);
     update.tensors.push_back(red == reduction::fast
                                  ? sum_partials(partials)
                                  : tree_combine(tree_top(shards), 0, shards, blocks));
@@ -121,6 +119,8 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   }
 
   std::uint64_t apply(std::size_t who) override {
+    update.code = static_cast<std::uint8_t>(op::apply);
+    update.mode = static_cast<std::uint8_t>(red);  // local: each steps on its own gradient
     auto id = s.next_id++;
     push(s.now, event::apply, id, who, {});
     return id;
@@ -205,16 +205,29 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   std::map<std::uint64_t, std::pair<std::string, std::uint64_t>> failures;
 };
 
-double sim_trainer::impl::step(const batch& samples) {
+double sim_trainer::impl::step(const batch& samples, bool local) {
   const std::uint64_t n = samples.size();
   if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
+  if (local) {
+    states_differ = true;
+  } else if (states_differ) {
+    // After local steps, every replica starts from the first one's state (as data_parallel).
+    auto live = alive();
+    if (live.size() > 1) {
+      auto state = bytes_tensor(members[live[0]].st->state());
+      for (std::size_t k = 1; k < live.size(); ++k) members[live[k]].st->set_state(state);
+    }
+    states_differ = false;
+  }
   steps += 1;
   shell io{*this, samples};
-  note("step " + std::to_string(steps) + ": " + std::to_string(n) + " samples, " +
-       std::to_string(io.shards) + " shards, " + std::to_string(alive().size()) + " replicas");
+  note(std::string{local ? "local step " : "step "} + std::to_string(steps) + ": " +
+       std::to_string(n) + " samples, " + std::to_string(io.shards) + " shards, " +
+       std::to_string(alive().size()) + " replicas");
   train_core::train_coordinator::step_input in;
   in.samples = n;
   in.shard_size = o.shard_size;
+  in.local = local;
   in.deterministic = o.deterministic;
   in.steps_done = stats.steps;
   in.grad_bytes = 0;  // rings are not simulated
@@ -286,11 +299,32 @@ double sim_trainer::impl::step(const batch& samples) {
   stats.shards += io.shards;
   double sum = 0;
   for (auto l : io.losses) sum += l;
+  auto lost = coordinator.step_counts().lost_samples;
+  auto mean = sum / static_cast<double>(n > lost ? n - lost : 1);
   std::ostringstream line;
   line << "step " << steps << " applied on " << alive().size() << " replicas, loss "
-       << std::setprecision(6) << sum / static_cast<double>(n);
+       << std::setprecision(6) << mean;
   note(line.str());
-  return sum / static_cast<double>(n);
+  return mean;
+}
+
+void sim_trainer::impl::average_parameters() {
+  auto live = alive();
+  if (live.empty()) throw node_error("no replica left: every one was lost or removed");
+  // As data_parallel: the first replica's parameters plus the others' in device order, divided.
+  std::vector<at::Tensor> mean;
+  for (auto i : live) {
+    auto& params = members[i].st->params;
+    if (mean.empty()) {
+      for (auto& t : params) mean.push_back(t.detach().clone());
+    } else {
+      for (std::size_t k = 0; k < mean.size() && k < params.size(); ++k)
+        mean[k].add_(params[k].detach());
+    }
+  }
+  for (auto& t : mean) t.div_(static_cast<double>(live.size()));
+  for (auto i : live) members[i].st->set_params(mean);
+  note("parameters averaged over " + std::to_string(live.size()) + " replicas");
 }
 
 }  // namespace troupe::detail

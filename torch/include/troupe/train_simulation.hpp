@@ -2,8 +2,9 @@
 // simulation's nodes, in virtual time, on the calling thread. The job's own replica code runs
 // (LibTorch on the CPU), one replica per simulated device, constructed one at a time; shards
 // are planned, recovered and summed by the coordinator core data_parallel runs
-// (torch/src/train_coordinator.hpp) and each replica computes and applies them with the real replica code, so the parameters are
-// the ones data_parallel gives. Time, nodes and faults are simulated:
+// (torch/src/train_coordinator.hpp) and each replica computes and applies them with the real
+// replica code, so the parameters are the ones data_parallel gives. Time, nodes and faults are
+// simulated:
 //
 //   troupe::testing::simulation sim{42};
 //   sim.nodes({"a:1", "b:1", "c:1"}, troupe::cpus(1));
@@ -13,8 +14,8 @@
 //   for (auto& b : batches) dp.step(b);
 //   EXPECT_TRUE(same_bits(dp.parameters(), no_fault));
 //
-// What is not simulated: rings among replicas (steps reduce through the coordinator), local
-// steps and averaging, nodes that join or come back, the network's own failures (a fault is a
+// What is not simulated: rings among replicas (steps reduce through the coordinator), nodes
+// that join or come back, the network's own failures (a fault is a
 // node's), and time spent in the replica's code (virtual time is cost_per_item per sample).
 #pragma once
 
@@ -38,7 +39,8 @@ class sim_trainer {
   sim_trainer(sim_trainer&&) noexcept;
   sim_trainer& operator=(sim_trainer&&) noexcept;
   ~sim_trainer();
-  double step(const batch& samples);
+  double step(const batch& samples, bool local = false);
+  void average_parameters();
   std::vector<at::Tensor> parameters();
   std::vector<at::Tensor> replica_parameters();
   [[nodiscard]] std::vector<device> devices() const;
@@ -74,6 +76,14 @@ class simulated_data_parallel {
   /// One synchronous step, as data_parallel::step: returns the batch's mean loss; throws
   /// node_error when every replica was lost, work_error when a backward threw.
   double step(const std::vector<sample_type>& samples) { return t_.step(batch::of(samples)); }
+  /// As data_parallel::local_step: each replica steps on the mean gradient of its own shards
+  /// (an even split), with no reduction; returns the mean loss of the samples whose replica
+  /// was not lost.
+  double local_step(const std::vector<sample_type>& samples) {
+    return t_.step(batch::of(samples), true);
+  }
+  /// As data_parallel::average_parameters: every replica gets the mean of the parameters.
+  void average_parameters() { t_.average_parameters(); }
   std::vector<at::Tensor> parameters() { return t_.parameters(); }
   std::vector<at::Tensor> replica_parameters() { return t_.replica_parameters(); }
   [[nodiscard]] std::vector<device> devices() const { return t_.devices(); }
