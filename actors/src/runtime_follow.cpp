@@ -3,7 +3,6 @@
 // join or rejoin, drains those that drain and gives up on those that are lost.
 #include <algorithm>
 #include <caf/send.hpp>
-#include <condition_variable>
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/cluster_state.hpp"
@@ -13,75 +12,11 @@
 
 namespace troupe::detail {
 
-/// The runtime's place among a cluster's followers. Registered before the runtime exists (so
-/// that no change between the cluster's snapshot and the runtime's start is missed): the
-/// changes it hears until attach() are kept and applied then.
-class runtime_follower final : public cluster_follower {
- public:
-  void on_event(const membership_event& e) override {
-    runtime* rt = nullptr;
-    {
-      std::lock_guard<std::mutex> guard{mtx_};
-      if (!attached_) {
-        pending_.push_back(e);
-        return;
-      }
-      if (rt_ == nullptr) return;
-      rt = rt_;
-      busy_ += 1;  // detach() waits for it; needs() does not
-    }
-    in_use done{this};
-    apply(*rt, e);
-  }
-
-  [[nodiscard]] bool needs(const std::string& node) const override {
-    runtime* rt = nullptr;
-    {
-      std::lock_guard<std::mutex> guard{mtx_};
-      rt = rt_;
-      if (rt == nullptr) return false;
-      busy_ += 1;
-    }
-    in_use done{this};
-    return rt->is_open() && rt->only_on(node);
-  }
-
-  void attach(runtime* rt) {
-    std::lock_guard<std::mutex> guard{mtx_};
-    rt_ = rt;
-    attached_ = true;
-    for (auto& e : pending_) {
-      try {
-        apply(*rt_, e);
-      } catch (const std::exception& x) {
-        log(log_level::warn, std::string{"a runner following its cluster could not act on "} +
-                                 to_string(e.what) + " of " + e.node + ": " + x.what());
-      }
-    }
-    pending_.clear();
-  }
-
-  /// The runtime goes: no change reaches it afterwards (waits for one being applied).
-  void detach() noexcept {
-    std::unique_lock<std::mutex> lock{mtx_};
-    rt_ = nullptr;
-    attached_ = true;
-    pending_.clear();
-    idle_.wait(lock, [this] { return busy_ == 0; });
-  }
-
- private:
-  /// A change (or needs()) under way in the runtime: detach() waits for its end.
-  struct in_use {
-    const runtime_follower* f;
-    ~in_use() {
-      std::lock_guard<std::mutex> guard{f->mtx_};
-      f->busy_ -= 1;
-      f->idle_.notify_all();
-    }
-  };
-
-  static void apply(runtime& rt, const membership_event& e) {
+/// The runtime's place among a cluster's followers (attached_follower: registered before the
+/// runtime exists).
+class runtime_follower final : public attached_follower<runtime> {
+ protected:
+  void apply(runtime& rt, const membership_event& e) const override {
     if (!rt.is_open()) return;
     switch (e.what) {
       case membership_event::joined:
@@ -98,13 +33,10 @@ class runtime_follower final : public cluster_follower {
         return;
     }
   }
-
-  mutable std::mutex mtx_;
-  mutable std::condition_variable idle_;
-  mutable std::size_t busy_ = 0;  ///< changes (and needs()) running in the runtime now
-  runtime* rt_ = nullptr;
-  bool attached_ = false;
-  std::vector<membership_event> pending_;
+  bool only_on(runtime& rt, const std::string& node) const override {
+    return rt.is_open() && rt.only_on(node);
+  }
+  [[nodiscard]] std::string name() const override { return "a runner following its cluster"; }
 };
 
 void runtime::follow(std::shared_ptr<cluster_state> c, std::shared_ptr<runtime_follower> f) {

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <caf/scoped_actor.hpp>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,73 +19,32 @@
 
 namespace troupe::detail {
 
+/// The training message a replica's answer holds; an answer that holds none becomes a
+/// protocol_error (in `r`).
+inline train_msg answer_of(chunk_result& r) {
+  train_msg msg;
+  if (!r.ok()) return msg;
+  try {
+    auto joined = bulk::resolve(r.outputs);
+    auto* b = joined.as<train_msg>();
+    if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
+    msg = std::move(b->items[0]);
+  } catch (const std::exception& e) {
+    r.code = errc::protocol_error;
+    r.what = e.what();
+  }
+  return msg;
+}
+
 struct trainer::impl {
   /// data_parallel built from a live cluster: the cluster's changes, applied between steps (a
-  /// change waits for the step under way: `calls`). Registered before the trainer exists; the
-  /// changes it hears until attach() are kept and applied then.
-  struct follower final : cluster_follower {
-    /// A change (or needs()) under way in the trainer: detach() waits for its end.
-    struct in_use {
-      const follower* f;
-      ~in_use() {
-        std::lock_guard<std::mutex> guard{f->mtx};
-        f->busy -= 1;
-        f->idle.notify_all();
-      }
-    };
-    void on_event(const membership_event& e) override {
-      impl* p = nullptr;
-      {
-        std::lock_guard<std::mutex> guard{mtx};
-        if (!attached) {
-          pending.push_back(e);
-          return;
-        }
-        if (target == nullptr) return;
-        p = target;
-        busy += 1;
-      }
-      in_use done{this};
-      p->follow_change(e);
-    }
-    [[nodiscard]] bool needs(const std::string& node) const override {
-      impl* p = nullptr;
-      {
-        std::lock_guard<std::mutex> guard{mtx};
-        if (target == nullptr) return false;
-        p = target;
-        busy += 1;
-      }
-      in_use done{this};
-      return p->only_on(node);
-    }
-    void attach(impl* p) {
-      std::lock_guard<std::mutex> guard{mtx};
-      target = p;
-      attached = true;
-      for (auto& e : pending) {
-        try {
-          p->follow_change(e);
-        } catch (const std::exception& x) {
-          log(log_level::warn, std::string{"data_parallel could not follow its cluster ("} +
-                                   to_string(e.what) + " of " + e.node + "): " + x.what());
-        }
-      }
-      pending.clear();
-    }
-    void detach() noexcept {
-      std::unique_lock<std::mutex> lock{mtx};
-      target = nullptr;
-      attached = true;
-      pending.clear();
-      idle.wait(lock, [this] { return busy == 0; });
-    }
-    mutable std::mutex mtx;
-    mutable std::condition_variable idle;
-    mutable std::size_t busy = 0;
-    impl* target = nullptr;
-    bool attached = false;
-    std::vector<membership_event> pending;
+  /// change waits for the step under way: `calls`). Registered before the trainer exists
+  /// (attached_follower).
+  struct follower final : attached_follower<impl> {
+   protected:
+    void apply(impl& p, const membership_event& e) const override { p.follow_change(e); }
+    bool only_on(impl& p, const std::string& node) const override { return p.only_on(node); }
+    [[nodiscard]] std::string name() const override { return "data_parallel"; }
   };
   /// One call at a time (the caller's, or a cluster's change between steps).
   std::recursive_mutex calls;
@@ -211,18 +169,7 @@ struct trainer::impl {
         if (it == waiting.end()) return;  // a request given up on
         auto p = it->second;
         waiting.erase(it);
-        train_msg msg;
-        if (r.ok()) {
-          try {
-            auto joined = bulk::resolve(r.outputs);
-            auto* b = joined.as<train_msg>();
-            if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
-            msg = std::move(b->items[0]);
-          } catch (const std::exception& e) {
-            r.code = errc::protocol_error;
-            r.what = e.what();
-          }
-        }
+        auto msg = answer_of(r);
         on_reply(p, r, msg);
       };
       auto on_down = [&](caf::down_msg& dm) {

@@ -8,6 +8,7 @@
 #include <queue>
 
 #include "train_sim_impl.hpp"
+#include "train_sums.hpp"
 
 namespace troupe::detail {
 namespace {
@@ -35,22 +36,9 @@ void sim_trainer::impl::lose_node(const std::string& node, const std::string& wh
 /// One simulated step's commands (train_coordinator.hpp's train_io): shards scheduled on the
 /// simulated replicas in virtual time, their answers computed by the real replica code.
 struct sim_trainer::impl::shell final : train_core::train_io {
-  shell(impl& s, const batch& samples)
-      : s(s),
-        samples(samples),
-        n(samples.size()),
-        ss(s.o.shard_size),
-        shards((n + ss - 1) / ss),
-        losses(shards, 0.0) {}
+  shell(impl& s, const batch& samples) : s(s), sums(s.next_id, samples, s.o.shard_size) {}
 
-  std::uint64_t begin_attempt(train_core::reduce_mode m) override {
-    red = static_cast<reduction>(m);
-    attempt = s.next_id++;
-    std::fill(losses.begin(), losses.end(), 0.0);
-    partials.clear();
-    blocks.clear();
-    return attempt;
-  }
+  std::uint64_t begin_attempt(train_core::reduce_mode m) override { return sums.begin(m); }
 
   std::uint64_t backward(std::size_t who, std::uint64_t a, std::uint64_t b) override {
     auto id = s.next_id++;
@@ -78,7 +66,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
           t += ns{static_cast<ns::rep>(fault.value)};
         }
       }
-      auto items = std::min(n, (x + 1) * ss) - x * ss;
+      auto items = std::min(sums.n, (x + 1) * sums.ss) - x * sums.ss;
       auto cost = ns{static_cast<ns::rep>(static_cast<double>(s.cost.count()) *
                                           static_cast<double>(items) * m.slow)};
       t += ns{static_cast<ns::rep>(static_cast<double>(cost.count()) * j)};
@@ -95,14 +83,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   }
 
   void take(std::uint64_t, const train_core::share& x) override {
-    auto& out = *answer;
-    for (auto k = x.a; k < x.b && k - x.a < out.losses.size(); ++k) losses[k] = out.losses[k - x.a];
-    if (red == reduction::fast) {
-      if (out.tensors.size() == 1) partials[x.a] = out.tensors[0];
-    } else if (red == reduction::deterministic) {
-      for (std::size_t k = 0; k < out.tensors.size() && 2 * k + 1 < out.nodes.size(); ++k)
-        blocks[{static_cast<int>(out.nodes[2 * k]), out.nodes[2 * k + 1]}] = out.tensors[k];
-    }
+    sums.take(*answer, x);
     s.note("answer [" + std::to_string(x.a) + "," + std::to_string(x.b) + ") from " +
            s.name(x.who));
   }
@@ -111,16 +92,9 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     throw protocol_error("internal: the simulation does not simulate rings");
   }
 
-  void reduce() override {
-    update.tensors.push_back(red == reduction::fast
-                                 ? sum_partials(partials)
-                                 : tree_combine(tree_top(shards), 0, shards, blocks));
-    update.divisor = static_cast<double>(n);
-  }
+  void reduce() override { sums.reduce(); }
 
   std::uint64_t apply(std::size_t who) override {
-    update.code = static_cast<std::uint8_t>(op::apply);
-    update.mode = static_cast<std::uint8_t>(red);  // local: each steps on its own gradient
     auto id = s.next_id++;
     push(s.now, event::apply, id, who, {});
     return id;
@@ -154,7 +128,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     bool ok = true;
     if (e.kind == event::apply) {
       try {
-        m.st->apply(update);
+        m.st->apply(sums.update_msg());
       } catch (const std::exception& ex) {
         ok = false;
         failures.emplace(e.id, std::make_pair(std::string{ex.what()}, std::uint64_t{0}));
@@ -162,16 +136,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
       return c.answered(e.id, ok, 0, s.now);
     }
     auto& r = requests[e.id];
-    train_msg cmd;
-    cmd.code = static_cast<std::uint8_t>(op::backward);
-    cmd.mode = static_cast<std::uint8_t>(red);
-    cmd.step = attempt;
-    cmd.total_shards = shards;
-    cmd.first_shard = r.a;
-    cmd.end_shard = r.b;
-    cmd.shard_size = ss;
-    cmd.samples = samples;
-    cmd.first_sample = 0;
+    auto cmd = sums.backward(r.a, r.b, true);
     try {
       m.st->backward(cmd, out);
     } catch (const std::exception& ex) {
@@ -189,14 +154,7 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   }
 
   impl& s;
-  const batch& samples;
-  const std::uint64_t n, ss, shards;
-  reduction red = reduction::fast;
-  std::uint64_t attempt = 0;
-  std::vector<double> losses;
-  std::map<std::uint64_t, at::Tensor> partials;
-  std::map<node_key, at::Tensor> blocks;
-  train_msg update;
+  step_sums sums;
   train_msg* answer = nullptr;
   std::map<std::uint64_t, request> requests;
   std::map<std::string, std::size_t> started;  ///< shards each node began in this step
@@ -222,7 +180,7 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
   steps += 1;
   shell io{*this, samples};
   note(std::string{local ? "local step " : "step "} + std::to_string(steps) + ": " +
-       std::to_string(n) + " samples, " + std::to_string(io.shards) + " shards, " +
+       std::to_string(n) + " samples, " + std::to_string(io.sums.shards) + " shards, " +
        std::to_string(alive().size()) + " replicas");
   train_core::train_coordinator::step_input in;
   in.samples = n;
@@ -250,23 +208,13 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
   }
   for (std::size_t i = 0; i < members.size(); ++i) members[i].rate = coordinator.replicas()[i].rate;
   stats.recomputed_shards += coordinator.step_counts().recomputed_shards;
-  using end = train_core::train_coordinator::end;
   auto& out = coordinator.result();
-  switch (out.e) {
-    case end::done:
-    case end::apply_failed:
-      break;
-    case end::no_replica:
-      throw node_error("no replica left: every one was lost or removed");
-    case end::every_replica_lost:
-      throw node_error("every replica was lost during the step");
-    case end::backward_failed: {
-      auto& [what, sample] = io.failures.at(out.id);
-      throw work_error("replica::backward threw on " + name(out.who) + ": " + what, sample,
-                       name(out.who));
-    }
-    default:
-      throw protocol_error(out.what);
+  throw_if_lost(out);
+  using end = train_core::train_coordinator::end;
+  if (out.e == end::backward_failed) {
+    auto& [what, sample] = io.failures.at(out.id);
+    throw work_error("replica::backward threw on " + name(out.who) + ": " + what, sample,
+                     name(out.who));
   }
   // Faults at a shard the node did not reach in this step happen right after it.
   for (std::size_t f = 0; f < faults.size(); ++f) {
@@ -290,17 +238,10 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
       }
     }
   }
-  if (out.e == end::apply_failed)
-    throw work_error(
-        "replica::step() threw on " + name(out.who) +
-            " (that replica is dropped; the others have stepped): " + io.failures.at(out.id).first,
-        0, name(out.who));
+  if (out.e == end::apply_failed) throw apply_failed(name(out.who), io.failures.at(out.id).first);
   stats.steps += 1;
-  stats.shards += io.shards;
-  double sum = 0;
-  for (auto l : io.losses) sum += l;
-  auto lost = coordinator.step_counts().lost_samples;
-  auto mean = sum / static_cast<double>(n > lost ? n - lost : 1);
+  stats.shards += io.sums.shards;
+  auto mean = io.sums.mean_loss(coordinator.step_counts().lost_samples);
   std::ostringstream line;
   line << "step " << steps << " applied on " << alive().size() << " replicas, loss "
        << std::setprecision(6) << mean;

@@ -4,6 +4,7 @@
 // actors' deaths and the clock passing replica_timeout come back to it as events.
 #include "ring_plane.hpp"
 #include "train_impl.hpp"
+#include "train_sums.hpp"
 #include "troupe/detail/network.hpp"
 
 namespace troupe::detail {
@@ -26,56 +27,19 @@ ns now_ns() {
 
 /// One step's commands carried to the replicas' actors, and what their answers hold.
 struct trainer::impl::step_shell final : train_core::train_io {
-  step_shell(impl& t, const batch& samples)
-      : t(t),
-        samples(samples),
-        n(samples.size()),
-        ss(t.o.shard_size),
-        shards((n + ss - 1) / ss),
-        losses(shards, 0.0) {}
+  step_shell(impl& t, const batch& samples) : t(t), sums(t.next_id, samples, t.o.shard_size) {}
 
-  std::uint64_t begin_attempt(reduce_mode m) override {
-    red = static_cast<reduction>(m);
-    attempt = t.next_id++;
-    std::fill(losses.begin(), losses.end(), 0.0);
-    partials.clear();
-    blocks.clear();
-    return attempt;
-  }
+  std::uint64_t begin_attempt(reduce_mode m) override { return sums.begin(m); }
 
   std::uint64_t backward(std::size_t who, std::uint64_t a, std::uint64_t b) override {
-    train_msg msg;
-    msg.code = static_cast<std::uint8_t>(op::backward);
-    msg.mode = static_cast<std::uint8_t>(red);
-    msg.step = attempt;
-    msg.total_shards = shards;
-    msg.first_shard = a;
-    msg.end_shard = b;
-    msg.shard_size = ss;
-    if (t.members[who].d.is_local()) {  // shared, not copied
-      msg.samples = samples;
-      msg.first_sample = 0;
-    } else {
-      auto from = a * ss;
-      msg.samples = samples.slice(from, std::min(n, b * ss));
-      msg.first_sample = from;
-    }
-    return t.send(who, std::move(msg));
+    return t.send(who, sums.backward(a, b, t.members[who].d.is_local()));
   }
 
   void take(std::uint64_t, const train_core::share& x) override {
-    auto& msg = *answer;
     auto& st = t.members[x.who].st;
     st.shards += x.b - x.a;
-    st.busy_seconds += static_cast<double>(msg.busy_ns) * 1e-9;
-    for (std::uint64_t s = x.a; s < x.b && s - x.a < msg.losses.size(); ++s)
-      losses[s] = msg.losses[s - x.a];
-    if (red == reduction::fast) {
-      if (msg.tensors.size() == 1) partials[x.a] = msg.tensors[0];
-    } else if (red == reduction::deterministic) {
-      for (std::size_t k = 0; k < msg.tensors.size() && 2 * k + 1 < msg.nodes.size(); ++k)
-        blocks[{static_cast<int>(msg.nodes[2 * k]), msg.nodes[2 * k + 1]}] = msg.tensors[k];
-    }
+    st.busy_seconds += static_cast<double>(answer->busy_ns) * 1e-9;
+    sums.take(*answer, x);
   }
 
   std::vector<std::uint64_t> ring(const std::vector<std::size_t>& ring, bool plane) override {
@@ -95,26 +59,17 @@ struct trainer::impl::step_shell final : train_core::train_io {
         data = host + ":" + std::to_string(right.data_port);
       }
       auto reply = t.next_id++;
-      (*t.self)->send(me.a, ring_atom::value, reply, id, attempt, static_cast<std::uint32_t>(k),
-                      static_cast<std::uint32_t>(ring.size()), right.a, address, data, key);
+      (*t.self)->send(me.a, ring_atom::value, reply, id, sums.attempt,
+                      static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(ring.size()),
+                      right.a, address, data, key);
       ids.push_back(reply);
     }
     return ids;
   }
 
-  void reduce() override {
-    update.tensors.push_back(red == reduction::fast
-                                 ? sum_partials(partials)
-                                 : tree_combine(tree_top(shards), 0, shards, blocks));
-  }
+  void reduce() override { sums.reduce(); }
 
-  std::uint64_t apply(std::size_t who) override {
-    update.code = static_cast<std::uint8_t>(op::apply);
-    update.mode = static_cast<std::uint8_t>(red);
-    // Summed (by the coordinator, or in the ring on every replica): the mean over the batch.
-    if (red != reduction::local) update.divisor = static_cast<double>(n);
-    return t.send(who, update);
-  }
+  std::uint64_t apply(std::size_t who) override { return t.send(who, sums.update_msg()); }
 
   void drop(std::size_t who, bool abandon) override { t.drop(who, abandon); }
 
@@ -123,14 +78,7 @@ struct trainer::impl::step_shell final : train_core::train_io {
   }
 
   impl& t;
-  const batch& samples;
-  const std::uint64_t n, ss, shards;
-  reduction red = reduction::fast;
-  std::uint64_t attempt = 0;
-  std::vector<double> losses;
-  std::map<std::uint64_t, at::Tensor> partials;  // fast: by first shard
-  std::map<node_key, at::Tensor> blocks;         // deterministic
-  train_msg update;
+  step_sums sums;
   train_msg* answer = nullptr;                     ///< the answer handed to the coordinator
   std::map<std::uint64_t, chunk_result> failures;  ///< failed answers, by request
 };
@@ -163,18 +111,7 @@ double trainer::impl::step(const batch& samples, mode m) {
   c.begin(in, std::move(replicas), now_ns(), shell);
   while (!c.finished()) {
     auto on_result = [&](chunk_result& r) {
-      train_msg msg;
-      if (r.ok()) {
-        try {
-          auto joined = bulk::resolve(r.outputs);
-          auto* b = joined.as<train_msg>();
-          if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
-          msg = std::move(b->items[0]);
-        } catch (const std::exception& e) {
-          r.code = errc::protocol_error;
-          r.what = e.what();
-        }
-      }
+      auto msg = answer_of(r);
       if (!r.ok()) shell.failures.emplace(r.run, r);
       shell.answer = &msg;
       c.answered(r.run, r.ok(), static_cast<double>(msg.busy_ns) * 1e-9, now_ns());
@@ -203,33 +140,16 @@ double trainer::impl::step(const batch& samples, mode m) {
   stats.ring_reductions += counts.ring_reductions;
   stats.direct_ring_reductions += counts.direct_ring_reductions;
   stats.reduce_seconds += std::chrono::duration<double>(counts.reduce).count();
-  using end = train_core::train_coordinator::end;
   auto& out = c.result();
-  switch (out.e) {
-    case end::done:
-      break;
-    case end::no_replica:
-      throw node_error("no replica left: every one was lost or removed");
-    case end::every_replica_lost:
-      throw node_error("every replica was lost during the step");
-    case end::backward_failed:
-      raise(shell.failures.at(out.id), out.who);
-    case end::apply_failed:
-      throw work_error("replica::step() threw on " + members[out.who].d.str() +
-                           " (that replica is dropped; the others have stepped): " +
-                           shell.failures.at(out.id).what,
-                       0, members[out.who].d.str());
-    default:
-      throw protocol_error(out.what);
-  }
+  throw_if_lost(out);
+  using end = train_core::train_coordinator::end;
+  if (out.e == end::backward_failed) raise(shell.failures.at(out.id), out.who);
+  if (out.e == end::apply_failed)
+    throw apply_failed(members[out.who].d.str(), shell.failures.at(out.id).what);
   stats.steps += 1;
-  stats.shards += shell.shards;
+  stats.shards += shell.sums.shards;
   stats.step_seconds += std::chrono::duration<double>(clock::now() - started).count();
-  double sum = 0;
-  for (auto l : shell.losses) sum += l;
-  auto n = samples.size();
-  auto counted = n > counts.lost_samples ? n - counts.lost_samples : 1;
-  return sum / static_cast<double>(counted);
+  return shell.sums.mean_loss(counts.lost_samples);
 }
 
 }  // namespace troupe::detail

@@ -3,11 +3,15 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "troupe/log.hpp"
 #include "troupe/node.hpp"
 
 namespace troupe::detail {
@@ -22,6 +26,93 @@ class cluster_follower {
   virtual void on_event(const membership_event& e) = 0;
   /// Whether draining `node` would leave this runner without producers.
   [[nodiscard]] virtual bool needs(const std::string& node) const = 0;
+};
+
+/// A follower registered before its target (a runner, a data_parallel) exists, so that no
+/// change between the cluster's snapshot and the target's start is missed: the changes it hears
+/// until attach() are kept and applied then. detach() (the target going) waits for a change
+/// under way in the target; none reaches it afterwards. needs() is not waited for by changes.
+template <class Target>
+class attached_follower : public cluster_follower {
+ public:
+  void on_event(const membership_event& e) final {
+    Target* t = nullptr;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (!attached_) {
+        pending_.push_back(e);
+        return;
+      }
+      if (target_ == nullptr) return;
+      t = target_;
+      busy_ += 1;
+    }
+    in_use done{this};
+    apply(*t, e);
+  }
+
+  [[nodiscard]] bool needs(const std::string& node) const final {
+    Target* t = nullptr;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (target_ == nullptr) return false;
+      t = target_;
+      busy_ += 1;
+    }
+    in_use done{this};
+    return only_on(*t, node);
+  }
+
+  /// The target exists: the changes kept so far are applied (a failure is logged).
+  void attach(Target* t) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    target_ = t;
+    attached_ = true;
+    for (auto& e : pending_) {
+      try {
+        apply(*t, e);
+      } catch (const std::exception& x) {
+        log(log_level::warn, name() + " could not act on its cluster's " + to_string(e.what) +
+                                 " of " + e.node + ": " + x.what());
+      }
+    }
+    pending_.clear();
+  }
+
+  /// The target goes: no change reaches it afterwards (waits for one being applied).
+  void detach() noexcept {
+    std::unique_lock<std::mutex> lock{mtx_};
+    target_ = nullptr;
+    attached_ = true;
+    pending_.clear();
+    idle_.wait(lock, [this] { return busy_ == 0; });
+  }
+
+ protected:
+  /// Acts on `e` (may throw: the cluster logs it; cluster::add rethrows the first).
+  virtual void apply(Target& t, const membership_event& e) const = 0;
+  /// Whether draining `node` would leave `t` without producers (or replicas).
+  virtual bool only_on(Target& t, const std::string& node) const = 0;
+  /// How a warning names the target ("a runner following its cluster").
+  [[nodiscard]] virtual std::string name() const = 0;
+
+ private:
+  /// A change (or needs()) under way in the target: detach() waits for its end.
+  struct in_use {
+    const attached_follower* f;
+    ~in_use() {
+      std::lock_guard<std::mutex> guard{f->mtx_};
+      f->busy_ -= 1;
+      f->idle_.notify_all();
+    }
+  };
+
+  mutable std::mutex mtx_;
+  mutable std::condition_variable idle_;
+  mutable std::size_t busy_ = 0;  ///< changes (and needs()) running in the target now
+  Target* target_ = nullptr;
+  bool attached_ = false;
+  std::vector<membership_event> pending_;
 };
 
 class cluster_state;
