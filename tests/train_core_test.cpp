@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "../torch/src/ring_schedule.hpp"
 #include "../torch/src/train_coordinator.hpp"
 
 namespace tc = troupe::detail::train_core;
@@ -214,6 +215,56 @@ TEST(TrainCore, TheTransportPolicyFallsBackAndPausesLateRings) {
   // A ring that fails while every replica answers: no route among them, rings off for good.
   EXPECT_EQ(t.ended(ring_end::failed, step), decision::rings_off);
   EXPECT_FALSE(t.ring(step + 1000, 2, big, true));
+}
+
+// -- the ring all-reduce's schedule (ring_schedule.hpp), shared by both transports -------------
+
+TEST(TrainCore, TheRingScheduleLeavesEveryMemberWithTheSameSumOfEveryChunk) {
+  namespace rp = troupe::detail::ring_plane;
+  for (std::uint32_t n = 2; n <= 9; ++n) {
+    // value[m][k]: member m's chunk k, as an expression of the members' own chunks.
+    std::vector<std::vector<expr>> value(n, std::vector<expr>(n));
+    for (std::uint32_t m = 0; m < n; ++m)
+      for (std::uint32_t k = 0; k < n; ++k) value[m][k] = leaf_expr(m);
+    const auto hops = rp::schedule{n, 0}.hops();
+    for (std::uint32_t h = 0; h < hops; ++h) {
+      // Every member sends at once what it holds after the last hop.
+      std::vector<std::pair<std::uint32_t, expr>> out(n);
+      for (std::uint32_t m = 0; m < n; ++m) {
+        auto k = rp::schedule{n, m}.sent(h);
+        out[m] = {k, value[m][k]};
+      }
+      for (std::uint32_t m = 0; m < n; ++m) {
+        const rp::schedule plan{n, m};
+        auto& [k, v] = out[(m + n - 1) % n];  // from the left
+        ASSERT_EQ(plan.received(h), k) << n << " members, hop " << h << ", member " << m;
+        value[m][k] = plan.adds(h) ? add_expr(value[m][k], v) : v;
+      }
+    }
+    for (std::uint32_t k = 0; k < n; ++k) {
+      // Summed in ring order from member k: ((x_k + x_k+1) + x_k+2) ...
+      auto want = leaf_expr(k);
+      for (std::uint32_t j = 1; j < n; ++j) want = add_expr(leaf_expr((k + j) % n), want);
+      for (std::uint32_t m = 0; m < n; ++m) {
+        EXPECT_EQ(value[m][k].text, want.text) << n << " members, chunk " << k << ", member " << m;
+        for (std::uint32_t x = 0; x < n; ++x) EXPECT_EQ(value[m][k].shards.count(x), 1u);
+      }
+    }
+    // Pieces and chunks cover a buffer exactly, in order.
+    for (std::int64_t numel : {0, 1, 7, 1000}) {
+      for (std::uint32_t pieces : {1u, 3u, 8u}) {
+        std::int64_t at = 0;
+        for (std::uint32_t p = 0; p < pieces; ++p)
+          for (std::uint32_t k = 0; k < n; ++k) {
+            auto [b, e] = rp::chunk_range(numel, pieces, n, p, k);
+            EXPECT_EQ(b, at);
+            EXPECT_LE(b, e);
+            at = e;
+          }
+        EXPECT_EQ(at, numel);
+      }
+    }
+  }
 }
 
 // -- property tests: the production coordinator (train_coordinator.hpp) under random schedules ---

@@ -223,13 +223,8 @@ void run::loop() {
   auto* base = static_cast<unsigned char*>(s_.buf.data_ptr());
   const std::size_t messages = std::size_t{2} * (n - 1) * pieces;  // each way, hop-major
 
-  // Which chunk a hop carries: hop 0 sends this replica's own chunk `pos`; hop h > 0 passes on
-  // what hop h - 1 brought. Reduce-scatter hops (h < n - 1) are added in, all-gather ones copied.
-  auto recv_chunk = [&](std::uint32_t h) -> std::uint32_t {
-    if (h < n - 1) return (pos + 2 * n - h - 1) % n;
-    return (pos + 2 * n - (h - (n - 1))) % n;
-  };
-  auto send_chunk = [&](std::uint32_t h) { return h == 0 ? pos : recv_chunk(h - 1); };
+  // Which chunk a hop carries, added in or copied (ring_schedule.hpp).
+  const schedule plan{n, pos};
   auto bytes_of = [&](std::uint32_t piece, std::uint32_t k) {
     auto [b, e] = chunk_range(numel, pieces, n, piece, k);
     return std::pair<unsigned char*, std::size_t>{base + b * esize,
@@ -386,7 +381,7 @@ void run::loop() {
         moved = true;
       }
       while (hello_sent == hello_size && sendable()) {
-        auto [p, len] = bytes_of(piece_of(sent), send_chunk(hop_of(sent)));
+        auto [p, len] = bytes_of(piece_of(sent), plan.sent(hop_of(sent)));
         if (len > send_off) {
           auto w = ::send(out.fd, p + send_off, len - send_off, MSG_NOSIGNAL);
           if (w < 0) {
@@ -407,8 +402,8 @@ void run::loop() {
     if (in.fd >= 0 && (fds[2].revents & (POLLIN | POLLERR | POLLHUP))) {
       while (recvd < messages) {
         auto h = hop_of(recvd);
-        auto [p, len] = bytes_of(piece_of(recvd), recv_chunk(h));
-        auto* into = h < n - 1 ? scratch : p;
+        auto [p, len] = bytes_of(piece_of(recvd), plan.received(h));
+        auto* into = plan.adds(h) ? scratch : p;
         if (len > recv_off) {
           auto r = ::recv(in.fd, into + recv_off, len - recv_off, 0);
           if (r == 0) throw std::runtime_error("the previous replica closed its connection");
@@ -421,9 +416,7 @@ void run::loop() {
           moved = true;
         }
         if (recv_off < len) continue;
-        if (h < n - 1 && len > 0) {
-          add_into(p, scratch, len);
-        }
+        if (plan.adds(h) && len > 0) add_into(p, scratch, len);
         ++recvd;
         recv_off = 0;
       }

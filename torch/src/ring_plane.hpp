@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "ring_schedule.hpp"
+
 namespace troupe::detail::ring_plane {
 
 /// A ring's secret: 16 random bytes that the coordinator sends each member over the actors'
@@ -29,12 +31,6 @@ key random_key();
 std::string to_hex(const key& k);
 /// Throws std::invalid_argument unless `s` is 32 hex digits.
 key from_hex(const std::string& s);
-
-/// Elements [first, second) of chunk `k` (of `n`) of piece `piece` (of `pieces`) of a buffer
-/// of `numel` elements: the slicing both transports use.
-std::pair<std::int64_t, std::int64_t> chunk_range(std::int64_t numel, std::uint32_t pieces,
-                                                  std::uint32_t n, std::uint32_t piece,
-                                                  std::uint32_t k);
 
 /// A replica's listening socket for its left neighbour's connection, on the host its node
 /// serves on (port chosen by the system). Closed on destruction. Its runs (one at a time) accept

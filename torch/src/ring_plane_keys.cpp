@@ -1,5 +1,4 @@
-// The ring all-reduce's data plane (ring_plane.hpp): rings' keys, the chunks' slicing (shared
-// with the path through CAF) and the tests' switches.
+// The ring all-reduce's data plane (ring_plane.hpp): rings' keys and the tests' switches.
 #include <random>
 #include <stdexcept>
 
@@ -48,14 +47,6 @@ key from_hex(const std::string& s) {
   for (std::size_t i = 0; i < k.size(); ++i)
     k[i] = static_cast<std::uint8_t>(digit(s[2 * i]) * 16 + digit(s[2 * i + 1]));
   return k;
-}
-
-std::pair<std::int64_t, std::int64_t> chunk_range(std::int64_t numel, std::uint32_t pieces,
-                                                  std::uint32_t n, std::uint32_t piece,
-                                                  std::uint32_t k) {
-  auto pb = numel * piece / pieces, pe = numel * (piece + 1) / pieces;
-  auto len = pe - pb;
-  return {pb + len * k / n, pb + len * (k + 1) / n};
 }
 
 }  // namespace troupe::detail::ring_plane

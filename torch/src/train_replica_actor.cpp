@@ -46,24 +46,17 @@ void replica_state::ring_send(caf::event_based_actor* self, std::uint32_t piece,
 
 bool replica_state::ring_take(caf::event_based_actor* self, std::uint32_t piece,
                               const at::Tensor& t) {
-  const auto n = ring.n, h = ring.hops[piece];
-  if (h < n - 1) {  // reduce-scatter: add, pass on (the last one starts the all-gather)
-    auto k = (ring.pos + 2 * n - h - 1) % n;
-    auto c = chunk(piece, k);
-    if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
-    c.add_(t.to(c.device(), c.scalar_type()));
-    ++ring.hops[piece];
-    ring_send(self, piece, h + 1, k);
-  } else {  // all-gather: copy, pass on
-    auto g = h - (n - 1);
-    auto k = (ring.pos + 2 * n - g) % n;
-    auto c = chunk(piece, k);
-    if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
-    c.copy_(t);
-    ++ring.hops[piece];
-    if (g + 1 < n - 1) ring_send(self, piece, h + 1, k);
-  }
-  if (ring.hops[piece] == 2 * (n - 1)) ++ring.done;
+  const ring_plane::schedule plan{ring.n, ring.pos};
+  const auto h = ring.hops[piece];
+  auto c = chunk(piece, plan.received(h));
+  if (t.numel() != c.numel()) throw protocol_error("a ring chunk of the wrong size");
+  if (plan.adds(h))
+    c.add_(t.to(c.device(), c.scalar_type()));  // reduce-scatter
+  else
+    c.copy_(t);  // all-gather
+  ++ring.hops[piece];
+  if (plan.passes_on(h)) ring_send(self, piece, h + 1, plan.sent(h + 1));
+  if (ring.hops[piece] == plan.hops()) ++ring.done;
   return ring.done == ring.pieces;
 }
 
