@@ -1207,6 +1207,73 @@ TEST(SimulatedTraining, LocalStepsAveragingAndAStepAfterThemEqualDataParallelBit
   EXPECT_EQ(dp.stats().recomputed_shards, 0u) << dp.trace();  // a local step recomputes nothing
 }
 
+/// The node processes of these tests (examples/train) run one LibTorch intra-op thread; a
+/// matrix product splits its sums by the thread count, so the same bits here (the simulation
+/// runs its replicas on this thread) need one thread too, for the test's length.
+struct one_intra_op_thread {
+  int before = at::get_num_threads();
+  one_intra_op_thread() { at::set_num_threads(1); }
+  ~one_intra_op_thread() { at::set_num_threads(before); }
+  one_intra_op_thread(const one_intra_op_thread&) = delete;
+  one_intra_op_thread& operator=(const one_intra_op_thread&) = delete;
+};
+
+TEST(SimulatedTraining, ARingOfThreeNodesGivesTheRealRingsBits) {
+  // A 4.2 MiB gradient, fast mode, replicas on nodes: each step is all-reduced in a ring, whose
+  // chunks are summed in ring order from a different member each (not the coordinator's order).
+  // One shard per replica (a split that no measured speed changes): the simulated ring, run
+  // with the real ring's schedule, gives the bits of three node processes' ring.
+  one_intra_op_thread threads;
+  auto batches = make_batches(3, 48);
+  auto cfg = ring_cfg();
+  node_process a, b, c;
+  dp_t real{{a.device(), b.device(), c.device()}, cfg, opts(16, false)};
+  troupe::testing::simulation sim{1};
+  sim.nodes({"a:1", "b:1", "c:1"}, troupe::cpus(1));
+  auto simulated = sim.data_parallel<example::classifier>(sim.devices(), cfg, opts(16, false));
+  for (auto& batch : batches) EXPECT_EQ(real.step(batch), simulated.step(batch));
+  EXPECT_EQ(real.stats().ring_reductions, 3u);
+  EXPECT_EQ(simulated.stats().ring_reductions, 3u) << simulated.trace();
+  EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())));
+  // Not the coordinator's sum: the same steps through the coordinator differ in their last bits.
+  dp_t summed{{"cpu", "cpu", "cpu"}, cfg, opts(16, false)};
+  for (auto& batch : batches) summed.step(batch);
+  EXPECT_EQ(summed.stats().ring_reductions, 0u);
+  EXPECT_FALSE(same_bits(flat(summed.parameters()), flat(real.parameters())));
+}
+
+TEST(SimulatedTraining, ARingMemberKilledMidRingEqualsTheRealRun) {
+  // Two nodes, two shards a step, rings; one node killed in the ring of step 3: the step is
+  // computed again by the survivor alone, and the run goes on with it. The real run: the node
+  // process SIGKILLed during the steps, at several moments.
+  one_intra_op_thread threads;
+  auto batches = make_batches(6, 48);
+  auto cfg = ring_cfg();
+  troupe::testing::simulation sim{2};
+  sim.nodes({"a:1", "b:1"}, troupe::cpus(1));
+  sim.at_step(3).in_ring().kill("b:1");
+  auto simulated = sim.data_parallel<example::classifier>(sim.devices(), cfg, opts(24, false));
+  for (auto& batch : batches) simulated.step(batch);
+  auto trace = simulated.trace();
+  EXPECT_NE(trace.find("lose b:1/cpu: killed in the ring all-reduce"), std::string::npos) << trace;
+  EXPECT_EQ(simulated.stats().lost_replicas, 1u);
+  EXPECT_EQ(simulated.stats().ring_reductions, 2u);    // steps 1 and 2
+  EXPECT_EQ(simulated.stats().recomputed_shards, 2u);  // step 3, whole, by the survivor
+  EXPECT_EQ(simulated.devices().size(), 1u);
+  for (int delay_ms : {20, 60}) {
+    node_process a, b;
+    dp_t real{{a.device(), b.device()}, cfg, opts(24, false)};
+    real.step(batches[0]);
+    auto killer = signal_after(b, SIGKILL, delay_ms);
+    for (std::size_t i = 1; i < batches.size(); ++i) real.step(batches[i]);
+    killer.join();
+    EXPECT_EQ(real.stats().lost_replicas, 1u);
+    EXPECT_GE(real.stats().ring_reductions, 1u);
+    EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())))
+        << "killed " << delay_ms << " ms into step 2";
+  }
+}
+
 TEST(SimulatedTraining, FaultsPastANodesShardsHappenAfterTheStepAndShortFreezesOnlyDelay) {
   auto batches = make_batches(4, 32);  // 4 shards of 8 a step
   auto run = [&](auto&& script) {

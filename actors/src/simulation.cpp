@@ -62,10 +62,14 @@ step_fault_at step_fault_at::at_shard(std::size_t n) const {
   return step_fault_at{to_, nodes_, step_, n};
 }
 
+step_fault_at step_fault_at::in_ring() const {
+  return step_fault_at{to_, nodes_, step_, 0, true};
+}
+
 void step_fault_at::add(step_fault::kind_t kind, const std::string& node, double value) {
   if (std::find(nodes_.begin(), nodes_.end(), node) == nodes_.end())
     throw invalid_argument("simulation: no node \"" + node + "\"");
-  to_->push_back(step_fault{step_, shard_, kind, node, value});
+  to_->push_back(step_fault{step_, shard_, kind, node, value, ring_});
 }
 
 void step_fault_at::kill(const std::string& node) {

@@ -37,7 +37,7 @@ struct sim_trainer::impl {
     std::uint64_t seq;
     /// An answer; an update applied; a replica lost (silent past the heartbeats' limit); or its
     /// node killed (every replica on that node is lost with it).
-    enum kind_t { answer, apply, lose_replica, kill_node } kind;
+    enum kind_t { answer, apply, ring_answer, lose_replica, kill_node } kind;
     std::uint64_t id;
     std::size_t who;
     std::string why;
@@ -52,6 +52,7 @@ struct sim_trainer::impl {
   ns cost{0}, now{0};
   double jitter = 0;
   ns idle_timeout = network_limits().idle_timeout;
+  std::uint64_t grad_bytes = 0;  ///< of one replica's flat gradient (from its init)
   std::ostringstream log;
   train_stats stats;
   std::uint64_t steps = 0, next_id = 1, seq = 0;

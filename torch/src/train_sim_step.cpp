@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <queue>
 
+#include "ring_schedule.hpp"
 #include "train_sim_impl.hpp"
 #include "train_sums.hpp"
 
@@ -88,8 +89,77 @@ struct sim_trainer::impl::shell final : train_core::train_io {
            s.name(x.who));
   }
 
-  std::vector<std::uint64_t> ring(const std::vector<std::size_t>&, bool) override {
-    throw protocol_error("internal: the simulation does not simulate rings");
+  /// A ring all-reduce among `members`: 1 ns per byte each member sends (2 (n - 1) / n of the
+  /// gradient), its faults (in_ring) halfway through. Reduced when its first answer arrives
+  /// with every member alive, with the arithmetic of the real ring (ring_schedule.hpp).
+  std::vector<std::uint64_t> ring(const std::vector<std::size_t>& members, bool) override {
+    ring_members = members;
+    ring_attempt = sums.attempt;
+    ring_reduced = false;
+    const auto n = static_cast<double>(members.size());
+    auto took = ns{static_cast<ns::rep>(2 * (n - 1) / n * static_cast<double>(s.grad_bytes))};
+    s.note("ring all-reduce among " + std::to_string(members.size()) + " replicas");
+    ns frozen{0};
+    for (std::size_t f = 0; f < s.faults.size(); ++f) {
+      auto& x = s.faults[f];
+      if (s.fired[f] || !x.in_ring || x.step != s.steps || x.kind == testing::step_fault::slow)
+        continue;
+      for (auto who : members) {
+        if (s.members[who].d.node() != x.node) continue;
+        s.fired[f] = true;
+        if (x.kind == testing::step_fault::kill) {
+          push(s.now + took / 2, event::kill_node, 0, who, "killed in the ring all-reduce");
+        } else {
+          auto d = ns{static_cast<ns::rep>(x.value)};
+          frozen += d;  // every member waits for the frozen one
+          if (d >= s.idle_timeout)
+            push(s.now + took / 2 + s.idle_timeout, event::lose_replica, 0, who,
+                 "silent for limits::idle_timeout (frozen in the ring)");
+        }
+        break;
+      }
+    }
+    std::vector<std::uint64_t> ids;
+    for (auto who : members) {
+      ids.push_back(s.next_id++);
+      push(s.now + took + frozen, event::ring_answer, ids.back(), who, {});
+    }
+    return ids;
+  }
+
+  /// The ring's sum on every member, chunk by chunk in ring order (as ring_take and the data
+  /// plane add them), where the real ring leaves it (replica_state::ring).
+  void reduce_ring() {
+    const auto n = static_cast<std::uint32_t>(ring_members.size());
+    std::vector<at::Tensor> parts;
+    for (auto who : ring_members) {
+      auto& st = *s.members[who].st;
+      if (st.partial_step != sums.attempt || !st.partial.defined()) {  // no shard came to it
+        st.partial = st.flat_buffer(&st.sum_buf).zero_();
+        st.partial_step = st.buf_step = sums.attempt;
+      }
+      parts.push_back(st.partial);
+    }
+    const auto numel = parts[0].numel();
+    const auto pieces =
+        replica_state::ring_pieces(numel * static_cast<std::int64_t>(parts[0].element_size()), n);
+    auto total = at::empty_like(parts[0]);
+    for (std::uint32_t p = 0; p < pieces; ++p)
+      for (std::uint32_t k = 0; k < n; ++k) {
+        auto [b, e] = ring_plane::chunk_range(numel, pieces, n, p, k);
+        auto sum = parts[k].slice(0, b, e).clone();  // chunk k starts at member k
+        for (std::uint32_t j = 1; j < n; ++j) sum = parts[(k + j) % n].slice(0, b, e).add(sum);
+        total.slice(0, b, e).copy_(sum);
+      }
+    for (auto who : ring_members) {
+      auto& st = *s.members[who].st;
+      st.partial.copy_(total);
+      st.ring = replica_state::ring_run{};
+      st.ring.buf = st.partial;
+      st.ring.n = n;
+      st.ring.pieces = st.ring.done = pieces;
+    }
+    ring_reduced = true;
   }
 
   void reduce() override { sums.reduce(); }
@@ -126,6 +196,12 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     }
     train_msg out;
     bool ok = true;
+    if (e.kind == event::ring_answer) {
+      bool whole = ring_attempt == sums.attempt;  // not given up on for a new attempt
+      for (auto who : ring_members) whole = whole && s.members[who].alive;
+      if (whole && !ring_reduced) reduce_ring();
+      return c.answered(e.id, true, 0, s.now);
+    }
     if (e.kind == event::apply) {
       try {
         m.st->apply(sums.update_msg());
@@ -157,6 +233,9 @@ struct sim_trainer::impl::shell final : train_core::train_io {
   step_sums sums;
   train_msg* answer = nullptr;
   std::map<std::uint64_t, request> requests;
+  std::vector<std::size_t> ring_members;  ///< the last ring's, in ring order
+  std::uint64_t ring_attempt = 0;         ///< the attempt it reduces
+  bool ring_reduced = false;
   std::map<std::string, std::size_t> started;  ///< shards each node began in this step
   std::priority_queue<event, std::vector<event>, std::greater<>> events;
   /// Failed answers by request: what the replica threw, and at which sample.
@@ -188,9 +267,11 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
   in.local = local;
   in.deterministic = o.deterministic;
   in.steps_done = stats.steps;
-  in.grad_bytes = 0;  // rings are not simulated
+  in.grad_bytes = grad_bytes;
+  // Replicas on simulated nodes: rings when the gradient is large enough (through CAF's path:
+  // simulated nodes have no data port).
   std::vector<train_core::replica_info> infos;
-  for (auto& m : members) infos.push_back(train_core::replica_info{m.alive, true, false, m.rate});
+  for (auto& m : members) infos.push_back(train_core::replica_info{m.alive, false, false, m.rate});
   coordinator.begin(in, std::move(infos), now, io);
   while (!coordinator.finished()) {
     auto due = coordinator.deadline();
@@ -208,6 +289,7 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
   }
   for (std::size_t i = 0; i < members.size(); ++i) members[i].rate = coordinator.replicas()[i].rate;
   stats.recomputed_shards += coordinator.step_counts().recomputed_shards;
+  stats.ring_reductions += coordinator.step_counts().ring_reductions;
   auto& out = coordinator.result();
   throw_if_lost(out);
   using end = train_core::train_coordinator::end;

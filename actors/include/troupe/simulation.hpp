@@ -91,6 +91,9 @@ struct step_fault {
   kind_t kind = kill;
   std::string node;
   double value = 0;  ///< freeze: nanoseconds; slow: the factor
+  /// In the step's ring all-reduce, halfway through (step_fault_at::in_ring); a step with no
+  /// ring has it right after the step.
+  bool in_ring = false;
 };
 
 /// A moment of a training fault script: `sim.at_step(3).at_shard(2).kill("a:1")`: the node dies
@@ -99,6 +102,9 @@ struct step_fault {
 class step_fault_at {
  public:
   [[nodiscard]] step_fault_at at_shard(std::size_t n) const;
+  /// Halfway through the step's ring all-reduce (replicas on nodes, gradients of 256 KiB or
+  /// more, fast mode); right after the step when it has no ring.
+  [[nodiscard]] step_fault_at in_ring() const;
   /// The node's process dies: its replicas are lost, their shards recomputed by the others.
   void kill(const std::string& node);
   /// The node stops answering for `d`: dropped once train_options::replica_timeout (or, without
@@ -110,12 +116,13 @@ class step_fault_at {
  private:
   friend class simulation;
   step_fault_at(std::shared_ptr<std::vector<step_fault>> to, std::vector<std::string> nodes,
-                std::size_t step, std::size_t shard)
-      : to_(std::move(to)), nodes_(std::move(nodes)), step_(step), shard_(shard) {}
+                std::size_t step, std::size_t shard, bool ring = false)
+      : to_(std::move(to)), nodes_(std::move(nodes)), step_(step), shard_(shard), ring_(ring) {}
   void add(step_fault::kind_t kind, const std::string& node, double value);
   std::shared_ptr<std::vector<step_fault>> to_;
   std::vector<std::string> nodes_;
   std::size_t step_, shard_;
+  bool ring_ = false;
 };
 
 template <class Job>
