@@ -14,9 +14,9 @@
 //   for (auto& b : batches) dp.step(b);
 //   EXPECT_TRUE(same_bits(dp.parameters(), no_fault));
 //
-// What is not simulated: rings among replicas (steps reduce through the coordinator), nodes
-// that join or come back, the network's own failures (a fault is a
-// node's), and time spent in the replica's code (virtual time is cost_per_item per sample).
+// Rings among replicas are simulated with the real ring's arithmetic (docs/api.md). What is not
+// simulated: nodes that join or come back, the network's own failures (a fault is a node's),
+// and time spent in the replica's code (virtual time is cost_per_item per sample).
 #pragma once
 
 #include <chrono>
