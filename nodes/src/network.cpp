@@ -165,6 +165,7 @@ void add_message_types(caf::actor_system_config& cfg) {
   cfg.add_message_type<consume_ack>("troupe.consume_ack");
   cfg.add_message_type<node_hello>("troupe.node_hello");
   cfg.add_message_type<spawn_producer>("troupe.spawn_producer");
+  cfg.add_message_type<ring_order>("troupe.ring_order");
 }
 
 }  // namespace detail

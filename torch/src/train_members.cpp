@@ -60,10 +60,9 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
     // of every process at once.
     for (auto& round : construction_rounds(fresh))
       for (auto& [who, msg] : everyone(round, init)) {
-        if (!msg.nodes.empty()) grad_bytes = msg.nodes[0];
-        members[who].data_port =
-            msg.nodes.size() > 1 ? static_cast<std::uint16_t>(msg.nodes[1]) : 0;
-        members[who].carries_state = msg.nodes.size() < 3 || msg.nodes[2] != 0;
+        grad_bytes = msg.grad_bytes;
+        members[who].data_port = msg.data_port;
+        members[who].carries_state = msg.carries_state;
       }
   } catch (...) {
     // The replicas that started are idle: freed before the exception leaves (the one that

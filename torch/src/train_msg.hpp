@@ -28,7 +28,6 @@ enum class op : std::uint8_t {
   set_params,
   get_state,
   set_state,
-  ring_chunk,
 };
 /// fast: a partial sum per replica, summed by the coordinator; ring: partial sums kept by the
 /// replicas and all-reduced among them in a ring (replicas on nodes, large gradients);
@@ -37,9 +36,9 @@ enum class reduction : std::uint8_t { fast, deterministic, local, ring };
 
 /// One command to a replica, or its answer.
 struct train_msg {
-  std::uint8_t code = 0;   ///< op
-  std::uint8_t mode = 0;   ///< reduction (backward, apply)
-  std::uint64_t step = 0;  ///< the coordinator's id of this attempt at a step (backward)
+  std::uint8_t code = 0;      ///< op
+  std::uint8_t mode = 0;      ///< reduction (backward, apply)
+  std::uint64_t attempt = 0;  ///< backward: the coordinator's id of this attempt at a step
   std::uint64_t total_shards = 0;
   std::uint64_t first_shard = 0;
   std::uint64_t end_shard = 0;
@@ -52,13 +51,30 @@ struct train_msg {
   std::string text;                  ///< the replica's device (init)
   std::int64_t busy_ns = 0;
   double divisor = 1;  ///< apply: the gradient is the sum divided by this (on the replica)
+  // The answer to init:
+  std::uint64_t grad_bytes = 0;  ///< of the replica's flat gradient
+  std::uint16_t data_port = 0;   ///< where its left ring neighbour connects; 0: through CAF
+  bool carries_state = true;     ///< its optimizer's state travels (optimizer() or save/load)
+};
+
+/// A piece of ring all-reduce data, to the right neighbour: hop `hop` of piece `piece` of ring
+/// `ring` (ring_schedule.hpp says which chunk it is). Sent as the one item of a work_chunk.
+struct ring_chunk {
+  std::uint64_t ring = 0;
+  std::uint32_t piece = 0, hop = 0;
+  at::Tensor data;
 };
 
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ring_chunk& x) {
+  return f(caf::meta::type_name("troupe.ring_chunk"), x.ring, x.piece, x.hop, x.data);
+}
+
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
-  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.step, x.total_shards,
+  return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.attempt, x.total_shards,
            x.first_shard, x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes,
-           x.losses, x.text, x.busy_ns, x.divisor);
+           x.losses, x.text, x.busy_ns, x.divisor, x.grad_bytes, x.data_port, x.carries_state);
 }
 
 // -- the fixed summation tree over shard indices (train_core.hpp), on tensors --------------------

@@ -73,10 +73,11 @@ void replica_state::init(train_msg& out) {
       log(log_level::warn, std::string{e.what()} + "; ring data goes through CAF");
     }
   }
-  // The third number: whether the replica's state beyond its parameters travels (the coordinator
-  // warns when one without it joins a run).
-  out.nodes = {numel * static_cast<std::uint64_t>(params[0].element_size()), port,
-               r->carries_state() ? 1u : 0u};
+  out.grad_bytes = numel * static_cast<std::uint64_t>(params[0].element_size());
+  out.data_port = static_cast<std::uint16_t>(port);
+  // Whether the replica's state beyond its parameters travels (the coordinator warns when one
+  // without it joins a run).
+  out.carries_state = r->carries_state();
 }
 
 // -- gradients as views of one flat tensor (train_replica.hpp) ------------------------------------
@@ -147,7 +148,7 @@ void replica_state::backward(const train_msg& m, train_msg& out) {
   auto start = clock::now();
   out.losses.assign(m.end_shard - m.first_shard, 0.0);
   auto mode = static_cast<reduction>(m.mode);
-  if (m.step != buf_step && m.step != partial_step) {
+  if (m.attempt != buf_step && m.attempt != partial_step) {
     // A new step (or the coordinator redoing one after a ring broke): whatever ring was under
     // way is given up, so that its late chunks cannot add into the buffers this step reuses.
     ring = ring_run{};
@@ -162,8 +163,8 @@ void replica_state::backward(const train_msg& m, train_msg& out) {
     // only in the next step's backward, which comes after that update.
     // A second request of the same step (shards of a lost replica) gets fresh tensors: the
     // coordinator may still hold the first answer's sum.
-    bool reuse = m.step != buf_step;
-    buf_step = m.step;
+    bool reuse = m.attempt != buf_step;
+    buf_step = m.attempt;
     at::Tensor acc;
     for (auto s = m.first_shard; s < m.end_shard; ++s) {
       if (acc.defined())
@@ -177,11 +178,11 @@ void replica_state::backward(const train_msg& m, train_msg& out) {
       local_grad = acc;
       local_divisor = static_cast<double>(n);
     } else if (mode == reduction::ring) {
-      if (partial_step == m.step && partial.defined()) {
+      if (partial_step == m.attempt && partial.defined()) {
         partial.add_(acc);
       } else {
         partial = acc;
-        partial_step = m.step;
+        partial_step = m.attempt;
         ring = ring_run{};  // a new step: whatever ring was under way is given up
         early.clear();
       }

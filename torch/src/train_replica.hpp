@@ -100,11 +100,7 @@ struct replica_state {
   bool ring_drain(caf::event_based_actor* self);
   chunk_result ring_done(chunk_result r);
   /// Starts a ring over this step's partial sum; an answer when it is over already (or failed).
-  std::optional<chunk_result> ring_start(caf::event_based_actor* self, std::uint64_t reply_id,
-                                         std::uint64_t id, std::uint64_t step, std::uint32_t pos,
-                                         std::uint32_t n, const caf::actor& right,
-                                         const std::string& address, const std::string& data,
-                                         const std::string& key);
+  std::optional<chunk_result> ring_start(caf::event_based_actor* self, const ring_order& o);
   /// Runs the ring that ring_start set up over the data plane: the bytes move on the ring's
   /// thread, which tells this actor when it is over (plane_done).
   void plane_start(caf::event_based_actor* self, const std::string& data, const std::string& key);
@@ -114,7 +110,7 @@ struct replica_state {
                                          const std::string& what);
   /// A ring chunk from the left neighbour (no answer to it; the coordinator hears when the
   /// ring is over).
-  void ring_chunk(caf::event_based_actor* self, const work_chunk& w, train_msg& m);
+  void take_chunk(caf::event_based_actor* self, const ring_chunk& c);
 
   /// A command (or a ring chunk); the answer, if it has one.
   std::optional<chunk_result> handle(caf::event_based_actor* self, const work_chunk& w);

@@ -15,7 +15,8 @@ namespace {
 using ring_io_atom = caf::atom_constant<caf::atom("tr_ringio")>;
 
 [[maybe_unused]] const bool train_msg_registered =
-    (register_batch_type<train_msg>("troupe.train_msg"), true);
+    (register_batch_type<train_msg>("troupe.train_msg"),
+     register_batch_type<ring_chunk>("troupe.ring_chunk"), true);
 
 }  // namespace
 
@@ -36,11 +37,9 @@ void replica_state::ring_send(caf::event_based_actor* self, std::uint32_t piece,
   // A neighbour in this process reads the chunk where it is: the kernels that wrote it must
   // have finished (on a GPU they are queued on this replica's stream).
   if (binding) binding->synchronize();
-  train_msg m;
-  m.code = static_cast<std::uint8_t>(op::ring_chunk);
-  m.first_shard = piece;
-  m.tensors.push_back(chunk(piece, k));
-  auto b = bulk::split_for(self, ring.right, batch::of(std::vector<train_msg>{std::move(m)}));
+  auto b = bulk::split_for(
+      self, ring.right,
+      batch::of(std::vector<ring_chunk>{ring_chunk{ring.id, piece, hop, chunk(piece, k)}}));
   self->send(ring.right, work_chunk{ring.id, hop, std::move(b), false});
 }
 
@@ -80,36 +79,35 @@ chunk_result replica_state::ring_done(chunk_result r) {
   return r;
 }
 
-std::optional<chunk_result> replica_state::ring_start(
-    caf::event_based_actor* self, std::uint64_t reply_id, std::uint64_t id, std::uint64_t step,
-    std::uint32_t pos, std::uint32_t n, const caf::actor& right, const std::string& address,
-    const std::string& data, const std::string& key) {
+std::optional<chunk_result> replica_state::ring_start(caf::event_based_actor* self,
+                                                      const ring_order& o) {
   chunk_result res;
-  res.run = reply_id;
+  res.run = o.reply;
   try {
-    if (n < 2 || pos >= n || !right) throw protocol_error("a malformed ring");
+    if (o.n < 2 || o.pos >= o.n || !o.right) throw protocol_error("a malformed ring");
     if (ring_plane::take_test_failure())
       throw protocol_error(std::string{"a ring made to fail by a test ("} +
-                           (data.empty() ? "through CAF" : "over the data plane") + ")");
+                           (o.data.empty() ? "through CAF" : "over the data plane") + ")");
     ring = ring_run{};  // the last ring's thread is gone before its buffer is touched
-    if (partial_step != step || !partial.defined()) {  // no shard of this step came here
+    if (partial_step != o.attempt || !partial.defined()) {  // no shard of this step came here
       partial = flat_buffer(&sum_buf).zero_();
-      partial_step = step;
-      buf_step = step;
+      partial_step = o.attempt;
+      buf_step = o.attempt;
     }
-    early.erase(early.begin(), early.lower_bound({id, 0, 0}));  // chunks of rings given up
-    ring.reply_id = reply_id;
-    ring.id = id;
-    ring.pos = pos;
-    ring.n = n;
+    early.erase(early.begin(), early.lower_bound({o.ring, 0, 0}));  // chunks of rings given up
+    ring.reply_id = o.reply;
+    ring.id = o.ring;
+    ring.pos = o.pos;
+    ring.n = o.n;
     ring.coordinator = caf::actor_cast<caf::actor>(self->current_sender());
     ring.buf = partial;
     ring.pieces =
-        ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), n);
-    if (!data.empty()) {
-      plane_start(self, data, key);
+        ring_pieces(partial.numel() * static_cast<std::int64_t>(partial.element_size()), o.n);
+    if (!o.data.empty()) {
+      plane_start(self, o.data, o.key);
       return std::nullopt;
     }
+    const auto& address = o.address;
     if (!address.empty() && connected.count(address) == 0) {
       // A direct connection to the neighbour's node: otherwise CAF routes through the
       // coordinator, and the ring would load it as much as a star. Tried once per neighbour; it
@@ -124,9 +122,9 @@ std::optional<chunk_result> replica_state::ring_start(
                                  " (" + e.what() + "); its chunks go through CAF's route");
       }
     }
-    ring.right = right;
+    ring.right = o.right;
     ring.hops.assign(ring.pieces, 0);
-    for (std::uint32_t p = 0; p < ring.pieces; ++p) ring_send(self, p, 0, pos);
+    for (std::uint32_t p = 0; p < ring.pieces; ++p) ring_send(self, p, 0, o.pos);
     if (ring_drain(self)) return ring_done(res);
   } catch (const std::exception& e) {
     ring = ring_run{};
@@ -176,12 +174,11 @@ std::optional<chunk_result> replica_state::plane_done(std::uint64_t id, const st
   return res;
 }
 
-void replica_state::ring_chunk(caf::event_based_actor* self, const work_chunk& w, train_msg& m) {
-  if (m.tensors.size() != 1 || m.first_shard > 64) return;
-  auto piece = static_cast<std::uint32_t>(m.first_shard);
-  auto hop = static_cast<std::uint32_t>(w.first);
-  if (w.run != ring.id || !ring.buf.defined()) {
-    if (w.run > ring.id) early[{w.run, piece, hop}] = m.tensors[0];
+void replica_state::take_chunk(caf::event_based_actor* self, const ring_chunk& c) {
+  if (!c.data.defined() || c.piece > 64) return;
+  const auto piece = c.piece, hop = c.hop;
+  if (c.ring != ring.id || !ring.buf.defined()) {
+    if (c.ring > ring.id) early[{c.ring, piece, hop}] = c.data;
     return;  // a ring that has not started here yet, or one given up
   }
   chunk_result res;
@@ -189,7 +186,7 @@ void replica_state::ring_chunk(caf::event_based_actor* self, const work_chunk& w
   try {
     if (piece >= ring.pieces || hop != ring.hops[piece])
       throw protocol_error("ring chunks out of order");
-    if (!ring_take(self, piece, m.tensors[0]) && !ring_drain(self)) return;
+    if (!ring_take(self, piece, c.data) && !ring_drain(self)) return;
     res = ring_done(res);
   } catch (const std::exception& e) {
     res.code = errc::node_error;
@@ -211,6 +208,10 @@ std::optional<chunk_result> replica_state::handle(caf::event_based_actor* self,
   batch joined;
   try {
     joined = bulk::resolve(w.items);
+    if (auto* c = joined.as<ring_chunk>(); c != nullptr && c->items.size() == 1) {
+      if (r) take_chunk(self, c->items[0]);
+      return std::nullopt;  // no answer: the coordinator hears when the ring is over
+    }
     auto* b = joined.as<train_msg>();
     if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training command");
     m = &b->items[0];
@@ -219,10 +220,6 @@ std::optional<chunk_result> replica_state::handle(caf::event_based_actor* self,
     res.code = errc::protocol_error;
     res.what = e.what();
     return res;
-  }
-  if (static_cast<op>(m->code) == op::ring_chunk) {
-    if (r) ring_chunk(self, w, *m);
-    return std::nullopt;
   }
   train_msg out;
   out.code = m->code;
@@ -285,11 +282,9 @@ caf::behavior replica_actor(caf::event_based_actor* self, std::shared_ptr<replic
         if (r->ok()) r->outputs = bulk::split_for(self, to, r->outputs);
         self->send(to, std::move(*r));
       },
-      [self, st](ring_atom, std::uint64_t reply_id, std::uint64_t id, std::uint64_t step,
-                 std::uint32_t pos, std::uint32_t n, const caf::actor& right,
-                 const std::string& address, const std::string& data, const std::string& key) {
+      [self, st](const ring_order& o) {
         mark_internal_thread();
-        if (auto r = st->ring_start(self, reply_id, id, step, pos, n, right, address, data, key))
+        if (auto r = st->ring_start(self, o))
           self->send(caf::actor_cast<caf::actor>(self->current_sender()), std::move(*r));
       },
       [self, st](ring_io_atom, std::uint64_t id, const std::string& key, bool ok,

@@ -40,7 +40,7 @@ sim_trainer::sim_trainer(const testing::simulation& sim, std::vector<device> dev
     train_msg out;
     try {
       m.st->init(out);
-      if (!out.nodes.empty()) s.grad_bytes = out.nodes[0];
+      s.grad_bytes = out.grad_bytes;
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {

@@ -59,9 +59,9 @@ struct trainer::impl::step_shell final : train_core::train_io {
         data = host + ":" + std::to_string(right.data_port);
       }
       auto reply = t.next_id++;
-      (*t.self)->send(me.a, ring_atom::value, reply, id, sums.attempt,
-                      static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(ring.size()),
-                      right.a, address, data, key);
+      (*t.self)->send(
+          me.a, ring_order{reply, id, sums.attempt, static_cast<std::uint32_t>(k),
+                           static_cast<std::uint32_t>(ring.size()), right.a, address, data, key});
       ids.push_back(reply);
     }
     return ids;

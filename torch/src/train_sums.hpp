@@ -38,7 +38,7 @@ class step_sums {
     train_msg msg;
     msg.code = static_cast<std::uint8_t>(op::backward);
     msg.mode = static_cast<std::uint8_t>(red);
-    msg.step = attempt;
+    msg.attempt = attempt;
     msg.total_shards = shards;
     msg.first_shard = a;
     msg.end_shard = b;

@@ -27,11 +27,12 @@
 //   cluster watcher ──watch_atom──▶ node; node::drain ──leaving_atom, incarnation──▶ watcher
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
-// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state, and
-// ring_chunk between replicas), and takes ring_atom from the coordinator to all-reduce its
-// gradient with its neighbours.
+// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state), takes a
+// ring_order from the coordinator to all-reduce its gradient with its neighbours, and passes
+// ring_chunk items (torch/src/train_msg.hpp) to its right neighbour.
 #pragma once
 
+#include <caf/actor.hpp>
 #include <caf/atom.hpp>
 #include <caf/error.hpp>
 #include <caf/make_message.hpp>
@@ -68,9 +69,6 @@ using close_timeout_atom = caf::atom_constant<caf::atom("tr_clto")>;
 /// deadline with its id, a wakeup for a retry's backoff or a late chunk, a work_timeout check,
 /// close_timeout), id.
 using timer_atom = caf::atom_constant<caf::atom("tr_timer")>;
-/// Training: all-reduce this step's gradient in a ring (reply id, ring id, step, position, ring
-/// size, right neighbour, its node's address or "").
-using ring_atom = caf::atom_constant<caf::atom("tr_ring")>;
 /// Training: a local replica frees everything it holds (the replica, its tensors, its device
 /// binding), answers with the same atom and quits.
 using release_atom = caf::atom_constant<caf::atom("tr_release")>;
@@ -237,6 +235,28 @@ struct spawn_producer {
   config cfg;
   std::uint64_t index = 0;  ///< the producer's place in the coordinator's device list
 };
+
+/// Training: a replica all-reduces its sum of attempt `attempt` in ring `ring` with its
+/// neighbours, and answers `reply` (a chunk_result) when the ring is over or failed.
+struct ring_order {
+  std::uint64_t reply = 0;
+  std::uint64_t ring = 0;
+  std::uint64_t attempt = 0;     ///< the coordinator's attempt at the step whose sums it reduces
+  std::uint32_t pos = 0, n = 0;  ///< its place in the ring, the ring's size
+  caf::actor right;              ///< the right neighbour
+  /// Through CAF: the right neighbour's node, when this replica must connect to it ("" when
+  /// both are in one process, or one is the coordinator's).
+  std::string address;
+  /// Over the data plane: the right neighbour's data port ("host:port"), and the ring's key in
+  /// hex; "" for CAF's path.
+  std::string data, key;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ring_order& x) {
+  return f(caf::meta::type_name("troupe.ring_order"), x.reply, x.ring, x.attempt, x.pos, x.n,
+           x.right, x.address, x.data, x.key);
+}
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, node_hello& x) {
