@@ -912,3 +912,65 @@ TEST(Runner, ALateChunksItemsNotStartedGoToTheIdleProducerAndEachRunsOnce) {
   }
   EXPECT_TRUE(shared) << "in 3 runs, one producer always worked the whole slow patch";
 }
+
+struct split_close_job {
+  static constexpr std::int64_t n = 20'000, slow_from = 10'000, slow_to = 10'400;
+  static inline std::array<std::atomic<int>, n> calls{};
+  static inline std::atomic<int> slow_started{0};
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      calls[static_cast<std::size_t>(x)] += 1;
+      if (x >= slow_from && x < slow_to) {
+        slow_started += 1;
+        std::this_thread::sleep_for(std::chrono::milliseconds{1});
+      }
+      return x;
+    }
+  };
+  struct consumer {
+    void work(std::int64_t x) { sum += x; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
+TEST(Runner, ACloseWhileProducersClaimTheItemsOfASplitChunkEndsTheJobAndRunsNoItemTwice) {
+  // Two producers claim the items of one late chunk item by item (split_late_chunks) when
+  // close() comes from this thread: the claims, the close and the producers' ends race. Every
+  // round: close() returns, the job ends (its exact sum, or runner_closed), no item's work()
+  // ran twice, and items the job did not finish were not all worked (the close cut it short).
+  test_util::watchdog dog{std::chrono::seconds{120}, "close during split-chunk claims"};
+  int split_before_close = 0, cut_short = 0;
+  for (int round = 0; round < 5; ++round) {
+    for (auto& c : split_close_job::calls) c = 0;
+    split_close_job::slow_started = 0;
+    troupe::options o;
+    o.speculative = false;  // splits alone
+    troupe::unordered_runner<split_close_job> r{troupe::cpus(2), {}, o};
+    auto h = r.submit(iota(split_close_job::n));
+    // Into the slow patch (400 items of 1 ms): a chunk is late, and the idle producer claims
+    // its items not started, one at a time, beside the other.
+    while (split_close_job::slow_started < 40)
+      std::this_thread::sleep_for(std::chrono::microseconds{200});
+    split_before_close += r.stats().split_chunks > 0 ? 1 : 0;
+    r.close();
+    bool finished = false;
+    try {
+      EXPECT_EQ(h.get(), split_close_job::n * (split_close_job::n - 1) / 2);
+      finished = true;
+    } catch (const troupe::runner_closed&) {
+    }
+    int worked = 0;
+    for (std::size_t i = 0; i < split_close_job::calls.size(); ++i) {
+      ASSERT_LE(split_close_job::calls[i].load(), 1) << "item " << i << ", round " << round;
+      worked += split_close_job::calls[i].load();
+    }
+    if (!finished) {
+      EXPECT_LT(worked, split_close_job::n) << "runner_closed, yet every item was worked";
+      cut_short += 1;
+    }
+    EXPECT_FALSE(r.is_open());
+  }
+  EXPECT_GT(split_before_close, 0) << "in 5 rounds the slow patch was never split before close()";
+  EXPECT_GT(cut_short, 0) << "in 5 rounds close() never came before the job's end";
+}

@@ -21,7 +21,10 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     if (trace_)
       trace_->chunk(p, flow_id(job, id), job, r.first, rec->items, rec->bytes,
                     std::chrono::nanoseconds{r.busy_ns}, rec->sent, now, r.ok());
-    if (rec->items > 0) s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
+    // Not from a job that has ended: its cost model is forgotten (and its chunks may have
+    // been cut short at its end, which would read as fast items).
+    if (rec->items > 0 && jobs_.count(job) != 0)
+      s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
     s.items -= rec->items;
     s.outstanding.erase(rec);
     room_changed(p);
