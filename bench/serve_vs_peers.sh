@@ -5,6 +5,13 @@
 #
 #   bench/serve_vs_peers.sh                 # all; a peer whose venv is missing is skipped
 #   TROUPE_SERVE=build/examples/serve DURATION=5s CONNS="16" bench/serve_vs_peers.sh
+#   MODEL=/tmp/cnn.pt bench/serve_vs_peers.sh   # a real model (examples/export_model.py) instead
+#
+# With MODEL, every server runs that TorchScript file on the CPU (torch.jit.load in the peers,
+# `serve --model` in troupe), requests are its first reference input (MODEL.ref.txt), batches of
+# up to 8 waiting at most 2 ms, and each server gets the 2 cores as its users would set it up:
+# troupe 2 CPU producers (one intra-op thread each, its default), Ray Serve 2 replicas of one
+# CPU and one torch thread, PyTriton 2 model instances and 2 torch threads.
 #
 # Each server is started, warmed up (h2load: $WARMUP requests over 16 connections), measured,
 # then stopped by its PID. Traffic goes to 127.0.0.1 only. Columns:
@@ -41,9 +48,29 @@ done
 [ -x "${TROUPE_SERVE:-}" ] || { echo "no examples/serve binary: build it, or set TROUPE_SERVE" >&2; exit 1; }
 
 TMP=$(mktemp -d)
+MODEL=${MODEL:-}
 BODY=0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6
+if [ -n "$MODEL" ]; then
+  [ -f "$MODEL.ref.txt" ] || { echo "no $MODEL.ref.txt: export it with examples/export_model.py" >&2; exit 1; }
+  BODY=$(head -n 1 "$MODEL.ref.txt" | cut -d';' -f1 | xargs | tr ' ' ',')
+fi
+INPUTS=$(printf '%s' "$BODY" | awk -F, '{print NF}')
 printf '%s' "$BODY" >"$TMP/body.txt"
-printf '{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":[%s]}]}' "$BODY" >"$TMP/body_v2.json"
+printf '{"inputs":[{"name":"x","shape":[1,%s],"datatype":"FP32","data":[%s]}]}' "$INPUTS" "$BODY" >"$TMP/body_v2.json"
+export TROUPE_RAY_BODY=$BODY
+if [ -n "$MODEL" ]; then
+  # The peers load the model with the project's torch (tools/setup.sh), after their own packages.
+  torch_site=${TROUPE_VENV:-/opt/troupe-venv}/lib/python3.11/site-packages
+  if [ -x "$PYT_VENV/bin/python" ]; then
+    echo "$torch_site" >"$("$PYT_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/troupe_torch.pth"
+  fi
+  export TROUPE_RAY_ARGS="--model $MODEL --inputs $INPUTS --replicas 2 --num-cpus 2 --threads 1"
+  PYT_ARGS=(--model "$MODEL" --inputs "$INPUTS" --instances 2 --threads 2)
+  TROUPE_ARGS=(--model "$MODEL" --devices cpu,cpu)
+else
+  PYT_ARGS=()
+  TROUPE_ARGS=(--devices cpu --call-us 2000 --item-us 100)
+fi
 ROWS=$TMP/rows
 : >"$ROWS"
 SPID=""        # the running server's PID
@@ -142,7 +169,7 @@ measure() {  # NAME URL LUA BODYFILE CONTENT-TYPE
     local s0 b0 s1 b1 load
     load=$(cut -d' ' -f1 /proc/loadavg)
     s0=$(tree_cpu "$SPID"); b0=$(busy_cpu)
-    /usr/bin/time -f '%U %S %e' -o "$TMP/time" \
+    TROUPE_WRK_BODY=$body /usr/bin/time -f '%U %S %e' -o "$TMP/time" \
       wrk -t1 -c"$c" -d"$DURATION" --latency -s "$lua" "$url" >"$TMP/wrk.out" 2>&1
     s1=$(tree_cpu "$SPID"); b1=$(busy_cpu)
     local result; result=$(grep '^RESULT' "$TMP/wrk.out")
@@ -166,8 +193,8 @@ measure() {  # NAME URL LUA BODYFILE CONTENT-TYPE
 run_troupe() {  # NAME MAX_BATCH PORT
   local name=$1 port=$3
   echo "== $name" >&2
-  "$TROUPE_SERVE" --listen "127.0.0.1:$port" --devices cpu --max-batch "$2" --max-delay-us 2000 \
-    --call-us 2000 --item-us 100 >"$TMP/serve.err" 2>&1 &
+  "$TROUPE_SERVE" --listen "127.0.0.1:$port" --max-batch "$2" --max-delay-us 2000 \
+    "${TROUPE_ARGS[@]}" >"$TMP/serve.err" 2>&1 &
   SPID=$!; STOP_CMD="kill -TERM $SPID"
   if wait_answer "http://127.0.0.1:$port/predict" "$TMP/body.txt" text/plain '"class"'; then
     measure "$name" "http://127.0.0.1:$port/predict" "$PEERS/post.lua" "$TMP/body.txt" text/plain
@@ -192,7 +219,8 @@ run_pytriton() {
   local name="PyTriton $("$PYT_VENV/bin/python" -c 'from importlib.metadata import version; print(version("nvidia-pytriton"))' 2>/dev/null)" port=$1
   local url="http://127.0.0.1:$port/v2/models/classifier/infer"
   echo "== $name" >&2
-  "$PYT_VENV/bin/python" "$PEERS/pytriton_app.py" --port "$port" >"$TMP/pytriton.log" 2>&1 &
+  "$PYT_VENV/bin/python" "$PEERS/pytriton_app.py" --port "$port" "${PYT_ARGS[@]}" \
+    >"$TMP/pytriton.log" 2>&1 &
   SPID=$!; STOP_CMD="kill -INT $SPID"
   if wait_answer "$url" "$TMP/body_v2.json" application/json '"outputs"'; then
     measure "$name (v2 JSON)" "$url" "$PEERS/post_v2.lua" "$TMP/body_v2.json" application/json
@@ -211,7 +239,11 @@ if "$PYT_VENV/bin/python" -c 'import pytriton' 2>/dev/null; then run_pytriton "$
 else echo "== PyTriton: skipped (no $PYT_VENV with nvidia-pytriton)" >&2; fi
 
 echo
-echo "wrk -t1 -cN -d$DURATION --latency; model 2 ms/call + 0.1 ms/request, batch <= 8, wait <= 2 ms; cpu in cores"
+if [ -n "$MODEL" ]; then
+  echo "wrk -t1 -cN -d$DURATION --latency; model $MODEL ($INPUTS inputs), batch <= 8, wait <= 2 ms; cpu in cores"
+else
+  echo "wrk -t1 -cN -d$DURATION --latency; model 2 ms/call + 0.1 ms/request, batch <= 8, wait <= 2 ms; cpu in cores"
+fi
 printf '%-34s %5s %8s %8s %8s %7s %7s %7s %7s %6s\n' server conns 'req/s' 'p50 ms' 'p99 ms' bad 'wrk' 'server' 'other' load1
 while IFS=$'\t' read -r n c rps p50 p99 bad w s o l; do
   case "$rps" in

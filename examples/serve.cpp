@@ -65,6 +65,8 @@ using tcp = net::ip::tcp;
 namespace {
 
 constexpr std::size_t n_features = 16, n_classes = 10;
+/// The most numbers a request may hold when the model, not the server, says what fits.
+constexpr std::size_t max_width = 65536;
 
 /// A request the model refused (a wrong shape, say): the producers throw it with the model's
 /// own message; the server answers 400 with that message, not 500.
@@ -201,12 +203,11 @@ struct classify_mlp {
 /// batch of requests is one forward pass.
 template <class State>
 struct file_model_producer {
-  file_model_producer(const troupe::device& d, const troupe::config&, State& shared)
-      : where(d), model(shared) {}
+  file_model_producer(const troupe::device& d, const troupe::config& cfg, State& shared)
+      : where(d), model(shared), inputs(cfg.get_or<std::int64_t>("inputs", n_features)) {}
   void warmup() {
     c10::InferenceMode inference;
-    for (int i = 0; i < 3; ++i)
-      model.forward(torch::zeros({4, std::int64_t{n_features}}, model.where));
+    for (int i = 0; i < 3; ++i) model.forward(torch::zeros({4, inputs}, model.where));
   }
   std::vector<prediction> work(troupe::span<const std::vector<float>> rows) {
     classify::producer::calls += 1;
@@ -226,6 +227,7 @@ struct file_model_producer {
   }
   troupe::device where;
   State& model;
+  std::int64_t inputs;  ///< numbers per request (cfg "inputs": the reference rows' width)
 };
 
 /// A TorchScript model from a file (cfg "model_file"), served the same way. One copy of its
@@ -298,9 +300,10 @@ std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model
   };
 }
 
-/// FILE.ref.txt (examples/export_model.py): each line's 16 inputs and the 10 scores Python
+/// FILE.ref.txt (examples/export_model.py): each line's inputs (16 for serve's default model, as
+/// many as the model reads for one exported with --channels/--side) and the 10 scores Python
 /// computed. Throws when the model loaded here answers otherwise (beyond float rounding).
-std::size_t check_reference(const std::string& model_file) {
+std::size_t check_reference(const std::string& model_file, std::int64_t& width) {
   std::ifstream in(model_file + ".ref.txt");
   if (!in) return 0;
   auto forward = load_model(model_file);
@@ -314,10 +317,10 @@ std::size_t check_reference(const std::string& model_file) {
     std::vector<float> x, y;
     for (float v; xs >> v;) x.push_back(v);
     for (float v; ys >> v;) y.push_back(v);
-    if (x.size() != n_features || y.size() != n_classes)
-      throw std::runtime_error(model_file + ".ref.txt: a line without 16 inputs and 10 scores");
-    auto got =
-        forward(torch::from_blob(x.data(), {1, std::int64_t{n_features}}).clone()).contiguous();
+    if (x.empty() || x.size() > max_width || y.size() != n_classes)
+      throw std::runtime_error(model_file + ".ref.txt: a line without inputs and 10 scores");
+    width = static_cast<std::int64_t>(x.size());
+    auto got = forward(torch::from_blob(x.data(), {1, width}).clone()).contiguous();
     for (std::size_t c = 0; c < n_classes; ++c)
       if (std::fabs(got.data_ptr<float>()[c] - y[c]) > 1e-4f * (1.0f + std::fabs(y[c])))
         throw std::runtime_error(model_file + " answers " +
@@ -334,8 +337,6 @@ std::size_t check_reference(const std::string& model_file) {
 
 namespace {
 
-/// The most numbers a request may hold when the model, not the server, says what fits.
-constexpr std::size_t max_width = 65536;
 
 /// "0.1,0.2" or "[0.1, 0.2]": the numbers; nullopt when they are not `width` numbers (0: any
 /// count from 1 to max_width, for a model from a file, which says itself what it takes).
@@ -729,10 +730,12 @@ int main(int argc, char** argv) {
     // A package checks its inputs' shapes only when asked (read once, at its first run): a
     // request of a wrong shape is then an error (a 400), not a read past its buffer.
     if (is_package(model)) ::setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
-    if (auto rows = check_reference(model); rows > 0)
-      std::cerr << "reference: " << model << " gives Python's scores on " << rows << " rows"
-                << std::endl;
+    std::int64_t width = n_features;  // what a request holds: the reference rows say
+    if (auto rows = check_reference(model, width); rows > 0)
+      std::cerr << "reference: " << model << " gives Python's scores on " << rows << " rows of "
+                << width << " inputs" << std::endl;
     cfg.set("model_file", model);
+    cfg.set("inputs", width);
     if (is_package(model)) {
       // Each producer of a device runs its own instance of the package's model at once.
       auto ds = f.device_list();

@@ -4,6 +4,13 @@
 --   RESULT rps=<requests/s> p50_ms=<..> p99_ms=<..> requests=<n> non2xx=<n> errors=<n>
 wrk.method = "POST"
 wrk.body = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6"
+-- TROUPE_WRK_BODY: a file whose content is the body instead (bench/serve_vs_peers.sh MODEL=...).
+local from = os.getenv("TROUPE_WRK_BODY")
+if from and from ~= "" then
+  local f = assert(io.open(from, "rb"))
+  wrk.body = f:read("*a")
+  f:close()
+end
 wrk.headers["Content-Type"] = "text/plain"
 
 -- Non-2xx answers and socket errors come from wrk's summary, so a failing server shows.

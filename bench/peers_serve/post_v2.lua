@@ -5,6 +5,13 @@
 wrk.method = "POST"
 wrk.body = '{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":'
   .. '[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6]}]}'
+-- TROUPE_WRK_BODY: a file whose content is the body instead (bench/serve_vs_peers.sh MODEL=...).
+local from = os.getenv("TROUPE_WRK_BODY")
+if from and from ~= "" then
+  local f = assert(io.open(from, "rb"))
+  wrk.body = f:read("*a")
+  f:close()
+end
 wrk.headers["Content-Type"] = "application/json"
 
 function done(summary, latency, requests)

@@ -10,6 +10,10 @@ HTTP is Triton's KServe v2 JSON protocol (hit it with post_v2.lua):
   -> {"outputs":[{"name":"class",...,"data":[K]},{"name":"score",...,"data":[S]}], ...}
 
   python pytriton_app.py --port 8000     (stop it with SIGINT or SIGTERM)
+
+With --model FILE.pt (examples/export_model.py) the model is that TorchScript file instead,
+loaded with torch.jit.load in each of --instances model instances (PyTriton runs each in a
+thread of its own; torch's intra-op threads: --threads in all), requests of --inputs numbers.
 """
 import argparse
 import logging
@@ -34,14 +38,43 @@ def infer(x: np.ndarray):
     return {"class": labels.astype(np.int64)[:, None], "score": best.astype(np.float32)[:, None]}
 
 
+def torch_infer(path: str):
+    """An infer function of its own TorchScript module (one per model instance)."""
+    import torch
+
+    module = torch.jit.load(path)
+    module.eval()
+
+    @batch
+    def run(x: np.ndarray):
+        with torch.inference_mode():
+            scores = module(torch.from_numpy(x)).numpy()
+        labels = scores.argmax(axis=1)
+        best = scores[np.arange(len(labels)), labels]
+        return {"class": labels.astype(np.int64)[:, None],
+                "score": best.astype(np.float32)[:, None]}
+
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: HTTP port + 1")
     parser.add_argument("--metrics-port", type=int, default=0, help="0: HTTP port + 2")
+    parser.add_argument("--model", default="", help="a TorchScript file instead of the sleep")
+    parser.add_argument("--inputs", type=int, default=N_FEATURES, help="numbers per request")
+    parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    funcs = infer
+    if args.model:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        funcs = [torch_infer(args.model) for _ in range(args.instances)]
 
     config = TritonConfig(
         http_address=args.host,
@@ -55,8 +88,8 @@ def main():
     with Triton(config=config) as triton:
         triton.bind(
             model_name="classifier",
-            infer_func=infer,
-            inputs=[Tensor(name="x", dtype=np.float32, shape=(N_FEATURES,))],
+            infer_func=funcs,
+            inputs=[Tensor(name="x", dtype=np.float32, shape=(args.inputs,))],
             outputs=[
                 Tensor(name="class", dtype=np.int64, shape=(1,)),
                 Tensor(name="score", dtype=np.float32, shape=(1,)),

@@ -2,7 +2,10 @@
 answer {"class": K, "score": S}, written with the Ray Serve docs' @serve.batch idiom.
 
 The model call is simulated as troupe's `serve --call-us 2000 --item-us 100`: an async sleep of
-2 ms per call + 0.1 ms per request in the batch; then a fixed 10x16 linear classifier.
+2 ms per call + 0.1 ms per request in the batch; then a fixed 10x16 linear classifier. With
+--model FILE.pt (examples/export_model.py) it is that TorchScript model instead, loaded with
+torch.jit.load in each of --replicas replicas (one CPU and --threads intra-op threads each, as
+Ray's docs suggest for CPU models), requests of --inputs numbers.
 
 Run it with bench/peers_serve/run_ray.sh (or: python ray_app.py --port 8000). The deployment
 object is `app`, so `serve run bench.peers_serve.ray_app:app` works as well.
@@ -28,14 +31,14 @@ from starlette.responses import JSONResponse, PlainTextResponse
 N_FEATURES, N_CLASSES = 16, 10
 
 
-def parse_features(body: bytes):
-    """"0.1,0.2,..." or "[0.1, 0.2, ...]": 16 floats, or None."""
+def parse_features(body: bytes, n: int = N_FEATURES):
+    """"0.1,0.2,..." or "[0.1, 0.2, ...]": n floats, or None."""
     text = body.decode("utf-8", "replace").strip().strip("[]")
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         return None
-    if len(values) != N_FEATURES or not all(np.isfinite(values)):
+    if len(values) != n or not all(np.isfinite(values)):
         return None
     return np.asarray(values, dtype=np.float32)
 
@@ -49,14 +52,27 @@ def parse_features(body: bytes):
     max_ongoing_requests=64,
 )
 class Classifier:
-    def __init__(self):
+    def __init__(self, model: str = "", inputs: int = N_FEATURES, threads: int = 1):
         rng = np.random.default_rng(42)
         self.weights = rng.standard_normal((N_CLASSES, N_FEATURES)).astype(np.float32)
+        self.inputs = inputs
+        self.model = None
+        if model:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.torch = torch
+            self.model = torch.jit.load(model)
+            self.model.eval()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def predict(self, rows: List[np.ndarray]) -> List[dict]:
-        await asyncio.sleep(0.002 + 0.0001 * len(rows))  # the model call, as an async model
-        scores = np.stack(rows) @ self.weights.T  # [batch, 10]
+        if self.model is not None:
+            with self.torch.inference_mode():
+                scores = self.model(self.torch.from_numpy(np.stack(rows))).numpy()
+        else:
+            await asyncio.sleep(0.002 + 0.0001 * len(rows))  # the model call, as an async model
+            scores = np.stack(rows) @ self.weights.T  # [batch, 10]
         labels = scores.argmax(axis=1)
         return [
             {"class": int(k), "score": float(s[k])} for k, s in zip(labels, scores)
@@ -65,13 +81,13 @@ class Classifier:
     async def __call__(self, request: Request):
         if request.method != "POST":
             return PlainTextResponse("POST only\n", status_code=405)
-        x = parse_features(await request.body())
+        x = parse_features(await request.body(), self.inputs)
         if x is None:
-            return PlainTextResponse("expected 16 numbers\n", status_code=400)
+            return PlainTextResponse(f"expected {self.inputs} numbers\n", status_code=400)
         return JSONResponse(await self.predict(x))
 
 
-app = Classifier.bind()
+app = Classifier.bind()  # the simulated model: `serve run bench.peers_serve.ray_app:app`
 
 
 def main():
@@ -79,6 +95,10 @@ def main():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--model", default="", help="a TorchScript file instead of the sleep")
+    parser.add_argument("--inputs", type=int, default=N_FEATURES, help="numbers per request")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     args = parser.parse_args()
 
     import ray
@@ -91,7 +111,8 @@ def main():
         log_to_driver=False,
     )
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app, route_prefix="/predict")
+    deployment = Classifier.options(num_replicas=args.replicas)
+    serve.run(deployment.bind(args.model, args.inputs, args.threads), route_prefix="/predict")
     print(f"ray serve on http://{args.host}:{args.port}/predict", flush=True)
 
     stop = threading.Event()

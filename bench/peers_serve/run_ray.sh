@@ -18,13 +18,20 @@ CMD=${1:-fg}
 PORT=${2:-8000}
 PIDFILE=${TMPDIR:-/tmp}/troupe-bench-ray.$PORT.pid
 LOG=${TMPDIR:-/tmp}/troupe-bench-ray.$PORT.log
-BODY=0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6
+BODY=${TROUPE_RAY_BODY:-0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6}
+# More arguments for ray_app.py (--model FILE.pt --inputs N --replicas 2, say).
+read -r -a APP_ARGS <<<"${TROUPE_RAY_ARGS:-}"
 export RAY_USAGE_STATS_ENABLED=0
 
 install() {
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   "$VENV/bin/python" -c "import ray.serve" 2>/dev/null ||
     "$VENV/bin/pip" install -q --progress-bar off "ray[serve]==$RAY_VERSION"
+  # --model needs torch: the project's own (tools/setup.sh), after the venv's packages.
+  local site; site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  local torch_site=${TROUPE_VENV:-/opt/troupe-venv}/lib/python3.11/site-packages
+  [ -d "$torch_site" ] && echo "$torch_site" >"$site/troupe_torch.pth"
+  return 0
 }
 
 answers() {
@@ -35,25 +42,25 @@ answers() {
 case "$CMD" in
   fg)
     install
-    exec "$VENV/bin/python" "$HERE/ray_app.py" --host 127.0.0.1 --port "$PORT"
+    exec "$VENV/bin/python" "$HERE/ray_app.py" --host 127.0.0.1 --port "$PORT" "${APP_ARGS[@]}"
     ;;
   start)
     install
     if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
       echo "already running: PID $(cat "$PIDFILE")" >&2; exit 1
     fi
-    (cd "$HERE" && exec "$VENV/bin/python" ray_app.py --host 127.0.0.1 --port "$PORT") \
+    (cd "$HERE" && exec "$VENV/bin/python" ray_app.py --host 127.0.0.1 --port "$PORT" "${APP_ARGS[@]}") \
       >"$LOG" 2>&1 </dev/null &
     pid=$!
     echo "$pid" >"$PIDFILE"
-    for _ in $(seq 240); do  # Ray's start takes 5-30 s on 2 cores
+    for _ in $(seq "${TROUPE_RAY_START_TRIES:-600}"); do  # Ray's start: 5-120 s on 2 cores
       if answers; then echo "$pid"; exit 0; fi
       if ! kill -0 "$pid" 2>/dev/null; then
         echo "ray_app.py exited; last lines of $LOG:" >&2; tail -n 20 "$LOG" >&2; exit 1
       fi
       sleep 0.5
     done
-    echo "no answer on 127.0.0.1:$PORT/predict after 120 s; see $LOG" >&2
+    echo "no answer on 127.0.0.1:$PORT/predict in time; see $LOG" >&2
     "$0" stop "$PORT" || true
     exit 1
     ;;
