@@ -64,8 +64,9 @@ if [ -n "$MODEL" ]; then
   if [ -x "$PYT_VENV/bin/python" ]; then
     echo "$torch_site" >"$("$PYT_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/troupe_torch.pth"
   fi
-  export TROUPE_RAY_ARGS="--model $MODEL --inputs $INPUTS --replicas 2 --num-cpus 2 --threads 1"
-  PYT_ARGS=(--model "$MODEL" --inputs "$INPUTS" --instances 2 --threads 2)
+  # Each peer's split of the 2 cores, overridable (RAY_REPLICAS=1 RAY_THREADS=2, say).
+  export TROUPE_RAY_ARGS="--model $MODEL --inputs $INPUTS --replicas ${RAY_REPLICAS:-2} --num-cpus 2 --threads ${RAY_THREADS:-1}"
+  PYT_ARGS=(--model "$MODEL" --inputs "$INPUTS" --instances "${PYT_INSTANCES:-2}" --threads "${PYT_THREADS:-2}")
   TROUPE_ARGS=(--model "$MODEL" --devices cpu,cpu)
 else
   PYT_ARGS=()
@@ -231,8 +232,10 @@ run_pytriton() {
 }
 
 echo "serve_vs_peers: $(date -u +%FT%TZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(wrk -v 2>&1 | head -n1 | cut -d' ' -f1-2), serve=$TROUPE_SERVE" >&2
-run_troupe "troupe serve, batch 8" 8 "$PORT_BASE"
-run_troupe "troupe serve, no batching" 0 "$((PORT_BASE + 1))"
+if [ -z "${PEERS_ONLY:-}" ]; then
+  run_troupe "troupe serve, batch 8" 8 "$PORT_BASE"
+  run_troupe "troupe serve, no batching" 0 "$((PORT_BASE + 1))"
+fi
 if [ -x "$RAY_VENV/bin/python" ]; then run_ray "$((PORT_BASE + 2))"
 else echo "== Ray Serve: skipped (no $RAY_VENV; bench/peers_serve/run_ray.sh start installs it)" >&2; fi
 if "$PYT_VENV/bin/python" -c 'import pytriton' 2>/dev/null; then run_pytriton "$((PORT_BASE + 10))"
