@@ -8,8 +8,12 @@
 # result must still be exact. With FROZEN=F and DEAD=D, F of the nodes are frozen (SIGSTOP) and D
 # addresses with nothing listening are added before the connect, and MIN_NODES=M is passed as
 # --min-nodes: the connect must return with the nodes that answer (the time to the runner's
-# start is printed).
+# start is printed). With ROLLING=W, a rolling restart a second into the run: W nodes at a time
+# get SIGTERM (each drains and exits), are started again on their addresses, and once they
+# serve the next W go; the result must be exact and the coordinator's log must show no node
+# `lost` (a drained node is removed, never lost), only `draining`, `drained` and `rejoined`.
 #   bench/many_nodes.sh build/examples/sum_of_squares 128 20000 2
+#   ROLLING=8 bench/many_nodes.sh build/examples/sum_of_squares 128 64000 20
 set -euo pipefail
 bin=$1
 n=${2:-16}
@@ -20,7 +24,9 @@ dir=$(mktemp -d)
 pids=()
 cleanup() {
   exec 2>/dev/null  # no "Killed" line for each node
+  [ -n "${rolling:-}" ] && kill -9 "$rolling" 2>/dev/null
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  [ -f "$dir/restarted" ] && while read -r p; do kill -9 "$p" 2>/dev/null || true; done <"$dir/restarted"
   rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -40,6 +46,31 @@ done
 list=$(IFS=,; echo "${addresses[*]}")
 if [ "$kill_n" -gt 0 ]; then
   ( sleep 1; for i in $(seq "$kill_n"); do kill -9 "${pids[$((i - 1))]}"; done; echo "killed $kill_n nodes" >&2 ) &
+fi
+alive() {  # PID: running, not a zombie
+  local st; st=$(awk '{sub(/.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$st" ] && [ "$st" != Z ]
+}
+if [ -n "${ROLLING:-}" ]; then
+  (
+    sleep 1
+    t0=$(date +%s.%N)
+    for ((i = 0; i < n; i += ROLLING)); do
+      last=$((i + ROLLING < n ? i + ROLLING : n))
+      for ((k = i; k < last; k++)); do kill -TERM "${pids[k]}"; done
+      for ((k = i; k < last; k++)); do while alive "${pids[k]}"; do sleep 0.01; done; done
+      for ((k = i; k < last; k++)); do
+        "$bin" --serve "${addresses[k]}" --devices cpu >"$dir/again$k" 2>/dev/null &
+        echo $! >>"$dir/restarted"
+      done
+      for ((k = i; k < last; k++)); do
+        for _ in $(seq 400); do grep -q "serving on" "$dir/again$k" 2>/dev/null && break; sleep 0.05; done
+      done
+    done
+    echo "rolling restart of $n nodes, $ROLLING at a time: $(python3 -c "import sys; print('%.1f' % (float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$(date +%s.%N)") s" >&2
+    touch "$dir/rolled"
+  ) &
+  rolling=$!
 fi
 start=$(date +%s.%N)
 # Each line of the coordinator's log with the seconds since the start.
@@ -65,4 +96,11 @@ print(f"{n} nodes, {items} items of {work_ms} ms: {wall:.2f} s (connect and star
       f"ideal {ideal:.2f} s, efficiency {ideal / wall:.2f}; coordinator CPU {user + system:.2f} s ({(user + system) / items * 1e6:.1f} us per item)")
 PY
 echo "runner started after $(sed -n 's/^\([0-9.]*\) .*runner started.*/\1/p' "$dir/log") s (connect included)"
+if [ -n "${ROLLING:-}" ]; then
+  [ -f "$dir/rolled" ] || echo "the job ended before the rolling restart did: more items, or a larger ROLLING"
+  for what in draining drained rejoined lost; do
+    echo "cluster events \"$what\": $(grep -v '\[troupe' "$dir/log" | grep -c "cluster: .* $what (" || true)"
+  done
+  if grep -q "cluster: .* lost (" "$dir/log"; then echo "a node was lost in the rolling restart"; exit 1; fi
+fi
 echo "exact result"
