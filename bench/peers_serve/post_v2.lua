@@ -1,25 +1,9 @@
 -- wrk script: one KServe v2 JSON inference request (a [1,16] FP32 input "x"), for PyTriton.
 --   wrk -t1 -c16 -d10s --latency -s bench/peers_serve/post_v2.lua \
 --       http://127.0.0.1:PORT/v2/models/classifier/infer
--- The 16 numbers are the ones post.lua sends. done() prints the same RESULT line as post.lua.
+-- The 16 numbers are the ones post.lua sends. done() prints the same RESULT line (common.lua).
 wrk.method = "POST"
 wrk.body = '{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":'
   .. '[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6]}]}'
--- TROUPE_WRK_BODY: a file whose content is the body instead (bench/serve_vs_peers.sh MODEL=...).
-local from = os.getenv("TROUPE_WRK_BODY")
-if from and from ~= "" then
-  local f = assert(io.open(from, "rb"))
-  wrk.body = f:read("*a")
-  f:close()
-end
 wrk.headers["Content-Type"] = "application/json"
-
-function done(summary, latency, requests)
-  local secs = summary.duration / 1e6
-  local e = summary.errors
-  local errs = e.connect + e.read + e.write + e.timeout
-  io.write(string.format(
-    "RESULT rps=%.1f p50_ms=%.3f p99_ms=%.3f requests=%d non2xx=%d errors=%d\n",
-    summary.requests / secs, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
-    summary.requests, e.status, errs))
-end
+dofile(debug.getinfo(1, "S").source:sub(2):match("^(.-)[^/]*$") .. "common.lua")
