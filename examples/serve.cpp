@@ -337,7 +337,6 @@ std::size_t check_reference(const std::string& model_file, std::int64_t& width) 
 
 namespace {
 
-
 /// "0.1,0.2" or "[0.1, 0.2]": the numbers; nullopt when they are not `width` numbers (0: any
 /// count from 1 to max_width, for a model from a file, which says itself what it takes).
 std::optional<std::vector<float>> parse_features(const std::string& body, std::size_t width) {
