@@ -526,6 +526,21 @@ TEST(ProducerModel, ABatchProducersBatchesGrowAsFastAsTheCallsTimeAtMostDoubles)
   EXPECT_NEAR(static_cast<double>(m.chunk_limit(s, 1)), 1400, 2);
 }
 
+TEST(ProducerModel, TwoOneItemChunksAtTheTargetDoNotKeepABatchProducerAtOneItem) {
+  // A producer keeps two chunks queued, so a new job's first two chunks are of one item each;
+  // both answered at about the target (a call's fixed cost): after the first the next size is
+  // 2, and the second answer (still one size seen) must not bring it back to 1 (it did: the
+  // probe compared the 2 planned items, not the 1 answered, with twice the target).
+  model_settings s;  // 2 ms
+  producer_model m{true, s};
+  m.learn(chunk_of_job(1, 1), 2'030'000, 0, true, s);
+  EXPECT_EQ(m.chunk_limit(s, 1), 2u);
+  m.learn(chunk_of_job(1, 1), 2'030'000, 0, true, s);  // the other queued one-item chunk
+  EXPECT_EQ(m.chunk_limit(s, 1), 2u);
+  m.learn(chunk_of_job(1, 2), 2'050'000, 0, true, s);  // 2 items barely longer: fixed cost
+  EXPECT_GE(m.chunk_limit(s, 1), 16u);
+}
+
 TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
   // Each remote chunk costs the coordinator a message and its answer: 2 ms items go 8 at a time
   // to a node (16 ms), one at a time to a local producer.

@@ -121,9 +121,14 @@ struct job_rate {
       target = std::max(target, remote_factor * static_cast<double>(s.target_chunk_time.count()));
     auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
     // One size seen: a call that took up to twice the target may be mostly fixed cost (a
-    // batch producer's): try twice the items, so that the next answer tells the two apart.
-    if (one_size() && b * static_cast<double>(chunk_items) <= 2 * target)
-      want = std::max(want, 2 * chunk_items);
+    // batch producer's): try twice the items answered (or what is planned already, if more), so
+    // that the next answer tells the two apart. Judged by the calls answered, not by the size
+    // planned since: a call of 1 item that took the target kept the next at 1 item.
+    if (one_size()) {
+      auto seen = std::max(1.0, wn / w);
+      if (b * seen <= 2 * target)
+        want = std::max(want, std::max(chunk_items, 2 * static_cast<std::size_t>(seen)));
+    }
     // Slow start: at most 4 times the last size per answer, or 16 times while a chunk takes
     // under a sixteenth of the target (trivial items reach full-size chunks in 4 answers, not
     // 8: each answer is a round trip while the producer waits).
