@@ -525,11 +525,12 @@ net::awaitable<void> listen(tcp::acceptor& acceptor, Runner& runner, server_stat
   }
 }
 
-/// The self-test's request `i`: its 16 numbers, exactly as the body's text says them.
-std::vector<float> request_input(std::size_t i) {
+/// The self-test's request `i`: its `width` numbers (16; a model from a file: as many as its
+/// reference rows hold), exactly as the body's text says them.
+std::vector<float> request_input(std::size_t i, std::size_t width) {
   std::mt19937 rng{static_cast<unsigned>(i)};
   std::uniform_real_distribution<float> u{-1.0f, 1.0f};
-  std::vector<float> x(n_features);
+  std::vector<float> x(width);
   for (auto& v : x) v = std::round(u(rng) * 1000.0f) / 1000.0f;
   return x;
 }
@@ -537,13 +538,14 @@ std::vector<float> request_input(std::size_t i) {
 /// The self-test: requests first, first + stride, ... below n on one connection; the class of
 /// each answer into `got` (-1 when it failed), its latency into `latencies_ms`.
 net::awaitable<void> client(tcp::endpoint to, std::size_t first, std::size_t n, std::size_t stride,
-                            std::vector<std::int64_t>& got, std::vector<double>& latencies_ms) {
+                            std::size_t width, std::vector<std::int64_t>& got,
+                            std::vector<double>& latencies_ms) {
   beast::tcp_stream stream{co_await net::this_coro::executor};
   co_await stream.async_connect(to, net::use_awaitable);
   beast::flat_buffer buffer;
   for (std::size_t i = first; i < n; i += stride) {
     std::string body;
-    for (auto v : request_input(i)) {
+    for (auto v : request_input(i, width)) {
       std::ostringstream s;
       s << v;
       body += (body.empty() ? "" : ",") + s.str();
@@ -573,7 +575,7 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
   if (model == "linear") {
     auto w = weights();
     for (std::size_t i = 0; i < n; ++i) {
-      auto x = request_input(i);
+      auto x = request_input(i, n_features);
       for (std::size_t c = 0; c < n_classes; ++c)
         for (std::size_t f = 0; f < n_features; ++f) scores[i][c] += w[c * n_features + f] * x[f];
     }
@@ -581,9 +583,10 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
   }
 #ifdef TROUPE_EXAMPLES_TORCH
   std::vector<std::vector<float>> inputs;
-  for (std::size_t i = 0; i < n; ++i) inputs.push_back(request_input(i));
+  auto width = static_cast<std::size_t>(cfg.get_or<std::int64_t>("inputs", n_features));
+  for (std::size_t i = 0; i < n; ++i) inputs.push_back(request_input(i, width));
   c10::InferenceMode inference;
-  auto x = stack(troupe::span<const std::vector<float>>{inputs.data(), inputs.size()});
+  auto x = stack(troupe::span<const std::vector<float>>{inputs.data(), inputs.size()}, width);
   at::Tensor y;
   if (model == "mlp") {
     y = make_mlp(cfg.get_or<std::int64_t>("hidden", 256), cfg.get_or<std::int64_t>("layers", 2))
@@ -644,7 +647,10 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
   auto start = std::chrono::steady_clock::now();
   tcp::endpoint to{net::ip::make_address(hp.host), port};
   for (std::size_t c = 0; c < concurrency; ++c)
-    net::co_spawn(io, client(to, c, requests, concurrency, got, latencies_ms),
+    net::co_spawn(io,
+                  client(to, c, requests, concurrency,
+                         static_cast<std::size_t>(cfg.get_or<std::int64_t>("inputs", n_features)),
+                         got, latencies_ms),
                   [&](std::exception_ptr e) {
                     if (e) broken += 1;
                     if (++done == concurrency) io.stop();

@@ -6,7 +6,7 @@
 #   tools/offline_gpu.sh pack DIR            # here: patched CAF, GoogleTest, CLI11, oneTBB,
 #                                            # OpenSSL headers into DIR (a few MB)
 #   tools/offline_gpu.sh build DIR [STAGES]  # there, in a copy of the checkout holding DIR:
-#                                            # STAGES of: build test bench serve train
+#                                            # STAGES of: build test bench serve model train
 #                                            # (default: build test bench)
 #
 # `build` puts the build in build/ and the logs in ${OUT:-/tmp/troupe-gpu}. TARGETS="a b" builds
@@ -96,6 +96,29 @@ if [[ $stages == *" serve "* ]]; then
         grep -v "serving HTTP"
     done
   done 2>&1 | tee "$out/serve.log"
+fi
+if [[ $stages == *" model "* ]]; then
+  # A real model from a file on the GPU: examples/export_model.py's CNN (3x16x16 images, width
+  # 256, 4 blocks: about 19 MB of weights) served from its .pt on 1 and 2 producers of cuda:0,
+  # which share one loaded copy (the serve example's device_state): serve says how many times
+  # the model was loaded, and the GPU's used memory is sampled while it serves (one copy: the
+  # second producer adds its stream's workspace, not another 19 MB of weights). Every answer is
+  # checked against the same model run on the CPU.
+  "$py" examples/export_model.py "$out/cnn.pt" --channels 3 --side 16 --width 256 --blocks 4 \
+    > "$out/model.log" 2>&1
+  for d in cuda:0 cuda:0,cuda:0; do
+    for b in "64 1000" "0 0"; do
+      set -- $b
+      echo "== serve --model cnn.pt --devices $d --max-batch $1 --max-delay-us $2"
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$out/mem.txt" &
+      smi=$!
+      build/examples/serve --listen 127.0.0.1:0 --devices "$d" --model "$out/cnn.pt" \
+        --requests 2000 --concurrency 64 --max-batch "$1" --max-delay-us "$2" 2>&1 |
+        grep -v "serving HTTP"
+      kill "$smi"; wait "$smi" 2>/dev/null
+      echo "GPU memory used, MiB: idle $(head -n 1 "$out/mem.txt"), most $(sort -n "$out/mem.txt" | tail -n 1)"
+    done
+  done 2>&1 | tee -a "$out/model.log"
 fi
 if [[ $stages == *" train "* ]]; then
   # The train example on the GPU: 1, 2 and 4 replicas on cuda:0, plain and --deterministic
