@@ -127,9 +127,10 @@ void scheduler::end_job(std::uint64_t id, std::exception_ptr e) {
     j->gate->stop();  // its consumer gives up the chunk it may be working on
     // Its producers in this process stop at their next claim (options::split_late_chunks): the
     // items of its chunks not started yet are taken back, and the answers come early.
-    for (auto& s : producers_)
-      for (auto& rec : s.outstanding)
-        if (rec.job == id && rec.cut) rec.cut->trim(true);
+    if (any_cuts_)
+      for (auto& s : producers_)
+        for (auto& rec : s.outstanding)
+          if (rec.job == id && rec.cut) rec.cut->trim(true);
   }
   trace_instant(trace_writer::scheduler_lane,
                 "job " + std::to_string(id) + (e ? " failed" : " ended"), "");

@@ -15,6 +15,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     return;
   }
   auto now = clock_now();
+  auto ji = jobs_.find(job);  // (nothing below ends a job before its answer is taken)
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                           [&](const sent_chunk& x) { return x.job == job && x.id == id; });
   if (rec != s.outstanding.end()) {
@@ -23,8 +24,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
                     std::chrono::nanoseconds{r.busy_ns}, rec->sent, now, r.ok());
     // Not from a job that has ended: its cost model is forgotten (and its chunks may have
     // been cut short at its end, which would read as fast items).
-    if (rec->items > 0 && jobs_.count(job) != 0)
-      s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
+    if (rec->items > 0 && ji != jobs_.end()) s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);
     s.items -= rec->items;
     s.outstanding.erase(rec);
     room_changed(p);
@@ -45,7 +45,6 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
   }
   if (closing_) return;
   maybe_end_drained(p);  // a producer being removed: its last chunk is in
-  auto ji = jobs_.find(job);
   std::optional<piece> x;
   if (ji != jobs_.end()) x = ji->second->pieces.take_out(id);
   // Quarantine counts every throw of this producer, also for a job that has ended.

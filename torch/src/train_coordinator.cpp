@@ -31,7 +31,6 @@ void train_coordinator::begin(const step_input& in, std::vector<replica_info> re
   replicas_ = std::move(replicas);
   shards_ = (in.samples + in.shard_size - 1) / in.shard_size;
   pending_.clear();
-  stepped_.clear();
   failure_.reset();
   apply_failure_.reset();
   broken_.reset();
@@ -59,11 +58,15 @@ void train_coordinator::start_compute() {
   used_.clear();
   given_up_.clear();
   auto live = alive();
-  std::vector<double> rates;
-  for (auto i : live) rates.push_back(replicas_[i].rate);
-  for (auto& x : split(0, shards_, live, rates, mode_ == reduce_mode::local))
+  for (auto& x : split(0, shards_, live, rates_of(live), mode_ == reduce_mode::local))
     dispatch(x.who, x.a, x.b);
   backward_maybe_done();
+}
+
+std::vector<double> train_coordinator::rates_of(const std::vector<std::size_t>& who) const {
+  std::vector<double> rates;
+  for (auto i : who) rates.push_back(replicas_[i].rate);
+  return rates;
 }
 
 void train_coordinator::dispatch(std::size_t who, std::uint64_t a, std::uint64_t b) {
@@ -75,8 +78,7 @@ void train_coordinator::dispatch(std::size_t who, std::uint64_t a, std::uint64_t
 void train_coordinator::recompute(const std::vector<range>& ranges) {
   auto rest = alive();
   if (rest.empty()) return;
-  std::vector<double> rates;
-  for (auto i : rest) rates.push_back(replicas_[i].rate);
+  auto rates = rates_of(rest);
   for (auto [a, b] : ranges) {
     counts_.recomputed_shards += b - a;
     for (auto& x : split(a, b, rest, rates, false)) dispatch(x.who, x.a, x.b);
@@ -107,7 +109,7 @@ void train_coordinator::answered(std::uint64_t id, bool ok, double busy_seconds,
       }
       auto x = book_.answered(id);
       if (!x) return;
-      used_[id] = *x;
+      if (planted() != planted_mistake::none) used_[id] = *x;
       io_->take(id, *x);
       auto& rep = replicas_[r.who];
       if (busy_seconds > 0) {
@@ -150,7 +152,6 @@ void train_coordinator::answered(std::uint64_t id, bool ok, double busy_seconds,
       apply_maybe_done();
       return;
   }
-  return;
 }
 
 void train_coordinator::lost(std::size_t who, ns now) {
@@ -165,7 +166,7 @@ void train_coordinator::lost(std::size_t who, ns now) {
       continue;
     }
     in_ring = in_ring || it->second.k == kind::ring;
-    if (it->second.k == kind::backward)
+    if (it->second.k == kind::backward && planted() != planted_mistake::none)
       given_up_[it->first] = share{who, it->second.a, it->second.b};
     it = pending_.erase(it);
   }
@@ -226,10 +227,10 @@ void train_coordinator::backward_maybe_done() {
 }
 
 void train_coordinator::start_ring() {
+  ring_started_ = now_;  // (a ring that cannot start counts no reduce time either)
   auto ring = alive();
   if (ring.size() < 2) return ring_broken(transport_policy::ring_end::lost);
   phase_ = phase::ring;
-  ring_started_ = now_;
   bool ports = true;
   for (auto i : ring) ports = ports && !replicas_[i].local && replicas_[i].has_port;
   plane_ = transport_.plane(o_.direct_ring, ports);

@@ -144,6 +144,8 @@ class train_coordinator {
   };
 
   std::vector<std::size_t> alive() const;
+  /// The measured rates of `who`, in that order (for split()).
+  std::vector<double> rates_of(const std::vector<std::size_t>& who) const;
   void start_compute();
   void dispatch(std::size_t who, std::uint64_t a, std::uint64_t b);
   void recompute(const std::vector<range>& ranges);
@@ -165,7 +167,8 @@ class train_coordinator {
   ledger book_;
   std::map<std::uint64_t, request> pending_;
   std::vector<std::size_t> stepped_;  ///< local: who holds its own update
-  /// This attempt's answers used, and requests given up on (read by planted mistakes only).
+  /// This attempt's answers used, and requests given up on: kept only while a mistake is
+  /// planted (the only reader).
   std::map<std::uint64_t, share> used_, given_up_;
   std::optional<std::pair<std::size_t, std::uint64_t>> failure_;        ///< backward
   std::optional<std::pair<std::size_t, std::uint64_t>> apply_failure_;  ///< apply

@@ -179,8 +179,9 @@ struct trainer::impl {
       if (o.replica_timeout.count() > 0) {
         auto first = clock::time_point::max();
         for (auto& [id, p] : waiting) first = std::min(first, p.sent);
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            first + o.replica_timeout - clock::now());
+        // Rounded up: a wait rounded down to 0 ms would poll until the deadline.
+        auto left =
+            std::chrono::ceil<std::chrono::milliseconds>(first + o.replica_timeout - clock::now());
         bool late = false;
         (*self)->receive(
             on_result, on_down, [](const bulk::fragment&) {},

@@ -125,7 +125,8 @@ double trainer::impl::step(const batch& samples, mode m) {
         }
     };
     if (auto due = c.deadline()) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*due - now_ns());
+      // Rounded up: a wait rounded down to 0 ms would poll until the deadline.
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(*due - now_ns());
       (*self)->receive(
           on_result, on_down, [](const bulk::fragment&) {},
           caf::after(std::max(left, std::chrono::milliseconds{0})) >> [&] { c.tick(now_ns()); });
