@@ -4,6 +4,7 @@
 #include <ftw.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -374,6 +375,7 @@ namespace {
 /// Certificates made once per test process by tests/make_test_certs.sh, removed at its exit.
 struct temp_cert_dir {
   std::string path;
+  pid_t owner = getpid();  ///< a forked child's exit leaves the directory to its parent
   temp_cert_dir() {
     char tmpl[] = "/tmp/troupe-certs-XXXXXX";
     path = mkdtemp(tmpl);
@@ -383,6 +385,7 @@ struct temp_cert_dir {
   // Not std::filesystem::remove_all: the torch 2.11 wheel's libtorch.so exports its own copy,
   // which the dynamic linker binds here and which jumps to address 0 (seen on the GPU machine).
   ~temp_cert_dir() {
+    if (getpid() != owner) return;
     nftw(
         path.c_str(),
         [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 8,
@@ -444,6 +447,59 @@ TEST(NodesTls, ServesPeersWithACertificateOfItsCaAndRefusesOthers) {
   for (auto& x : big) x = 3 * x + 1;
   EXPECT_EQ(out[0], big);
   EXPECT_GT(troupe::bulk::totals().joined, before.joined);
+}
+
+// The child of the next test (run in a process of its own: `--gtest_also_run_disabled_tests`):
+// streams blobs from the node at $TROUPE_EXIT_NODE (over TLS with the certificates in
+// $TROUPE_EXIT_CERTS, when set) and exits while they flow, after SIGKILLing the node
+// $TROUPE_EXIT_KILL (when set) so that its connection closes as the process exits.
+TEST(NodesExit, DISABLED_ExitWhileTheNetworkIsBusy) {
+  const char* node = std::getenv("TROUPE_EXIT_NODE");
+  if (node == nullptr) GTEST_SKIP() << "run by AProcessExitingWhileItsConnectionsCarryData...";
+  // Registered before anything initializes OpenSSL, so it runs after OpenSSL's own atexit()
+  // handler if there is one (handlers run in reverse order) and after the static objects made
+  // later are destroyed: the network keeps working meanwhile, as it would on a busy machine,
+  // and OpenSSL must still be there for it (after OPENSSL_cleanup(), OPENSSL_init_crypto()
+  // fails: the library is gone).
+  std::atexit([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (OPENSSL_init_crypto(0, nullptr) != 1) _exit(3);
+  });
+  troupe::tls t;
+  if (const char* certs = std::getenv("TROUPE_EXIT_CERTS")) {
+    std::string d = std::string{certs} + "/";
+    t = {d + "client.pem", d + "client.key", d + "ca.pem", {}};
+  }
+  auto c = troupe::cluster::connect({node}, t);
+  troupe::ordered_runner<remote_blobs> blobs{c.devices()};
+  std::vector<std::vector<std::int64_t>> items(2000, std::vector<std::int64_t>(20'000, 7));
+  auto handle = blobs.submit(items);  // kept: the job is in flight as the process exits
+  while (blobs.stats().items < 20) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (const char* pid = std::getenv("TROUPE_EXIT_KILL")) ::kill(std::atoi(pid), SIGKILL);
+  std::exit(0);  // atexit() handlers and static destructors run while the network is busy
+}
+
+// A process that exits while its connections carry data (a job in flight, its node closing the
+// connection) exits cleanly. Found in CI (a SIGSEGV after main returned): exit() destroyed the
+// registries of jobs and batch types while actor threads still decoded answers with them, and
+// OpenSSL's atexit() cleanup freed its tables while the multiplexer thread still used them.
+// Each child fails without either fix (exit code 139, or 3).
+TEST(NodesExit, AProcessExitingWhileItsConnectionsCarryDataExitsCleanly) {
+  for (int run = 0; run < 6; ++run) {
+    bool secure = run >= 2, kill_node = run % 2 == 1;
+    node_process a{"cpu,cpu", secure ? tls_flags(tls_of("node")) : std::vector<std::string>{}};
+    std::string cmd =
+        "TROUPE_EXIT_NODE=" + a.address() + (secure ? " TROUPE_EXIT_CERTS=" + cert_dir() : "") +
+        (kill_node ? " TROUPE_EXIT_KILL=" + std::to_string(a.pid()) : "") + " /proc/" +
+        std::to_string(getpid()) +
+        "/exe --gtest_also_run_disabled_tests "
+        "--gtest_filter=NodesExit.DISABLED_ExitWhileTheNetworkIsBusy > /dev/null 2>&1";
+    int status = std::system(cmd.c_str());
+    // (through sh: a child killed by signal N is exit code 128 + N)
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "run " << run << (secure ? " (TLS)" : "") << (kill_node ? " (node killed)" : "")
+        << ": exit code " << WEXITSTATUS(status);
+  }
 }
 
 TEST(NodesTls, PeersRefusedDuringARunLeaveItUndisturbed) {

@@ -15,7 +15,8 @@ namespace troupe {
 namespace {
 
 detail::named_registry<batch_factory>& batch_registry() {
-  static detail::named_registry<batch_factory> instance;
+  // Never destroyed: actor and network threads may still look types up while exit() runs.
+  static auto& instance = *new detail::named_registry<batch_factory>;
   return instance;
 }
 

@@ -34,7 +34,7 @@ struct cluster_registry {
 };
 
 cluster_registry& registry() {
-  static cluster_registry r;
+  static auto& r = *new cluster_registry;  // never destroyed: see network_system()
   return r;
 }
 
@@ -170,7 +170,7 @@ std::size_t cluster::fenced_answers() const {
 }
 
 const tls& cluster::tls_settings() const {
-  static const tls none;
+  static const auto& none = *new tls;  // never destroyed: see network_system()
   return state_ ? state_->core->settings() : none;
 }
 

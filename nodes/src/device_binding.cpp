@@ -11,7 +11,7 @@ namespace {
 thread_local device_binding* current_binding = nullptr;
 
 detail::cuda_support& cuda() {
-  static detail::cuda_support s;
+  static auto& s = *new detail::cuda_support;  // never destroyed: producers outlive exit()
   return s;
 }
 

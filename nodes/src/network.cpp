@@ -49,9 +49,25 @@ int passphrase_callback(char* buf, int size, int, void* user) {
 }
 
 }  // namespace
+
+void keep_openssl_until_exit() {
+  // OpenSSL frees its global state from an atexit() handler (OPENSSL_cleanup) unless told
+  // otherwise by the first initialization. The network's actor system is never destroyed: its
+  // multiplexer thread may still be reading or closing a TLS connection while exit() runs the
+  // handler, and then touches freed tables (a SIGSEGV after main returned, seen in CI when a
+  // node closed its connection as a test process exited). The process's memory goes at exit
+  // anyway. A program that initialized OpenSSL itself before troupe keeps OpenSSL's default.
+  static std::once_flag once;
+  std::call_once(once, [] {
+    OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
+    OPENSSL_init_ssl(0, nullptr);
+  });
+}
+
 }  // namespace detail
 
 void check_tls(const tls& t) {
+  detail::keep_openssl_until_exit();
   if (t.key.empty() || t.ca.empty())
     throw invalid_argument(
         "TLS needs a certificate, a key and a CA file (--tls-cert, --tls-key, "
@@ -129,7 +145,7 @@ namespace {
 
 std::mutex tls_mutex;
 std::map<std::string, tls>& remembered_tls() {
-  static std::map<std::string, tls> instance;
+  static auto& instance = *new std::map<std::string, tls>;  // never destroyed: see below
   return instance;
 }
 
@@ -329,9 +345,12 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
 }
 
 caf::actor_system& network_system(const tls& t) {
+  keep_openssl_until_exit();  // before CAF's openssl module (or anything else) initializes it
   static std::mutex mtx;
-  static caf::actor_system* sys = nullptr;  // never destroyed: connections may outlive anything
-  static tls settings;
+  // Never destroyed, nor is anything its threads may read (the registries of jobs and batch
+  // types, the TLS settings): connections and actors may outlive anything, exit() included.
+  static caf::actor_system* sys = nullptr;
+  static auto& settings = *new tls;
   if (t.enabled()) check_tls(t);
   std::lock_guard<std::mutex> guard{mtx};
   if (sys == nullptr) {
@@ -359,7 +378,7 @@ caf::actor_system& network_system(const tls& t) {
 
 namespace {
 std::mutex serve_host_mutex;
-std::string served_plain_host;
+std::string& served_plain_host = *new std::string;  // never destroyed: see network_system()
 }  // namespace
 
 void note_plain_serve_host(const std::string& host) {

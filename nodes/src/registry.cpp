@@ -6,7 +6,8 @@ namespace troupe {
 namespace {
 
 detail::named_registry<registered_job>& registry() {
-  static detail::named_registry<registered_job> instance;
+  // Never destroyed: actor and network threads may still look jobs up while exit() runs.
+  static auto& instance = *new detail::named_registry<registered_job>;
   return instance;
 }
 

@@ -239,7 +239,8 @@ struct device_state_holder<void> {};
 template <class S>
 std::shared_ptr<device_state_holder<S>> device_state_for(const device& d, const config& cfg) {
   static std::mutex mtx;
-  static std::map<std::string, std::weak_ptr<device_state_holder<S>>> live;
+  // Never destroyed: producers on their threads may still let go of their state during exit().
+  static auto& live = *new std::map<std::string, std::weak_ptr<device_state_holder<S>>>;
   std::lock_guard<std::mutex> guard{mtx};
   auto& slot = live[d.str()];
   if (auto h = slot.lock()) return h;

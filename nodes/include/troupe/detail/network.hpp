@@ -28,6 +28,9 @@ void add_message_types(caf::actor_system_config& cfg);
 /// exits.
 caf::actor_system& network_system(const tls& t);
 
+/// Initializes OpenSSL (once) without its atexit() cleanup: the network system outlives exit().
+void keep_openssl_until_exit();
+
 /// Connects to the node at `address` and checks its protocol version; returns the node actor
 /// and fills `devices`, `incarnation` and `leaving` (the node drains) when not null. Throws
 /// node_error naming the node and the reason, at the latest after `deadline`.
