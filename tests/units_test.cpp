@@ -6,6 +6,8 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
+#include <random>
+#include <set>
 #include <troupe/device_binding.hpp>
 #include <troupe/internal/bulk.hpp>
 #include <troupe/protocol.hpp>
@@ -611,7 +613,7 @@ TEST(ProducerModel, RoomCountsChunksAndItemsInFlight) {
   EXPECT_TRUE(m.has_room(s));
   s.max_in_flight = 1;
   EXPECT_FALSE(m.has_room(s));  // one more item would pass max_in_flight
-  m.alive = false;
+  m.state = troupe::detail::slot_state::lost;
   s.max_in_flight = 0;
   EXPECT_FALSE(m.has_room(s));
   EXPECT_EQ(m.load(), std::make_pair(0.5, std::size_t{1}));
@@ -627,10 +629,103 @@ TEST(ProducerModel, TheAutomaticReorderWindowCoversTheFastProducersWhileASlowOne
   EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 204u);
   ps[1].ns_per_item = 10'000'000;  // capped at 64 x, then at 256 chunks
   EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 256u);
-  ps[1].alive = false;
+  ps[1].state = troupe::detail::slot_state::lost;
   EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 8u);
   s.reorder_window = 3;
   EXPECT_EQ(troupe::detail::reorder_window_chunks(ps, s), 3u);
+}
+
+#include "slot_state.hpp"
+
+namespace {
+using troupe::detail::slot_event;
+using troupe::detail::slot_state;
+constexpr slot_state all_states[] = {
+    slot_state::working,  slot_state::restarting, slot_state::lost,    slot_state::quarantined,
+    slot_state::draining, slot_state::ending,     slot_state::closing, slot_state::end_lost,
+    slot_state::closed,   slot_state::retired};
+constexpr slot_event all_events[] = {
+    slot_event::lose,     slot_event::quarantine,     slot_event::restart,
+    slot_event::replaced, slot_event::replace_failed, slot_event::drain,
+    slot_event::end,      slot_event::ended,          slot_event::retire};
+}  // namespace
+
+// The machine, written out: every transition that changes the state. Everything else leaves it.
+TEST(SlotState, EveryTransitionIsTheOneWrittenHere) {
+  using st = slot_state;
+  using ev = slot_event;
+  struct arrow {
+    st from;
+    ev on;
+    st to;
+  };
+  const std::vector<arrow> arrows = {
+      {st::working, ev::lose, st::lost},           {st::working, ev::quarantine, st::quarantined},
+      {st::working, ev::drain, st::draining},      {st::working, ev::end, st::closing},
+      {st::restarting, ev::replaced, st::working}, {st::restarting, ev::replace_failed, st::lost},
+      {st::lost, ev::restart, st::restarting},     {st::draining, ev::lose, st::lost},
+      {st::draining, ev::quarantine, st::lost},    {st::draining, ev::end, st::ending},
+      {st::ending, ev::lose, st::end_lost},        {st::ending, ev::quarantine, st::end_lost},
+      {st::ending, ev::ended, st::closed},         {st::closing, ev::lose, st::end_lost},
+      {st::closing, ev::quarantine, st::end_lost}, {st::closing, ev::ended, st::closed},
+      {st::end_lost, ev::ended, st::lost},         {st::closed, ev::lose, st::lost},
+      {st::closed, ev::quarantine, st::lost},
+  };
+  for (auto from : all_states)
+    for (auto on : all_events) {
+      auto expected = from;
+      if (on == ev::retire) expected = st::retired;
+      for (auto& a : arrows)
+        if (a.from == from && a.on == on) expected = a.to;
+      EXPECT_EQ(next(from, on), expected) << name(from) << " on event " << static_cast<int>(on)
+                                          << " gives " << name(next(from, on));
+    }
+}
+
+// Random lives of a slot: what the scheduler reads from the state never contradicts the events.
+TEST(SlotState, RandomLivesKeepWhatTheSchedulerReadsConsistent) {
+  using namespace troupe::detail;
+  std::mt19937 rng{7};
+  std::set<std::pair<int, int>> seen;  // (state, event) pairs met
+  for (int life = 0; life < 20'000; ++life) {
+    auto s = slot_state::working;
+    bool quarantined = false, retired = false;
+    for (int step = 0; step < 12; ++step) {
+      auto e = all_events[rng() % std::size(all_events)];
+      seen.insert({static_cast<int>(s), static_cast<int>(e)});
+      auto t = next(s, e);
+      if (retired) {
+        ASSERT_EQ(t, slot_state::retired) << "retired is final";
+      }
+      // A quarantined producer never works again (a replacement is never asked for).
+      if (quarantined) {
+        ASSERT_TRUE(t == slot_state::quarantined || t == slot_state::retired);
+      }
+      // Work is only ever resumed by a replacement (asked for, then started).
+      if (!takes_work(s) && takes_work(t)) {
+        ASSERT_TRUE(e == slot_event::restart || e == slot_event::replaced) << name(s);
+      }
+      // An end() is awaited only once asked, and stops being awaited only when answered or
+      // retired (a loss keeps it awaited: close() counts on that answer or its time).
+      if (!end_pending(s) && end_pending(t)) {
+        ASSERT_EQ(e, slot_event::end) << name(s);
+      }
+      if (end_pending(s) && !end_pending(t)) {
+        ASSERT_TRUE(e == slot_event::ended || e == slot_event::retire) << name(s);
+      }
+      // Leaving ends in an end() or a loss, never in work.
+      if (leaving(s)) {
+        ASSERT_FALSE(takes_work(t)) << name(s);
+      }
+      // A slot that takes work is never leaving, and one that is alive is not being replaced.
+      ASSERT_FALSE(takes_work(t) && leaving(t));
+      ASSERT_FALSE(alive(t) && t == slot_state::restarting);
+      quarantined = quarantined || t == slot_state::quarantined;
+      retired = t == slot_state::retired;
+      s = t;
+    }
+  }
+  EXPECT_EQ(seen.size(), std::size(all_states) * std::size(all_events)) << "every pair met";
 }
 
 #include "fair_share.hpp"

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "slot_state.hpp"
 #include "troupe/detail/chunk_cut.hpp"
 
 namespace troupe::detail {
@@ -157,10 +158,9 @@ class producer_model {
     if (s.chunk_size) chunk_items = s.chunk_size;
   }
 
-  bool local = true;      ///< in this process: answers within microseconds
-  bool alive = true;      ///< takes work
-  bool draining = false;  ///< remove_devices: takes no new work; ends once its chunks are in
-  bool retired = false;   ///< removed (drained): never takes work again; its slot is not reused
+  bool local = true;  ///< in this process: answers within microseconds
+  /// Where it is in its life; changed only through next() (scheduler::move).
+  slot_state state = slot_state::working;
   std::vector<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
   std::size_t items = 0;                ///< items outstanding
   double ns_per_item = 0;               ///< measured inside producer::work; 0 = not yet
@@ -232,7 +232,7 @@ class producer_model {
 
   /// Whether it may take another chunk now.
   [[nodiscard]] bool has_room(const model_settings& s) const {
-    if (!alive || draining || outstanding.size() >= depth) return false;
+    if (!alive(state) || leaving(state) || outstanding.size() >= depth) return false;
     return !(s.max_in_flight && !outstanding.empty() && items + chunk_limit(s) > s.max_in_flight);
   }
 
@@ -322,16 +322,17 @@ std::size_t reorder_window_chunks(const std::vector<Model>& producers, const mod
   if (s.reorder_window) return s.reorder_window;
   double slowest = 0;
   for (const producer_model& p : producers)
-    if (p.alive) slowest = std::max(slowest, p.ns_per_item * static_cast<double>(p.chunk_limit(s)));
+    if (alive(p.state))
+      slowest = std::max(slowest, p.ns_per_item * static_cast<double>(p.chunk_limit(s)));
   std::size_t chunks = 0;
   for (const producer_model& p : producers) {
-    if (!p.alive) continue;
+    if (!alive(p.state)) continue;
     auto own = std::max(1.0, p.ns_per_item * static_cast<double>(p.chunk_limit(s)));
     auto ratio = p.ns_per_item > 0 ? std::min(64.0, std::ceil(slowest / own)) : 1.0;
     chunks += p.depth * static_cast<std::size_t>(ratio);
   }
   std::size_t present = 0;  // slots of removed producers are kept, but not counted
-  for (const producer_model& p : producers) present += p.retired ? 0 : 1;
+  for (const producer_model& p : producers) present += p.state == slot_state::retired ? 0 : 1;
   auto floor = 4 * std::max<std::size_t>(1, present);
   return std::clamp(2 * chunks, floor, std::max<std::size_t>(floor, 256));
 }

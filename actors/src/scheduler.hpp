@@ -66,10 +66,7 @@ inline constexpr double unknown_ns_per_item = 1000;  ///< fair-share cost of an 
 /// A producer: its actor and health, and what the scheduler has learnt of it (producer_model).
 struct producer_slot : producer_model {
   device where;
-  std::uint64_t gen = 0;  ///< answers of a handle given up on carry an older generation
-  bool restarting = false;
-  bool quarantined = false;
-  bool end_pending = false;   ///< producer::end() asked (a drain or close), not yet answered
+  std::uint64_t gen = 0;      ///< answers of a handle given up on carry an older generation
   std::uint64_t end_gen = 0;  ///< which end request (scheduler-wide) the drain_end timer is for
   int restarts_in_row = 0;
   std::size_t failures_in_row = 0;  ///< items that threw in a row (quarantine)
@@ -172,15 +169,18 @@ class scheduler {
   void drain(const std::vector<std::size_t>& slots, std::shared_ptr<std::promise<void>> done);
 
  private:
-  /// A draining slot with nothing outstanding: producer::end() on it (or retired at once when
-  /// it is lost).
+  /// A draining slot with nothing outstanding: producer::end() on it.
   void maybe_end_drained(std::size_t p);
   /// The slot is done with: no work ever again, its actor stopped, the drains waiting for it
   /// told.
   void retire(std::size_t p, const std::string& why);
-  /// Whether slot `s` may take work now or soon (alive or being replaced, and not leaving).
-  static bool can_work(const producer_slot& s) {
-    return (s.alive || s.restarting) && !s.draining && !s.retired;
+  /// Whether slot `s` may take work now or soon (working or being replaced).
+  static bool can_work(const producer_slot& s) { return takes_work(s.state); }
+  /// Slot `p` goes through `e` (slot_state's next()); returns its state before.
+  slot_state move(std::size_t p, slot_event e) {
+    auto before = producers_[p].state;
+    producers_[p].state = next(before, e);
+    return before;
   }
   clock_type::time_point clock_now() { return io_.now(); }
 

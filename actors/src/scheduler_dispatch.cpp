@@ -114,7 +114,7 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
   std::optional<double> next_late;  // ns from now until the first chunk becomes late
   for (std::size_t q = 0; q < producers_.size(); ++q) {
     auto& s = producers_[q];
-    if (q == p || !s.alive || s.outstanding.empty()) continue;
+    if (q == p || !alive(s.state) || s.outstanding.empty()) continue;
     // A producer works FIFO: its chunks finish one after the other from when it could start
     // the first one.
     auto began = std::max(s.outstanding.front().sent, s.last_done);
@@ -339,10 +339,10 @@ std::size_t scheduler::folded_chunk_limit(const job_state& j, const producer_slo
   auto target = static_cast<double>(settings_.target_chunk_time.count());
   auto want = items_in(target);
   if (auto total = j.source->total()) {
-    std::uint64_t alive = 0;
-    for (auto& q : producers_) alive += q.alive && !q.draining ? 1 : 0;
+    std::uint64_t staying = 0;  // alive and not leaving
+    for (auto& q : producers_) staying += alive(q.state) && !leaving(q.state) ? 1 : 0;
     auto left = *total > j.next_item ? *total - j.next_item : 0;
-    auto share = (left + 2 * alive - 1) / std::max<std::uint64_t>(1, 2 * alive);
+    auto share = (left + 2 * staying - 1) / std::max<std::uint64_t>(1, 2 * staying);
     want = static_cast<std::size_t>(std::min<std::uint64_t>(want, share));
   }
   // Not below a 40th of the target (50 us by default): smaller chunks cost more in messages

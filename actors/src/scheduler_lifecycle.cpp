@@ -79,7 +79,7 @@ void scheduler::timer_fired(scheduler_io::timer t, std::uint64_t id) {
     case scheduler_io::timer::drain_end:
       for (std::size_t p = 0; p < producers_.size(); ++p) {
         auto& s = producers_[p];
-        if (s.end_pending && s.draining && s.end_gen == id && !closing_) {
+        if (s.state == slot_state::ending && s.end_gen == id && !closing_) {
           log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
                                    " did not finish producer::end() within "
                                    "options::close_timeout; left behind");
@@ -121,35 +121,39 @@ void scheduler::drain(const std::vector<std::size_t>& slots,
   }
   drain_wait w;
   w.done = std::move(done);
-  for (auto p : slots) {
-    if (p >= producers_.size() || producers_[p].retired) continue;
-    producers_[p].draining = true;
-    room_changed(p);
-    w.left.insert(p);
-  }
+  for (auto p : slots)
+    if (p < producers_.size() && producers_[p].state != slot_state::retired) w.left.insert(p);
   if (w.left.empty()) {
     w.done->set_value();
     return;
   }
+  auto asked = w.left;
   drains_.push_back(std::move(w));
-  for (auto p : slots)
-    if (p < producers_.size()) maybe_end_drained(p);
+  for (auto p : asked) {
+    switch (move(p, slot_event::drain)) {
+      case slot_state::working:  // now draining
+        room_changed(p);
+        maybe_end_drained(p);
+        break;
+      case slot_state::restarting:  // its replacement (maybe still constructing) is stopped
+        retire(p, "removed while a replacement was starting");
+        break;
+      case slot_state::lost:
+      case slot_state::quarantined:  // nothing to end, nothing held (a loss re-queued it)
+        retire(p, "lost while it drained");
+        break;
+      default:  // already leaving
+        break;
+    }
+  }
   check_survivors();
   pump();
 }
 
 void scheduler::maybe_end_drained(std::size_t p) {
   auto& s = producers_[p];
-  if (!s.draining || s.retired || s.end_pending || !s.outstanding.empty() || closing_) return;
-  if (s.restarting) {  // its replacement (maybe still constructing) is stopped; never waited for
-    retire(p, "removed while a replacement was starting");
-    return;
-  }
-  if (!s.alive) {
-    retire(p, "lost while it drained");
-    return;
-  }
-  s.end_pending = true;
+  if (s.state != slot_state::draining || !s.outstanding.empty() || closing_) return;
+  move(p, slot_event::end);
   s.end_gen = ++end_requests_;  // unique: a timer left from another slot's drain never matches
   io_.end_producer(p);
   if (finite_wait(opts_.close_timeout))
@@ -158,14 +162,9 @@ void scheduler::maybe_end_drained(std::size_t p) {
 
 void scheduler::retire(std::size_t p, const std::string& why) {
   auto& s = producers_[p];
-  if (s.retired) return;
-  bool was_ending = s.end_pending;
-  s.alive = false;
-  s.draining = false;
-  s.retired = true;
+  if (s.state == slot_state::retired) return;
+  bool was_ending = end_pending(move(p, slot_event::retire));
   room_changed(p);
-  s.restarting = false;
-  s.end_pending = false;
   s.gen += 1;              // answers still on their way are dropped
   requeue_outstanding(p);  // none after a drain; a loss re-queued them already
   s.release();
@@ -208,7 +207,7 @@ void scheduler::check_stalls() {
   auto now = clock_now();
   for (std::size_t p = 0; p < producers_.size(); ++p) {
     auto& s = producers_[p];
-    if (!s.alive || s.outstanding.empty()) continue;
+    if (!alive(s.state) || s.outstanding.empty()) continue;
     // A producer works FIFO: its oldest chunk started when it was sent or when the chunk
     // ahead of it was answered, whichever came later. Time spent queued does not count.
     auto began = std::max(s.outstanding.front().sent, s.last_done);
@@ -237,17 +236,17 @@ void scheduler::close(std::shared_ptr<std::promise<void>> done, bool timed) {
     end_job(id, std::make_exception_ptr(runner_closed("the runner was closed during this job")));
   for (std::size_t p = 0; p < producers_.size(); ++p) {
     auto& s = producers_[p];
-    if (s.retired) continue;
-    if (s.end_pending) {  // a drain's producer::end() is under way: waited for like the others
+    if (s.state == slot_state::retired) continue;
+    if (end_pending(s.state)) {  // a drain's producer::end() is under way: waited for too
       ++pending_ends_;
       continue;
     }
-    if (!s.alive) {  // stuck, lost or still starting: not waited on
+    if (!alive(s.state)) {  // stuck, lost or still starting: not waited on
       io_.stop_producer(p);
       continue;
     }
     ++pending_ends_;
-    s.end_pending = true;
+    move(p, slot_event::end);
     io_.end_producer(p);
   }
   if (pending_ends_ == 0)
@@ -258,8 +257,8 @@ void scheduler::close(std::shared_ptr<std::promise<void>> done, bool timed) {
 
 void scheduler::producer_ended(std::size_t p, const std::string& why) {
   auto& s = producers_[p];
-  if (!s.end_pending) return;  // retired meanwhile (lost, or end() past its time)
-  s.end_pending = false;
+  if (!end_pending(s.state)) return;  // retired meanwhile (lost, or end() past its time)
+  move(p, slot_event::ended);
   if (!why.empty())
     log(log_level::warn, "ending the producer on " + s.where.str() + " failed: " + why);
   if (closing_) {

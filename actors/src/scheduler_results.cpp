@@ -244,24 +244,24 @@ void scheduler::emit(producer_event::kind kind, std::size_t p, std::string reaso
 
 void scheduler::producer_failed(std::size_t p, std::uint64_t gen, const std::string& why,
                                 bool unreachable) {
-  if (producers_[p].gen == gen && !producers_[p].restarting) give_up(p, why, unreachable);
+  if (producers_[p].gen == gen && producers_[p].state != slot_state::restarting)
+    give_up(p, why, unreachable);
 }
 
 void scheduler::producer_down(std::size_t p, const std::string& why, bool unreachable) {
-  if (!producers_[p].restarting) give_up(p, why, unreachable);
+  if (producers_[p].state != slot_state::restarting) give_up(p, why, unreachable);
 }
 
 void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable, bool quarantine,
                         producer_event::kind kind) {
   auto& s = producers_[p];
-  if (!s.alive) return;
+  if (!alive(s.state)) return;
   if (quarantine) kind = producer_event::kind::quarantined;
-  s.alive = false;
+  bool was_leaving = leaving(move(p, quarantine ? slot_event::quarantine : slot_event::lose));
   s.gen += 1;
-  s.quarantined = quarantine;
   room_changed(p);
-  bool replace =
-      s.local && !closing_ && !quarantine && !s.draining && s.restarts_in_row < max_restarts_in_row;
+  bool replace = s.local && !closing_ && !quarantine && !was_leaving &&
+                 s.restarts_in_row < max_restarts_in_row;
   if (quarantine)
     log(log_level::warn, "producer " + std::to_string(p) + " on " + s.where.str() +
                              " is quarantined: its work() threw " +
@@ -291,7 +291,7 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
   if (s.local || quarantine) io_.stop_producer(p);
   if (replace) restart(p);
   if (!s.local) s.release();  // a remote slot is never replaced (its node's rejoin adds slots)
-  if (s.draining) retire(p, "lost while it drained: " + why);  // its chunks went to the others
+  if (was_leaving) retire(p, "lost while it drained: " + why);  // its chunks went to the others
   check_survivors();
   pump();
 }
@@ -321,7 +321,7 @@ void scheduler::restart(std::size_t p) {
     log(log_level::error, "cannot replace the producer on " + s.where.str() + ": " + e.what());
     return;
   }
-  s.restarting = true;
+  move(p, slot_event::restart);
   s.restarts_in_row += 1;
   s.gen += 1;
 }
@@ -329,12 +329,12 @@ void scheduler::restart(std::size_t p) {
 void scheduler::replaced(std::size_t p, std::uint64_t gen) {
   auto& s = producers_[p];
   if (s.gen != gen) return;
-  s.restarting = false;
   if (closing_) {
+    move(p, slot_event::replace_failed);
     io_.stop_producer(p);
     return;
   }
-  s.alive = true;
+  move(p, slot_event::replaced);
   s.outstanding.clear();
   s.items = 0;
   room_changed(p);
@@ -348,42 +348,43 @@ void scheduler::replaced(std::size_t p, std::uint64_t gen) {
       "producer " + std::to_string(p) + " on " + s.where.str() + " was replaced by a fresh one");
   emit(producer_event::kind::replaced, p, "a fresh producer on the same device");
   trace_instant(p, "replaced", "a fresh producer on the same device");
-  maybe_end_drained(p);  // removed meanwhile: its end() runs, then it is retired
   pump();
 }
 
 void scheduler::replace_failed(std::size_t p, std::uint64_t gen, const std::string& why) {
   auto& s = producers_[p];
   if (s.gen != gen) return;
-  s.restarting = false;
+  move(p, slot_event::replace_failed);
   log(log_level::error,
       "the replacement producer on " + s.where.str() + " failed to start: " + why);
-  if (s.draining) retire(p, "its replacement failed to start while it drained: " + why);
   check_survivors();
   pump();
 }
 
 void scheduler::check_survivors() {
-  if (jobs_.empty()) return;
+  // At close, the jobs left are in consumer::end(): they need no producer (finish_close ends
+  // what has not answered by then).
+  if (jobs_.empty() || closing_) return;
   if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return can_work(s); }))
     return;
   // A producer being drained still delivers the chunks it holds: the jobs fail (if they still
   // need someone) once it has gone (retire() looks again).
   if (std::any_of(producers_.begin(), producers_.end(),
-                  [](auto& s) { return s.draining && s.alive && !s.outstanding.empty(); }))
+                  [](auto& s) { return leaving(s.state) && !s.outstanding.empty(); }))
     return;
   std::string what = "every producer is lost (";
   bool all_local = true;
   bool any_quarantined = false;
   bool first = true;
   for (std::size_t i = 0; i < producers_.size(); ++i) {
-    if (producers_[i].retired) continue;  // removed on purpose
+    auto state = producers_[i].state;
+    if (state == slot_state::retired) continue;  // removed on purpose
     what += (first ? "" : ", ") + producers_[i].where.str() +
-            (producers_[i].quarantined ? ": quarantined" : "") +
-            (producers_[i].draining ? ": being removed" : "");
+            (state == slot_state::quarantined ? ": quarantined" : "") +
+            (leaving(state) ? ": being removed" : "");
     first = false;
     all_local = all_local && producers_[i].local;
-    any_quarantined = any_quarantined || producers_[i].quarantined;
+    any_quarantined = any_quarantined || state == slot_state::quarantined;
   }
   what += "); the job's remaining work could not be done: ";
   what += any_quarantined ? "quarantined producers threw options::quarantine_after times in a "

@@ -22,7 +22,7 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
   double longest = 0;    // the longest a producer has been on its current chunk
   for (std::size_t q = 0; q < producers_.size(); ++q) {
     auto& s = producers_[q];
-    if (q == p || !s.alive || s.outstanding.empty()) continue;
+    if (q == p || !alive(s.state) || s.outstanding.empty()) continue;
     auto elapsed = ns(now - std::max(s.outstanding.front().sent, s.last_done));
     longest = std::max(longest, elapsed);
     // The chunks queued behind one that runs late wait at least as long again.
