@@ -472,7 +472,7 @@ TEST(NodesExit, DISABLED_ExitWhileTheNetworkIsBusy) {
   }
   auto c = troupe::cluster::connect({node}, t);
   troupe::ordered_runner<remote_blobs> blobs{c.devices()};
-  std::vector<std::vector<std::int64_t>> items(2000, std::vector<std::int64_t>(20'000, 7));
+  std::vector<std::vector<std::int64_t>> items(2000, std::vector<std::int64_t>(5'000, 7));
   auto handle = blobs.submit(items);  // kept: the job is in flight as the process exits
   while (blobs.stats().items < 20) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   if (const char* pid = std::getenv("TROUPE_EXIT_KILL")) ::kill(std::atoi(pid), SIGKILL);
@@ -483,9 +483,10 @@ TEST(NodesExit, DISABLED_ExitWhileTheNetworkIsBusy) {
 // connection) exits cleanly. Found in CI (a SIGSEGV after main returned): exit() destroyed the
 // registries of jobs and batch types while actor threads still decoded answers with them, and
 // OpenSSL's atexit() cleanup freed its tables while the multiplexer thread still used them.
-// Each child fails without either fix (exit code 139, or 3).
+// Checked: with the registries destroyed at exit most children crash (exit code 139: 3 of 4 in
+// one run); with OpenSSL's atexit() cleanup kept every child exits 3.
 TEST(NodesExit, AProcessExitingWhileItsConnectionsCarryDataExitsCleanly) {
-  for (int run = 0; run < 6; ++run) {
+  for (int run = 0; run < 4; ++run) {
     bool secure = run >= 2, kill_node = run % 2 == 1;
     node_process a{"cpu,cpu", secure ? tls_flags(tls_of("node")) : std::vector<std::string>{}};
     std::string cmd =
