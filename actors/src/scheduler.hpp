@@ -174,8 +174,6 @@ class scheduler {
   /// The slot is done with: no work ever again, its actor stopped, the drains waiting for it
   /// told.
   void retire(std::size_t p, const std::string& why);
-  /// Whether slot `s` may take work now or soon (working or being replaced).
-  static bool can_work(const producer_slot& s) { return takes_work(s.state); }
   /// Slot `p` goes through `e` (slot_state's next()); returns its state before.
   slot_state move(std::size_t p, slot_event e) {
     auto before = producers_[p].state;

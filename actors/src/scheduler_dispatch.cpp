@@ -16,7 +16,7 @@ bool scheduler::window_open(const job_state& j) const {
 
 bool scheduler::only_choice(std::size_t p) const {
   for (std::size_t i = 0; i < producers_.size(); ++i)
-    if (i != p && can_work(producers_[i])) return false;
+    if (i != p && takes_work(producers_[i].state)) return false;
   return true;
 }
 

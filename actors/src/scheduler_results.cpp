@@ -365,7 +365,8 @@ void scheduler::check_survivors() {
   // At close, the jobs left are in consumer::end(): they need no producer (finish_close ends
   // what has not answered by then).
   if (jobs_.empty() || closing_) return;
-  if (std::any_of(producers_.begin(), producers_.end(), [](auto& s) { return can_work(s); }))
+  if (std::any_of(producers_.begin(), producers_.end(),
+                  [](auto& s) { return takes_work(s.state); }))
     return;
   // A producer being drained still delivers the chunks it holds: the jobs fail (if they still
   // need someone) once it has gone (retire() looks again).
