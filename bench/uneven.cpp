@@ -23,8 +23,11 @@
 #include <cstdint>
 #include <iomanip>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <troupe/troupe.hpp>
 #include <vector>
 
@@ -80,9 +83,17 @@ struct batched {
     std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
       spin_us(2000 + 10 * static_cast<std::int64_t>(xs.size()));
       calls += 1;
+      if (record) {
+        std::lock_guard<std::mutex> guard{mtx};
+        sizes.emplace_back(std::this_thread::get_id(), xs.size());
+      }
       return {xs.begin(), xs.end()};
     }
     static inline std::atomic<std::uint64_t> calls{0};
+    // --sizes: each call's size and its producer's thread, in order.
+    static inline bool record = false;
+    static inline std::mutex mtx;
+    static inline std::vector<std::pair<std::thread::id, std::size_t>> sizes;
   };
   struct consumer {
     void work(std::int64_t) { n += 1; }
@@ -136,7 +147,9 @@ int main(int argc, char** argv) {
   CLI::App app{"troupe on uneven work, against oneTBB"};
   std::size_t producers = 3;
   std::string only;
+  bool sizes = false;
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
+  app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
   app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-cost or batch");
   CLI11_PARSE(app, argc, argv);
   tbb::global_control threads{tbb::global_control::max_allowed_parallelism, producers};
@@ -203,7 +216,14 @@ int main(int argc, char** argv) {
                 << static_cast<double>(xs.size()) / static_cast<double>(batched::producer::calls)
                 << "\n";
     };
+    batched::producer::record = sizes;
     run(0);
-    for (std::size_t c : {16, 64, 256, 1024}) run(c);
+    batched::producer::record = false;
+    if (sizes) {
+      std::map<std::thread::id, std::string> by;
+      for (auto& [t, n] : batched::producer::sizes) by[t] += " " + std::to_string(n);
+      for (auto& [t, line] : by) std::cout << "  calls:" << line << "\n";
+    }
+    for (std::size_t c : {16, 64, 256, 512, 1024, 2048}) run(c);
   }
 }

@@ -849,6 +849,20 @@ TEST(Runner, ABatchProducersBatchesGrowWhenItsCostIsMostlyPerCall) {
   EXPECT_LE(calls.size(), 3'000u / 64) << "mean batch below 64";
 }
 
+TEST(Runner, ABatchProducersChunkOfALentRangeIsOneCallWhateverItsSize) {
+  // run() lends the caller's vector to the producers, which read it in blocks of 16 KiB: a
+  // batch producer got one call per block (2,048 numbers), each paying its fixed cost again,
+  // and a chunk of 5,000 items made three calls.
+  troupe::options o;
+  o.chunk_size = 5'000;
+  troupe::unordered_runner<recorded_calls_job> r{troupe::cpus(1), {}, o};
+  auto xs = iota(5'000);
+  EXPECT_EQ(r.run(xs), test_util::sum_of_squares(5'000));
+  EXPECT_EQ(recorded_calls_job::producer::take(), std::vector<std::size_t>{5'000});
+  EXPECT_EQ(r.run(troupe::lend(xs)), test_util::sum_of_squares(5'000));
+  EXPECT_EQ(recorded_calls_job::producer::take(), std::vector<std::size_t>{5'000});
+}
+
 /// 20,000 items, each work() call counted; items 10,000..10,199 sleep 2 ms (a slow patch).
 struct patchy_job {
   static constexpr std::int64_t n = 20'000, slow_from = 10'000, slow_to = 10'200;

@@ -452,6 +452,91 @@ TEST(SchedulerCore, ItemsWithTroupeCostAreCutIntoChunksOfAboutEqualCost) {
   EXPECT_GE(most, 10 * least) << "chunks of light and heavy items held as many items";
 }
 
+/// Two local batch producers whose calls cost 2 ms + 10 us per item, in virtual time: each works
+/// its chunks in the order sent, and the scheduler hears of each when it is done. Returns the
+/// makespan and each producer's call sizes, in order.
+struct batch_run {
+  clock_type::duration makespan{};
+  std::vector<std::vector<std::size_t>> calls;
+};
+batch_run run_batch_producers(std::size_t chunk_size, std::int64_t items) {
+  troupe::options opts;
+  opts.chunk_size = chunk_size;
+  opts.speculative = false;
+  opts.split_late_chunks = false;  // (a split chunk's items would need claiming here)
+  core_fixture f{{"cpu", "cpu"}, opts};
+  auto job = f.submit(1, items, false);
+  auto start = f.io.t;
+  batch_run out;
+  out.calls.resize(2);
+  std::vector<std::deque<fake_io::sent>> queue(2);
+  std::vector<clock_type::time_point> free_at(2, start), done_at(2, start);
+  for (int step = 0; step < 100000 && !job->done(); ++step) {
+    f.consume_all();
+    for (auto id : std::exchange(f.io.inputs_ended, {})) f.core->input_ended(id);
+    while (!f.io.chunks.empty()) {
+      auto s = std::move(f.io.chunks.front());
+      f.io.chunks.pop_front();
+      if (queue[s.p].empty())
+        done_at[s.p] = std::max(free_at[s.p], f.io.t) + 2ms + 10us * s.msg.items.size();
+      queue[s.p].push_back(std::move(s));
+    }
+    // The producer whose current call ends first answers it.
+    std::optional<std::size_t> next;
+    for (std::size_t p = 0; p < 2; ++p)
+      if (!queue[p].empty() && (!next || done_at[p] < done_at[*next])) next = p;
+    if (!next) continue;
+    auto p = *next;
+    auto s = std::move(queue[p].front());
+    queue[p].pop_front();
+    auto n = s.msg.items.size();
+    auto busy = 2ms + 10us * n;
+    f.io.t = done_at[p];
+    free_at[p] = done_at[p];
+    out.calls[p].push_back(n);
+    auto r = echo(s, std::chrono::duration_cast<std::chrono::nanoseconds>(busy).count());
+    f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+    if (!queue[p].empty()) done_at[p] = free_at[p] + 2ms + 10us * queue[p].front().msg.items.size();
+  }
+  EXPECT_TRUE(job->done());
+  EXPECT_EQ(job->error(), nullptr);
+  out.makespan = f.io.t - start;
+  return out;
+}
+
+TEST(SchedulerCore, ABatchProducersBatchesGrowWithinAFewCallsAndTheProducersEndTogether) {
+  // A batch producer whose call costs 2 ms whatever its size, plus 10 us per item (a forward
+  // pass), in a plain run of 5,000 items on two producers: a job not seen yet starts on one
+  // item, the chunk queued behind it holds two (so that the first answers differ in size and
+  // tell the fixed cost from the cost per item), and once they do the batches go straight to
+  // the target's size; the producers' last chunks end together instead of shrinking into more
+  // calls that each pay the 2 ms again. Before: 1 1 2 2 32 512 1020 765 574 430... per producer.
+  auto adaptive = run_batch_producers(0, 5'000);
+  std::size_t calls = 0;
+  for (auto& c : adaptive.calls) {
+    ASSERT_GE(c.size(), 2u);
+    EXPECT_EQ(c[0], 1u) << "a new job's first chunk holds one item";
+    EXPECT_LE(c[1], 2u);
+    calls += c.size();
+  }
+  std::ostringstream seen;
+  for (auto& c : adaptive.calls) {
+    seen << "\n ";
+    for (auto n : c) seen << " " << n;
+  }
+  EXPECT_LE(calls, 12u) << "calls by producer:" << seen.str();
+  // Against the best of a sweep of fixed sizes, in the same virtual time: at least 0.9 of its
+  // items per second.
+  auto best = clock_type::duration::max();
+  for (std::size_t size : {64, 128, 256, 512, 1024, 2048, 4096})
+    best = std::min(best, run_batch_producers(size, 5'000).makespan);
+  auto ratio = std::chrono::duration<double>(best).count() /
+               std::chrono::duration<double>(adaptive.makespan).count();
+  EXPECT_GE(ratio, 0.9) << "adaptive " << std::chrono::duration<double>(adaptive.makespan).count()
+                        << " s, best fixed " << std::chrono::duration<double>(best).count()
+                        << " s; calls by producer:" << seen.str();
+}
+
 // -- late chunks split, not copied (options::split_late_chunks) ----------------------------------
 
 /// A random schedule of a job on three local producers whose chunks are cut: each producer

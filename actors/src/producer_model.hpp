@@ -93,6 +93,17 @@ struct job_rate {
     return {a, std::max(0.01, b)};
   }
 
+  /// Whether a call's cost is mostly fixed (a batch producer's, a forward pass): answers of two
+  /// sizes or more, the bigger ones slower, and a fixed cost of at least an eighth of `target`
+  /// that outweighs the items' own cost in the calls answered.
+  [[nodiscard]] bool mostly_fixed(double target) const {
+    if (one_size()) return false;
+    auto mean_n = wn / w, mean_t = wt / w;
+    auto b = (wnt / w - mean_n * mean_t) / (wnn / w - mean_n * mean_n);
+    auto a = mean_t - b * mean_n;
+    return b > 0 && a >= target / 8 && a >= b * mean_n;
+  }
+
   /// Takes an answer: `n` items in `t` ns.
   void add(double n, double t) {
     constexpr double keep = 0.75;  // the weight an answer keeps at each later one
@@ -121,14 +132,22 @@ struct job_rate {
     if (!local)
       target = std::max(target, remote_factor * static_cast<double>(s.target_chunk_time.count()));
     auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
+    // A local producer whose calls cost mostly the same whatever their size: no slow start. Each
+    // smaller call pays the fixed cost again, and a chunk that turns out too big waits in the
+    // producer's queue, where an idle producer takes part of it (split_late_chunks); the job's
+    // share rule (scheduler::new_job_limit) bounds it meanwhile.
+    if (local && mostly_fixed(static_cast<double>(s.target_chunk_time.count()))) {
+      chunk_items = std::max<std::size_t>(1, std::min(want, s.max_chunk_items));
+      return;
+    }
     // One size seen: a call that took up to twice the target may be mostly fixed cost (a
-    // batch producer's): try twice the items answered (or what is planned already, if more), so
-    // that the next answer tells the two apart. Judged by the calls answered, not by the size
+    // batch producer's): try twice the items answered or planned already, whichever is more, so
+    // that the next answers tell the two apart. Judged by the calls answered, not by the size
     // planned since: a call of 1 item that took the target kept the next at 1 item.
     if (one_size()) {
       auto seen = std::max(1.0, wn / w);
       if (b * seen <= 2 * target)
-        want = std::max(want, std::max(chunk_items, 2 * static_cast<std::size_t>(seen)));
+        want = std::max(want, 2 * std::max(chunk_items, static_cast<std::size_t>(seen)));
     }
     // Slow start: at most 4 times the last size per answer, or 16 times while a chunk takes
     // under a sixteenth of the target (trivial items reach full-size chunks in 4 answers, not
@@ -254,12 +273,18 @@ class producer_model {
         if (rates.size() >= max_rates) rates.erase(rates.begin());
         rates.push_back(job_rate{});
         rates.back().job = rec.job;
+        // Its size plan starts from the biggest chunk of the job sent here (a second one is
+        // queued behind the first at twice its size: scheduler::new_job_limit).
+        for (auto& c : outstanding)
+          if (c.job == rec.job)
+            rates.back().chunk_items = std::max(rates.back().chunk_items, c.items);
         it = rates.end() - 1;
       }
       auto before = it->answers > 0 ? it->cost() : std::pair<double, double>{0, 0};
       auto n = rec.size();
       auto predicted = before.first + before.second * n;
-      if (it->answers > 0 && busy > 4 * predicted) {
+      bool restart = it->answers > 0 && busy > 4 * predicted;
+      if (restart) {
         // Far slower than its model said (a slow patch of items): start the model again from
         // this answer, so that the next chunks shrink at once.
         auto job = it->job;
@@ -270,8 +295,7 @@ class producer_model {
       }
       it->add(n, std::max(busy, 1.0));
       if (!s.chunk_size) {
-        if (busy > 4 * predicted && it->answers == 1)
-          it->chunk_items = 1;  // grows again from one item: ×4 per answer
+        if (restart) it->chunk_items = 1;  // grows again from one item: ×4 per answer
         it->size(s, local);
       }
       // Trivial items take well under 1 ns each (x*x over numbers in the cache).

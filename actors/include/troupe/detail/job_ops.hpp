@@ -452,8 +452,12 @@ class typed_producer final : public producer_ops {
   /// job's handle that takes the range back waits for one block's copy at most.
   bool work_on_lent(range_lease& lease, const in* x, std::size_t n, std::uint64_t first,
                     bool keep_going, work_outcome& r, std::vector<out>& outputs, std::size_t& k) {
-    for (std::size_t at = 0; at < n && !cut_short_; at += lent_block) {
-      auto m = std::min(lent_block, n - at);
+    // A batch producer's chunk is one call whatever its size (a block per call would pay its
+    // fixed cost again every 16 KiB): copied whole.
+    constexpr bool whole = traits::batched;
+    auto block = whole ? std::max<std::size_t>(n, 1) : lent_block;
+    for (std::size_t at = 0; at < n && !cut_short_; at += block) {
+      auto m = std::min(block, n - at);
       auto* copy = copy_lent_block(lease, x, at, m, n, r);
       if (copy == nullptr || !work_on(copy, m, first + at, keep_going, r, outputs, k)) return false;
     }
@@ -468,7 +472,7 @@ class typed_producer final : public producer_ops {
   __attribute__((always_inline)) const in* copy_lent_block(range_lease& lease, const in* x,
                                                            std::size_t at, std::size_t m,
                                                            std::size_t n, work_outcome& r) {
-    if (block_.empty()) block_.resize(lent_block);
+    if (block_.size() < m) block_.resize(std::max(m, lent_block));
     if (!lease.acquire()) {
       r.revoked = true;
       return nullptr;
