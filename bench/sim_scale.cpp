@@ -6,7 +6,13 @@
 // the job runs (runner::add_devices after submit(): they take work in it). The simulation runs
 // on this thread: its CPU time per item is the scheduler's cost per decision plus the
 // simulation's own bookkeeping. The result is checked.
-// Usage: troupe_sim_scale_bench [--max-nodes 1000] [--per-producer 20]
+// --join-storm N: a job on one node instead, and N - 1 nodes joining it at once (one
+// add_devices() of (N - 1) x 8 producers while it runs): the CPU of that call, and the items
+// the joined producers took.
+// --members N: a live cluster's membership bookkeeping (what the watcher does with answers)
+// for N members: their joins, then probe rounds (every member answers, then the tick).
+// Usage: troupe_sim_scale_bench [--max-nodes 1000] [--per-producer 20] [--join-storm 1000]
+//        [--members 1000]
 #include <time.h>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +22,7 @@
 #include <iostream>
 #include <numeric>
 #include <string>
+#include <troupe/internal/membership.hpp>
 #include <troupe/simulation.hpp>
 #include <vector>
 
@@ -36,7 +43,74 @@ int main(int argc, char** argv) {
   std::size_t max_nodes = 1000, per_producer = 20;
   app.add_option("--max-nodes", max_nodes, "largest number of simulated nodes");
   app.add_option("--per-producer", per_producer, "items per producer");
+  std::size_t storm = 0;
+  app.add_option("--join-storm", storm, "nodes in all, all but one joining a running job at once");
+  std::size_t members = 0;
+  app.add_option("--members", members, "membership bookkeeping of this many members");
   CLI11_PARSE(app, argc, argv);
+  if (members > 0) {
+    troupe::detail::membership m{std::chrono::milliseconds{1500}};
+    std::vector<std::string> names;
+    std::vector<std::vector<troupe::device>> devices;
+    for (std::size_t i = 0; i < members; ++i) {
+      names.push_back("10.0." + std::to_string(i / 250) + "." + std::to_string(i % 250) + ":4242");
+      devices.push_back({troupe::device{names.back() + "/cpu:0"}});
+    }
+    auto t = std::chrono::steady_clock::now();
+    auto c0 = cpu_seconds();
+    for (std::size_t i = 0; i < members; ++i) m.answered(names[i], i + 1, devices[i], t, true);
+    auto joins = cpu_seconds() - c0;
+    constexpr int rounds = 20;
+    c0 = cpu_seconds();
+    for (int k = 0; k < rounds; ++k) {
+      t += std::chrono::milliseconds{200};
+      auto probed = m.watched();  // the watcher's list for the round
+      if (probed.size() != members) return 1;
+      for (std::size_t i = 0; i < members; ++i) m.answered(names[i], i + 1, devices[i], t, false);
+      (void)m.tick(t);
+    }
+    auto probes = (cpu_seconds() - c0) / rounds;
+    std::cout << members << " members: " << std::fixed << std::setprecision(1)
+              << joins / static_cast<double>(members) * 1e6 << " us of CPU per join ("
+              << std::setprecision(3) << joins << " s for all), " << std::setprecision(2)
+              << probes * 1e3 << " ms per probe round (every member's answer and the tick), "
+              << m.members().size() << " members up" << std::endl;
+    return m.members().size() == members ? 0 : 1;
+  }
+  if (storm > 1) {
+    troupe::testing::simulation sim{7};
+    sim.nodes({"n0:1"}, troupe::cpus(8));
+    sim.cost_per_item(std::chrono::milliseconds{2});
+    auto r = sim.unordered_runner<squares>(sim.devices());
+    auto items = static_cast<std::int64_t>(8 * storm * per_producer);
+    std::vector<std::int64_t> xs(static_cast<std::size_t>(items));
+    std::iota(xs.begin(), xs.end(), 0);
+    std::int64_t expected = 0;
+    for (auto x : xs) expected += x * x;
+    std::vector<std::string> later;
+    for (std::size_t i = 1; i < storm; ++i) later.push_back("n" + std::to_string(i) + ":1");
+    auto c0 = cpu_seconds();
+    auto job = r.submit(xs);
+    sim.nodes(later, troupe::cpus(8));
+    std::vector<troupe::device> added;
+    for (auto& d : sim.devices())
+      if (d.node() != "n0:1") added.push_back(d);
+    auto a0 = cpu_seconds();
+    r.add_devices(added);
+    auto add_cpu = cpu_seconds() - a0;
+    auto got = job.get();
+    auto cpu = cpu_seconds() - c0;
+    std::size_t took = 0;
+    for (auto& p : r.stats().producers)
+      if (p.where.node() != "n0:1" && p.items > 0) ++took;
+    std::cout << storm - 1 << " nodes (" << added.size() << " producers) joined a running job at "
+              << "once: add_devices " << std::fixed << std::setprecision(3) << add_cpu
+              << " s of CPU; " << took << " of them took work; the job (" << items << " items) "
+              << std::setprecision(2) << cpu << " s of CPU in all, " << std::setprecision(1)
+              << cpu / static_cast<double>(items) * 1e6 << " us per item"
+              << (got == expected ? ", exact" : ", WRONG RESULT") << std::endl;
+    return got == expected ? 0 : 1;
+  }
   for (std::size_t n = 1; n <= max_nodes; n *= 10) {
     troupe::testing::simulation sim{7};
     auto name = [](std::size_t i) { return "n" + std::to_string(i) + ":1"; };

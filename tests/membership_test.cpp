@@ -72,6 +72,29 @@ TEST(Membership, ARestartFasterThanLostAfterIsALossThenARejoin) {
   EXPECT_TRUE(m.fenced(A, 1));
 }
 
+TEST(Membership, ManyMembersAreProbedWithinTheProbeBudgetAndLostAfterAsManyMissedProbes) {
+  // At 200 ms per member, a thousand members cost the coordinator 10,000 messages a second
+  // (about 40 % of a core here, BENCHMARKS.md): probes are bounded by probes_per_second, and a
+  // member is lost after as many probes missed as with few members.
+  troupe::cluster_options o;  // heartbeat 200 ms, lost_after 1,500 ms, 1,000 probes a second
+  EXPECT_EQ(troupe::detail::probe_period(o, 3), ms{200});
+  EXPECT_EQ(troupe::detail::probe_period(o, 200), ms{200});
+  EXPECT_EQ(troupe::detail::probe_period(o, 1000), ms{1000});
+  EXPECT_EQ(troupe::detail::probe_period(o, 1001), ms{1001});
+  EXPECT_EQ(troupe::detail::scaled_lost_after(o, ms{200}), ms{1500});
+  EXPECT_EQ(troupe::detail::scaled_lost_after(o, ms{1000}), ms{7500});
+  o.probes_per_second = 0;  // no bound
+  EXPECT_EQ(troupe::detail::probe_period(o, 100000), ms{200});
+  // The member is not lost at 1.5 s once the period is longer, and is at the scaled time.
+  membership m{o.lost_after};
+  auto t0 = clock_type::now();
+  m.answered(A, 1, devs(A), t0, true);
+  m.set_lost_after(troupe::detail::scaled_lost_after(o, ms{1000}));
+  EXPECT_TRUE(m.tick(t0 + ms{2000}).empty());
+  EXPECT_EQ(kinds(m.tick(t0 + ms{7600})),
+            (std::vector<membership_event::kind>{membership_event::lost}));
+}
+
 TEST(Membership, ANodeThatDrainsItselfIsDrainedNotLostAndItsNextProcessRejoins) {
   membership m{ms{1500}};
   auto t0 = clock_type::now();

@@ -48,8 +48,8 @@ netns_cleanup() {
   rm -rf "$dir"
 }
 
-# loopback_two_nodes: two nodes of "$bin" on loopback (--serve 127.0.0.1:0 --devices cpu,cpu),
-# their output in $dir/node1 and $dir/node2. Sets dir, pids, a and b (their HOST:PORT); they
+# loopback_two_nodes [NODE_ARGS...]: two nodes of "$bin" on loopback (--serve 127.0.0.1:0 --devices cpu,cpu
+# NODE_ARGS...), their output in $dir/node1 and $dir/node2. Sets dir, pids, a and b (their HOST:PORT); they
 # are SIGKILLed and $dir removed on exit.
 loopback_two_nodes() {
   dir=$(mktemp -d)
@@ -57,7 +57,7 @@ loopback_two_nodes() {
   trap loopback_cleanup EXIT
   local i
   for i in 1 2; do
-    "$bin" --serve 127.0.0.1:0 --devices cpu,cpu > "$dir/node$i" &
+    "$bin" --serve 127.0.0.1:0 --devices cpu,cpu "$@" > "$dir/node$i" &
     pids+=($!)
   done
   a=$(served_address "$dir/node1")

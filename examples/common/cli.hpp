@@ -39,6 +39,7 @@ struct flags {
   std::int64_t drain_timeout_ms = 30'000;  ///< --drain-timeout-ms: a node's drain on SIGTERM
   std::string discover;                    ///< --discover NAME:PORT: troupe::dns_discovery
   std::size_t min_nodes = 0;               ///< --min-nodes: cluster_options::min_nodes
+  std::size_t probes_per_second = 1000;    ///< --probes-per-second: cluster_options::...
 
   /// Runner options from the flags.
   troupe::options options() const {
@@ -73,6 +74,7 @@ struct flags {
     if ((nodes.empty() && discover.empty()) || devices_given) return std::nullopt;
     troupe::cluster_options o;
     o.min_nodes = min_nodes;
+    o.probes_per_second = probes_per_second;
     if (!discover.empty()) {
       o.discover = troupe::dns_discovery(discover);
       o.discover_every = std::chrono::milliseconds{1000};
@@ -139,6 +141,9 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--min-nodes", f.min_nodes,
                  "with --nodes/--discover: start once this many nodes answer (0: all); the others "
                  "join when they answer");
+  app.add_option("--probes-per-second", f.probes_per_second,
+                 "with --nodes/--discover: ask the members for a sign of life at most this often "
+                 "in all (default 1000; 0: every member every 200 ms)");
   app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");
@@ -171,6 +176,11 @@ inline void add_flags(CLI::App& app, flags& f) {
       "--idle-timeout-ms",
       [&f](std::int64_t ms) { f.limits.idle_timeout = std::chrono::milliseconds{ms}; },
       "give up on a connected peer silent for this long (default 1500)");
+  app.add_option_function<std::int64_t>(
+      "--heartbeat-ms",
+      [&f](std::int64_t ms) { f.limits.heartbeat = std::chrono::milliseconds{ms}; },
+      "send a heartbeat on every connection this often (default 200; at most half "
+      "--idle-timeout-ms)");
   app.add_option("--max-connections", f.limits.max_connections,
                  "most connections kept open (default 256)");
   app.add_option("--max-producers-per-coordinator", f.limits.max_producers_per_coordinator,

@@ -36,7 +36,11 @@ std::vector<device> devices_at(const std::string& address, const std::vector<std
 }
 
 cluster_core::cluster_core(tls t, cluster_options o, bool watch)
-    : t_(std::move(t)), o_(std::move(o)), watch_(watch), core_(o_.lost_after) {
+    : t_(std::move(t)),
+      o_(std::move(o)),
+      watch_(watch),
+      core_(o_.lost_after),
+      probe_every_(o_.heartbeat) {
   sys_ = &network_system(t_);
   if (watch_) listener_ = sys_->spawn(leaving_listener, sink_);
 }

@@ -147,6 +147,8 @@ class cluster_core {
   bool stopping_ = false;
   bool watch_ = false;
   membership core_;
+  /// How often the watcher probes each member now (probe_period; under mtx_).
+  std::chrono::milliseconds probe_every_;
   std::map<std::string, caf::actor> handles_;  ///< the members' node actors
   std::vector<std::weak_ptr<cluster_follower>> followers_;
   std::deque<std::shared_ptr<batch>> queue_;

@@ -37,10 +37,15 @@ void cluster_core::watch_loop() {
   while (!stopping()) {
     auto start = clock::now();
     std::vector<std::pair<std::string, caf::actor>> targets;
+    std::chrono::milliseconds every;
     {
       std::lock_guard<std::mutex> guard{mtx_};
       for (auto& a : core_.watched())
         if (auto i = handles_.find(a); i != handles_.end()) targets.emplace_back(a, i->second);
+      // Many members: probed less often (probes_per_second), and lost after as many probes
+      // missed as with few.
+      every = probe_every_ = probe_period(o_, targets.size());
+      core_.set_lost_after(scaled_lost_after(o_, every));
     }
     struct answer {
       std::string address;
@@ -49,10 +54,9 @@ void cluster_core::watch_loop() {
     std::vector<answer> answers;
     if (!targets.empty()) {
       caf::scoped_actor self{*sys_};
-      using req = decltype(self->request(targets[0].second, o_.heartbeat, hello_atom::value));
+      using req = decltype(self->request(targets[0].second, every, hello_atom::value));
       std::vector<req> pending;
-      for (auto& [a, h] : targets)
-        pending.push_back(self->request(h, o_.heartbeat, hello_atom::value));
+      for (auto& [a, h] : targets) pending.push_back(self->request(h, every, hello_atom::value));
       for (std::size_t i = 0; i < pending.size(); ++i)
         pending[i].receive(
             [&](node_hello& h) {
@@ -82,7 +86,7 @@ void cluster_core::watch_loop() {
     }
     if (b) cv_.notify_all();
     auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
-    if (spent < o_.heartbeat && !pause(o_.heartbeat - spent)) return;
+    if (spent < every && !pause(every - spent)) return;
   }
 }
 
@@ -100,7 +104,7 @@ void cluster_core::reconnect_loop() {
     {
       std::lock_guard<std::mutex> guard{mtx_};
       lost = core_.lost();
-      auto quiet = core_.silent(now, 2 * o_.heartbeat);
+      auto quiet = core_.silent(now, 2 * probe_every_);
       lost.insert(lost.end(), quiet.begin(), quiet.end());
       for (auto& a : lost)
         if (core_.leaves_by_itself(a)) eager.insert(a);

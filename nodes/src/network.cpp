@@ -114,17 +114,21 @@ bool network_started = false;  ///< the network system exists: limits are fixed
 bool same(const limits& a, const limits& b) {
   return a.max_message_bytes == b.max_message_bytes && a.handshake_timeout == b.handshake_timeout &&
          a.idle_timeout == b.idle_timeout && a.max_connections == b.max_connections &&
-         a.max_producers_per_coordinator == b.max_producers_per_coordinator;
+         a.max_producers_per_coordinator == b.max_producers_per_coordinator &&
+         a.heartbeat == b.heartbeat;
 }
 
 }  // namespace
 
 void set_network_limits(const limits& l) {
   if (l.max_message_bytes == 0 || l.handshake_timeout.count() <= 0 || l.idle_timeout.count() <= 0 ||
-      l.max_connections == 0 || l.max_producers_per_coordinator == 0)
+      l.max_connections == 0 || l.max_producers_per_coordinator == 0 || l.heartbeat.count() <= 0)
     throw invalid_argument("network limits must all be positive");
   if (l.idle_timeout < std::chrono::milliseconds{500})
-    throw invalid_argument("idle_timeout must be at least 500 ms (heartbeats go every 200 ms)");
+    throw invalid_argument("idle_timeout must be at least 500 ms");
+  if (l.idle_timeout < 2 * l.heartbeat)
+    throw invalid_argument("idle_timeout must be at least twice the heartbeat (" +
+                           std::to_string(l.heartbeat.count()) + " ms)");
   if (l.max_message_bytes < (std::size_t{2} << 20))
     throw invalid_argument(
         "max_message_bytes must be at least 2 MiB (troupe's bulk fragments are 1 MiB)");
@@ -225,7 +229,7 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   cfg->set("scheduler.max-throughput", std::size_t{1});
   // Heartbeats on both sides: a frozen peer is given up on after ~connection-timeout.
   auto l = network_limits();
-  cfg->set("middleman.heartbeat-interval", caf::timespan{std::chrono::milliseconds{200}});
+  cfg->set("middleman.heartbeat-interval", caf::timespan{l.heartbeat});
   cfg->set("middleman.connection-timeout", caf::timespan{l.idle_timeout});
 #ifdef TROUPE_CAF_PATCHED
   // Enforced by troupe's CAF patches (third_party/caf/patches), unknown to an unpatched CAF.

@@ -39,9 +39,14 @@ struct limits {
   /// A connection that has not completed CAF's handshake in this time is closed; this also
   /// closes connections that never send anything.
   std::chrono::milliseconds handshake_timeout{10'000};
-  /// A connected peer that has sent nothing (not even a heartbeat, sent every 200 ms) for this
-  /// long is given up on (its producers end, its chunks go elsewhere).
+  /// A connected peer that has sent nothing (not even a heartbeat, sent every `heartbeat`) for
+  /// this long is given up on (its producers end, its chunks go elsewhere).
   std::chrono::milliseconds idle_timeout{1'500};
+  /// How often this process sends CAF's heartbeat on every connection (both sides do). Each one
+  /// costs the receiving process a wake-up: a coordinator of a thousand nodes sets it to a
+  /// second or more (and idle_timeout to several times it, on both sides). At most
+  /// idle_timeout / 2.
+  std::chrono::milliseconds heartbeat{200};
   /// Most connections a process keeps open; beyond it, the oldest connection still in its
   /// handshake is closed first (so a flood of idle connections cannot lock peers out).
   std::size_t max_connections = 256;
@@ -51,7 +56,8 @@ struct limits {
 
 /// Sets the limits of this process's network use. Call before the first network use (node,
 /// cluster, runner over remote devices); throws invalid_argument afterwards (when they differ),
-/// when a value is 0, max_message_bytes is under 2 MiB or idle_timeout under 500 ms.
+/// when a value is 0, max_message_bytes is under 2 MiB, idle_timeout under 500 ms or under
+/// twice the heartbeat.
 void set_network_limits(const limits& l);
 /// The limits in effect (or to take effect).
 limits network_limits();
@@ -168,6 +174,11 @@ struct cluster_options {
   /// never becomes a member again; its restart does). Independent of limits::idle_timeout, after
   /// which CAF closes a silent connection.
   std::chrono::milliseconds heartbeat{200}, lost_after{1500};
+  /// At most this many probes a second in all (0: no bound). With more members than heartbeat
+  /// allows within it, each member is asked every members / probes_per_second instead, and
+  /// lost_after grows in the same proportion (1,000 members: every second, lost after 7.5 s).
+  /// Each probe and its answer cost the coordinator tens of microseconds of CPU.
+  std::size_t probes_per_second = 1000;
   /// Called on a thread of the cluster's, in order, after runners following the cluster have
   /// acted on the change (producers started, drained or given up on). Must not throw.
   std::function<void(const membership_event&)> on_change;

@@ -21,6 +21,7 @@
 //   drained, or drains itself meanwhile): only add() makes it a member again.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -32,11 +33,32 @@
 
 namespace troupe::detail {
 
+/// How often a live cluster's watcher probes each of `members` members: every
+/// `o.heartbeat`, or, where that would be more than `o.probes_per_second` probes a second in
+/// all, every members / probes_per_second (rounded up to a millisecond).
+inline std::chrono::milliseconds probe_period(const cluster_options& o, std::size_t members) {
+  if (o.probes_per_second == 0) return o.heartbeat;
+  auto ms = (members * 1000 + o.probes_per_second - 1) / o.probes_per_second;
+  return std::max(o.heartbeat, std::chrono::milliseconds{static_cast<std::int64_t>(ms)});
+}
+
+/// lost_after for a watcher that probes every `period` instead of every heartbeat: in the same
+/// proportion (the same number of probes missed).
+inline std::chrono::milliseconds scaled_lost_after(const cluster_options& o,
+                                                   std::chrono::milliseconds period) {
+  if (period <= o.heartbeat) return o.lost_after;
+  return std::chrono::milliseconds{o.lost_after.count() * period.count() / o.heartbeat.count()};
+}
+
 class membership {
  public:
   using time_point = std::chrono::steady_clock::time_point;
 
   explicit membership(std::chrono::milliseconds lost_after) : lost_after_(lost_after) {}
+  /// Members are probed less often (many of them: cluster_options::probes_per_second): they
+  /// are lost after this long instead.
+  void set_lost_after(std::chrono::milliseconds d) { lost_after_ = d; }
+  [[nodiscard]] std::chrono::milliseconds lost_after() const { return lost_after_; }
 
   /// The node at `address` answered (a connect, a reconnect or a probe) as `incarnation`,
   /// offering `devices` ("HOST:PORT/device"). `joining`: cluster::connect / add (a drained or
