@@ -24,6 +24,7 @@
 #include <string>
 #include <troupe/internal/membership.hpp>
 #include <troupe/simulation.hpp>
+#include <utility>
 #include <vector>
 
 #include "bench_jobs.hpp"
@@ -34,6 +35,15 @@ double cpu_seconds() {
   timespec t{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
   return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+/// Items 0..n-1, and the sum of their squares (the job's exact result).
+std::pair<std::vector<std::int64_t>, std::int64_t> numbers(std::int64_t n) {
+  std::vector<std::int64_t> xs(static_cast<std::size_t>(n));
+  std::iota(xs.begin(), xs.end(), 0);
+  std::int64_t expected = 0;
+  for (auto x : xs) expected += x * x;
+  return {std::move(xs), expected};
 }
 
 }  // namespace
@@ -83,10 +93,7 @@ int main(int argc, char** argv) {
     sim.cost_per_item(std::chrono::milliseconds{2});
     auto r = sim.unordered_runner<squares>(sim.devices());
     auto items = static_cast<std::int64_t>(8 * storm * per_producer);
-    std::vector<std::int64_t> xs(static_cast<std::size_t>(items));
-    std::iota(xs.begin(), xs.end(), 0);
-    std::int64_t expected = 0;
-    for (auto x : xs) expected += x * x;
+    auto [xs, expected] = numbers(items);
     std::vector<std::string> later;
     for (std::size_t i = 1; i < storm; ++i) later.push_back("n" + std::to_string(i) + ":1");
     auto c0 = cpu_seconds();
@@ -124,10 +131,7 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < killed; ++i) sim.at_chunk(3).kill(names[i]);
     auto r = sim.unordered_runner<squares>(sim.devices());
     auto items = static_cast<std::int64_t>(8 * n * per_producer);
-    std::vector<std::int64_t> xs(static_cast<std::size_t>(items));
-    std::iota(xs.begin(), xs.end(), 0);
-    std::int64_t expected = 0;
-    for (auto x : xs) expected += x * x;
+    auto [xs, expected] = numbers(items);
     auto c0 = cpu_seconds();
     auto job = r.submit(xs);
     if (!later.empty()) {  // they join the running job
