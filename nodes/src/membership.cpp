@@ -39,15 +39,13 @@ const char* to_string(member::state s) noexcept {
 namespace detail {
 
 member* membership::find(const std::string& address) {
-  for (auto& m : members_)
-    if (m.address == address) return &m;
-  return nullptr;
+  auto i = at_.find(address);
+  return i == at_.end() ? nullptr : &members_[i->second];
 }
 
 const member* membership::find(const std::string& address) const {
-  for (auto& m : members_)
-    if (m.address == address) return &m;
-  return nullptr;
+  auto i = at_.find(address);
+  return i == at_.end() ? nullptr : &members_[i->second];
 }
 
 membership_event membership::event(membership_event::kind k, const member& m) {
@@ -80,6 +78,7 @@ std::vector<membership_event> membership::answered(const std::string& address,
   auto* m = find(address);
   if (m == nullptr) {
     if (!joining || leaving) return out;
+    at_.emplace(address, members_.size());
     members_.push_back(member{address, incarnation, member::state::up, devices});
     last_seen_.push_back(now);
     out.push_back(event(membership_event::joined, members_.back()));
@@ -159,6 +158,7 @@ void membership::expect(const std::string& address, time_point now) {
     }
     return;
   }
+  at_.emplace(address, members_.size());
   members_.push_back(member{address, 0, member::state::lost, {}});
   last_seen_.push_back(now);
 }

@@ -27,6 +27,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "troupe/node.hpp"
@@ -118,6 +119,7 @@ class membership {
 
   std::chrono::milliseconds lost_after_;
   std::vector<member> members_;                             ///< in the order they first joined
+  std::unordered_map<std::string, std::size_t> at_;         ///< a member's place in members_
   std::vector<time_point> last_seen_;                       ///< by member
   std::set<std::pair<std::string, std::uint64_t>> fenced_;  ///< incarnations given up on
   std::size_t fenced_answers_ = 0;
