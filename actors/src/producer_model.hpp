@@ -77,15 +77,21 @@ struct job_rate {
     return wnn / w - mean_n * mean_n <= 1e-6 * mean_n * mean_n + 1e-12;
   }
 
+  /// The least-squares line a + b·n through the answers, as fitted (either may be negative);
+  /// answers of two sizes at least.
+  [[nodiscard]] std::pair<double, double> fit() const {
+    auto mean_n = wn / w, mean_t = wt / w;
+    auto b = (wnt / w - mean_n * mean_t) / (wnn / w - mean_n * mean_n);
+    return {mean_t - b * mean_n, b};
+  }
+
   /// The fixed cost per call (ns) and the cost per item (ns) now; (0, 0) before any answer.
   [[nodiscard]] std::pair<double, double> cost() const {
     if (w <= 0 || wn <= 0) return {0, 0};
     auto mean_n = wn / w, mean_t = wt / w;
-    auto var = wnn / w - mean_n * mean_n;
     // One chunk size seen so far: all of it per item, as a plain producer.
     if (one_size()) return {0, std::max(0.01, mean_t / mean_n)};
-    auto b = (wnt / w - mean_n * mean_t) / var;
-    auto a = mean_t - b * mean_n;
+    auto [a, b] = fit();
     // A negative fixed cost: none, all of it per item. Bigger chunks no slower (b <= 0): the
     // calls' cost is fixed (a batch producer's), or a small chunk's thread was woken late; the
     // next, bigger answers tell which (the job's tail is bounded by new_job_limit meanwhile).
@@ -98,10 +104,8 @@ struct job_rate {
   /// that outweighs the items' own cost in the calls answered.
   [[nodiscard]] bool mostly_fixed(double target) const {
     if (one_size()) return false;
-    auto mean_n = wn / w, mean_t = wt / w;
-    auto b = (wnt / w - mean_n * mean_t) / (wnn / w - mean_n * mean_n);
-    auto a = mean_t - b * mean_n;
-    return b > 0 && a >= target / 8 && a >= b * mean_n;
+    auto [a, b] = fit();
+    return b > 0 && a >= target / 8 && a >= b * wn / w;
   }
 
   /// Takes an answer: `n` items in `t` ns.
