@@ -51,7 +51,7 @@ struct fake_io final : scheduler_io {
   std::deque<sent> chunks;
   std::deque<std::pair<consume_chunk, std::size_t>> to_consumer;
   std::vector<std::uint64_t> inputs_ended, forgotten;
-  std::vector<std::size_t> stopped, ended, replaced, forgotten_producers;
+  std::vector<std::size_t> stopped, ended, replaced;
   std::vector<std::pair<std::chrono::nanoseconds, timer>> timers;
   std::vector<std::tuple<clock_type::time_point, timer, std::uint64_t>> due;  ///< when each fires
   std::vector<std::pair<std::size_t, std::uint64_t>> fresh;  ///< replacements asked (p, gen)
@@ -63,7 +63,6 @@ struct fake_io final : scheduler_io {
   }
   void end_producer(std::size_t p) override { ended.push_back(p); }
   void stop_producer(std::size_t p) override { stopped.push_back(p); }
-  void forget_producer(std::size_t p) override { forgotten_producers.push_back(p); }
   void replace_producer(std::size_t p, std::uint64_t gen) override {
     replaced.push_back(p);
     fresh.emplace_back(p, gen);
@@ -201,8 +200,6 @@ TEST(SchedulerCore, ALostProducersChunksGoToTheOtherAndItsLateAnswerIsDropped) {
   EXPECT_TRUE(job->done());
   EXPECT_EQ(job->report().redispatched, at_node.size() * 3);
   EXPECT_TRUE(f.io.replaced.empty());
-  // Its slot is never used again: the shell may let its handle (a dead node's proxy) go.
-  EXPECT_EQ(f.io.forgotten_producers, std::vector<std::size_t>{0});
 }
 
 TEST(SchedulerCore, TimersAreCommandsAndTheirEventsEndTheJob) {

@@ -132,12 +132,6 @@ class scheduler_shell final : public scheduler_io {
     if (handles_[p]) self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
   }
 
-  void forget_producer(std::size_t p) override {
-    if (!handles_[p]) return;
-    self_->demonitor(handles_[p]);
-    handles_[p] = caf::actor{};
-  }
-
   void replace_producer(std::size_t p, std::uint64_t gen) override {
     auto fresh = spawn_(self_->system(), devices_[p], cfg_, p);  // may throw: the core logs it
     handles_[p] = fresh;

@@ -25,11 +25,6 @@ class scheduler_io {
   virtual void end_producer(std::size_t p) = 0;
   /// Ends `p`'s actor without waiting (a producer given up on, or left at close).
   virtual void stop_producer(std::size_t p) = 0;
-  /// Producer `p` is remote and lost: its slot is never used again and its handle may go.
-  /// Held, it kept the proxy of a node process that is gone for the runner's life. (Not for a
-  /// drained slot: a node that drains itself exits with an error when its producers' handles
-  /// go before it has ended them.)
-  virtual void forget_producer(std::size_t p) { (void)p; }
   /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
   /// replace_failed(p, gen, why). Throws std::exception when none can be started.
   virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;

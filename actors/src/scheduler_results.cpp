@@ -290,10 +290,7 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
   requeue_outstanding(p);
   if (s.local || quarantine) io_.stop_producer(p);
   if (replace) restart(p);
-  if (!s.local) {  // a remote slot is never replaced (its node's rejoin adds slots)
-    s.release();
-    io_.forget_producer(p);
-  }
+  if (!s.local) s.release();  // a remote slot is never replaced (its node's rejoin adds slots)
   if (was_leaving) retire(p, "lost while it drained: " + why);  // its chunks went to the others
   check_survivors();
   pump();
