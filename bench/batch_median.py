@@ -7,9 +7,11 @@ import re,statistics,collections,subprocess,sys
 binary=sys.argv[1]; runs=int(sys.argv[2])
 d=collections.defaultdict(list); calls=[]
 for i in range(runs):
-    out=subprocess.run([binary,'--producers','2','--only','batch'],capture_output=True,text=True).stdout
+    out = subprocess.run([binary, '--producers', '2', '--only', 'batch'],
+                         capture_output=True, text=True).stdout
     for l in out.splitlines():
-        m=re.match(r'batch (adaptive|chunk_size (\d+))\s+([\d.]+) s\s+(\d+) items/s\s+mean batch ([\d.]+)',l)
+        m = re.match(r'batch (adaptive|chunk_size (\d+))\s+([\d.]+) s\s+(\d+) items/s'
+                     r'\s+mean batch ([\d.]+)', l)
         if m:
             d[m.group(1)].append(int(m.group(4)))
             if m.group(1)=='adaptive': calls.append(float(m.group(5)))

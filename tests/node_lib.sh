@@ -48,9 +48,9 @@ netns_cleanup() {
   rm -rf "$dir"
 }
 
-# loopback_two_nodes [NODE_ARGS...]: two nodes of "$bin" on loopback (--serve 127.0.0.1:0 --devices cpu,cpu
-# NODE_ARGS...), their output in $dir/node1 and $dir/node2. Sets dir, pids, a and b (their HOST:PORT); they
-# are SIGKILLed and $dir removed on exit.
+# loopback_two_nodes [NODE_ARGS...]: two nodes of "$bin" on loopback (--serve 127.0.0.1:0
+# --devices cpu,cpu NODE_ARGS...), their output in $dir/node1 and $dir/node2. Sets dir, pids, a
+# and b (their HOST:PORT); they are SIGKILLed and $dir removed on exit.
 loopback_two_nodes() {
   dir=$(mktemp -d)
   pids=()
