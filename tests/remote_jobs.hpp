@@ -4,6 +4,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <string>
 #include <thread>
 #include <troupe/troupe.hpp>
 #include <vector>
@@ -17,7 +19,21 @@ struct remote_squares {
   struct producer {
     producer(const troupe::device&, const troupe::config& cfg)
         : sleep_us(cfg.get_or<std::int64_t>("sleep_us", 0)),
-          hang_on(cfg.get_or<std::int64_t>("hang_on", -1)) {}
+          hang_on(cfg.get_or<std::int64_t>("hang_on", -1)) {
+      // With "second_init_marker" set, the process's second producer to be constructed waits
+      // until the first has been constructed 300 ms ago, writes that file and takes a minute:
+      // a test that kills the node on seeing the file kills it between two producers' init.
+      auto marker = cfg.get_or<std::string>("second_init_marker", "");
+      if (marker.empty()) return;
+      if (constructed.fetch_add(1) == 0) {
+        first_done = true;
+        return;
+      }
+      while (!first_done) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+      std::this_thread::sleep_for(std::chrono::milliseconds{300});
+      std::ofstream{marker} << "constructing\n";
+      std::this_thread::sleep_for(std::chrono::minutes{1});
+    }
     std::int64_t work(std::int64_t x) {
       if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
       // Like a native call that never returns (until the node is killed): the first producer of
@@ -28,6 +44,8 @@ struct remote_squares {
     std::int64_t sleep_us;
     std::int64_t hang_on;
     static inline std::atomic<bool> hung{false};
+    static inline std::atomic<int> constructed{0};
+    static inline std::atomic<bool> first_done{false};
   };
   struct consumer {
     void work(std::int64_t y) { sum += y; }
