@@ -541,6 +541,92 @@ TEST(Cluster, ANodeKilledBetweenItsProducersInitAnswersDoesNotHoldAddForCloseTim
   EXPECT_EQ(sum, sum_of_squares(in.made->load()));
 }
 
+/// Kills `n` once the file at `marker` exists (a producer there has reached the moment).
+std::thread kill_on_marker(const std::string& marker, node_process& n, std::atomic<bool>& killed) {
+  return std::thread{[&n, &killed, marker] {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the marker file"};
+    while (!std::ifstream{marker}.good()) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+    n.kill(SIGKILL);
+    killed = true;
+  }};
+}
+
+TEST(Cluster, ANodeKilledWhileADrainOrACloseAwaitsItsProducersEndDoesNotHoldThem) {
+  // cluster::remove() drains a node: its producer finishes its chunks, then producer::end()
+  // runs; the node dies inside end(). end() to a dead node is never answered (CAF 0.17), and
+  // remove() waited close_timeout for it. The same for a runner's close(). Each producer's
+  // end() writes a file and takes a minute: the kill lands inside it.
+  auto marker = ::testing::TempDir() + "troupe_end_" + std::to_string(::getpid());
+  std::remove(marker.c_str());
+  node_process a{"cpu"}, b{"cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, troupe::cluster_options{});
+  auto cfg = slow(20);
+  cfg.set("end_marker", marker);
+  troupe::options opts;
+  opts.close_timeout = std::chrono::minutes{2};  // a wait for it is unmistakable
+  std::atomic<bool> killed{false};
+  {
+    auto started = flag_after(opts, 200);
+    open_ended in;
+    troupe::unordered_runner<remote_squares> runner{c, cfg, opts};
+    auto job = runner.submit(in.input(0, 200));
+    wait_until(*started, "the job under way");
+    auto killer = kill_on_marker(marker, b, killed);
+    test_util::watchdog dog{std::chrono::seconds{100},
+                            "remove() or close() with a node dying in end()"};
+    auto t0 = std::chrono::steady_clock::now();
+    c.remove(b.address());
+    auto took = std::chrono::steady_clock::now() - t0;
+    killer.join();
+    std::remove(marker.c_str());
+    EXPECT_TRUE(killed);
+    std::cout << "remove() of a node killed inside producer::end(): "
+              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+    EXPECT_LT(took, opts.close_timeout / 2) << "remove() waited for end() on the dead node";
+    *in.more = true;
+    auto sum = job.get();
+    EXPECT_EQ(sum, sum_of_squares(in.made->load()));
+    killed = false;
+    killer = kill_on_marker(marker, a, killed);
+    t0 = std::chrono::steady_clock::now();
+    runner.close();
+    took = std::chrono::steady_clock::now() - t0;
+    killer.join();
+    std::remove(marker.c_str());
+    EXPECT_TRUE(killed);
+    std::cout << "close() with its node killed inside producer::end(): "
+              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+    EXPECT_LT(took, opts.close_timeout / 2) << "close() waited for end() on the dead node";
+  }
+}
+
+TEST(Cluster, ANodesLateChunkIsTrimmedThroughItsNodeAndAnIdleProducerTakesTheRestOnce) {
+  // A slow patch near the end of a job on two nodes: the producer holding it runs late while
+  // the other has nothing left. Its node trims the chunk (a message to the node's actor: the
+  // producer's mailbox is busy) and the items it had not claimed go to the idle producer.
+  // Before, a node's chunk was never split: the idle producer waited, or made a copy.
+  node_process a{"cpu"}, b{"cpu"};
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, troupe::cluster_options{});
+  auto cfg = slow(200);
+  cfg.set("slow_from", 3800);
+  cfg.set("slow_count", 100);
+  cfg.set("slow_us", 5000);
+  troupe::options o;
+  o.speculative = false;  // every work() call is one item: the counts add up exactly
+  troupe::unordered_runner<remote_squares> runner{c, cfg, o};
+  EXPECT_EQ(runner.run(iota(4000)), sum_of_squares(4000));
+  auto st = runner.stats();
+  std::uint64_t items = 0;
+  for (auto& p : st.producers) items += p.items;
+  std::cout << st.trims_sent << " trims sent, " << st.split_chunks << " chunks split, "
+            << st.moved_items << " items moved\n";
+  EXPECT_EQ(items, 4000u) << "each item worked once";
+  EXPECT_EQ(st.duplicated_items, 0u);
+  EXPECT_GT(st.trims_sent, 0u);
+  EXPECT_GT(st.split_chunks, 0u);
+  EXPECT_GT(st.moved_items, 0u);
+}
+
 TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo) {
   // 4 nodes up, one frozen (SIGSTOP), one address with nothing listening; min_nodes 4: connect
   // returns with the 4 within connect_timeout (+ 1 s), the others are members not yet up; a

@@ -19,7 +19,11 @@ struct remote_squares {
   struct producer {
     producer(const troupe::device&, const troupe::config& cfg)
         : sleep_us(cfg.get_or<std::int64_t>("sleep_us", 0)),
-          hang_on(cfg.get_or<std::int64_t>("hang_on", -1)) {
+          hang_on(cfg.get_or<std::int64_t>("hang_on", -1)),
+          end_marker(cfg.get_or<std::string>("end_marker", "")),
+          slow_from(cfg.get_or<std::int64_t>("slow_from", -1)),
+          slow_to(slow_from + cfg.get_or<std::int64_t>("slow_count", 0)),
+          slow_us(cfg.get_or<std::int64_t>("slow_us", 0)) {
       // With "second_init_marker" set, the process's second producer to be constructed waits
       // until the first has been constructed 300 ms ago, writes that file and takes a minute:
       // a test that kills the node on seeing the file kills it between two producers' init.
@@ -36,15 +40,27 @@ struct remote_squares {
     }
     std::int64_t work(std::int64_t x) {
       if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      if (x >= slow_from && x < slow_to)  // a slow patch ("slow_from", "slow_count", "slow_us")
+        std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
       // Like a native call that never returns (until the node is killed): the first producer of
       // the process to get item `hang_on` is stuck; a retry elsewhere goes through.
       if (x == hang_on && !hung.exchange(true)) std::this_thread::sleep_for(std::chrono::hours{1});
       return x * x;
     }
+    /// With "end_marker" set, the process's first producer::end() writes that file and takes
+    /// a minute: a test kills the node on seeing it, while a drain or a close awaits end().
+    void end() {
+      if (end_marker.empty() || ended.exchange(true)) return;
+      std::ofstream{end_marker} << "ending\n";
+      std::this_thread::sleep_for(std::chrono::minutes{1});
+    }
     std::int64_t sleep_us;
     std::int64_t hang_on;
+    std::string end_marker;
+    std::int64_t slow_from, slow_to, slow_us;
     static inline std::atomic<bool> hung{false};
     static inline std::atomic<int> constructed{0};
+    static inline std::atomic<bool> ended{false};
     static inline std::atomic<bool> first_done{false};
   };
   struct consumer {

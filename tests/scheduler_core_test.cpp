@@ -4,9 +4,11 @@
 // order it likes, with the time it chooses.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <caf/actor.hpp>
 #include <cstdlib>
 #include <deque>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "fault_points.hpp"
 #include "scheduler.hpp"
 #include "test_util.hpp"
+#include "troupe/internal/remote_cuts.hpp"
 
 namespace {
 
@@ -56,6 +59,14 @@ struct fake_io final : scheduler_io {
   std::vector<std::tuple<clock_type::time_point, timer, std::uint64_t>> due;  ///< when each fires
   std::vector<std::pair<std::size_t, std::uint64_t>> fresh;  ///< replacements asked (p, gen)
   bool quitted = false;
+  /// Producers on nodes have their chunks trimmed there (trim_remote), as the shell does.
+  bool remote_cuts = false;
+  struct trim {
+    std::size_t p;
+    std::uint64_t gen, job, id, cut_id, items;
+    bool all;
+  };
+  std::deque<trim> trims;
 
   clock_type::time_point now() override { return t; }
   void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) override {
@@ -77,6 +88,13 @@ struct fake_io final : scheduler_io {
   }
   void forget_job(std::uint64_t job) override { forgotten.push_back(job); }
   void quit() override { quitted = true; }
+  [[nodiscard]] bool cuts_reach(std::size_t, const troupe::device& d) const override {
+    return d.is_local() || remote_cuts;
+  }
+  void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                   std::uint64_t cut_id, std::uint64_t items, bool all) override {
+    trims.push_back({p, gen, job, id, cut_id, items, all});
+  }
 };
 
 /// The answer a producer that echoes its inputs gives to `s`.
@@ -91,8 +109,10 @@ chunk_result echo(const fake_io::sent& s, std::int64_t busy_ns = 1000) {
 }
 
 struct core_fixture {
-  explicit core_fixture(std::vector<troupe::device> devices, troupe::options opts = {})
+  explicit core_fixture(std::vector<troupe::device> devices, troupe::options opts = {},
+                        bool remote_cuts = false)
       : stats(std::make_shared<troupe::detail::stats_box>()) {
+    io.remote_cuts = remote_cuts;
     stats->value.producers.resize(devices.size());
     core = std::make_unique<scheduler>(io, std::move(devices), std::move(opts), stats);
   }
@@ -539,25 +559,47 @@ TEST(SchedulerCore, ABatchProducersBatchesGrowWithinAFewCallsAndTheProducersEndT
 
 // -- late chunks split, not copied (options::split_late_chunks) ----------------------------------
 
-/// A random schedule of a job on three local producers whose chunks are cut: each producer
-/// claims its chunk's items a few at a time (now and then giving back what it claimed and has
-/// not started, when asked), items take random virtual time, idle producers take items back
-/// from the others, producers are killed and replaced, and their answers come late (dropped).
+/// A random schedule of a job on three producers whose chunks are cut: each producer claims its
+/// chunk's items a few at a time (now and then giving back what it claimed and has not started,
+/// when asked), items take random virtual time, idle producers take items back from the
+/// others, producers are killed (and local ones replaced), and their answers come late
+/// (dropped). `remote`: the producers are on nodes, whose chunks' cuts live in the node's
+/// process (troupe::detail::remote_cuts, the real table): a trim reaches the node after a
+/// random delay, before or after its chunk began or was answered, and its answer comes back
+/// after another, before or after the chunk's own answer, or never when its node died.
 /// Returns what is wrong, or nothing: every item delivered exactly once, the job done.
 struct split_schedule {
-  explicit split_schedule(std::uint64_t seed) : rng(seed) {}
+  explicit split_schedule(std::uint64_t seed, bool remote = false) : rng(seed), remote(remote) {}
 
   struct running {
     fake_io::sent s;
     std::uint64_t pos = 0;  ///< items of it started
     clock_type::time_point began{};
+    std::shared_ptr<troupe::detail::chunk_cut> cut{};  ///< its cut (a node's: once begun)
+  };
+  struct trim_answer {
+    fake_io::trim t;
+    std::int64_t kept;
   };
 
   std::optional<std::string> run() {
     troupe::options opts;
     opts.target_chunk_time = std::chrono::microseconds{40 + rng() % 400};
     opts.speculative = rng() % 2 == 0;
-    core_fixture f{{"cpu", "cpu", "cpu"}, opts};
+    std::vector<troupe::device> where{"cpu", "cpu", "cpu"};
+    if (remote) where = {"h:1/cpu", "h:2/cpu", "h:3/cpu"};
+    core_fixture f{where, opts, remote};
+    // Each node producer's name in the process-wide table (the actor's id on a node).
+    static std::uint64_t names = 0;
+    std::vector<std::uint64_t> name{++names, ++names, ++names};
+    std::vector<bool> dead(3, false);
+    std::deque<trim_answer> trim_answers;
+    struct forget_all {
+      std::vector<std::uint64_t>& names;
+      ~forget_all() {
+        for (auto n : names) troupe::detail::remote_cuts::forget(n);
+      }
+    } cleanup{name};
     auto n = static_cast<std::int64_t>(20 + rng() % 300);
     auto job = f.submit(1, n, rng() % 2 == 0);
     std::vector<std::deque<running>> at(3);  // each producer's chunks, in the order sent
@@ -577,8 +619,14 @@ struct split_schedule {
       r.run = c.s.msg.run;
       r.first = c.s.msg.first;
       r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(f.io.t - c.began).count();
-      auto end = c.s.msg.cut ? c.s.msg.cut->end() : in->items.size();
+      auto n = in->items.size();
+      auto end = c.cut ? c.cut->end() : n;
       if (late) end = c.pos;  // a producer given up on answers with what it did
+      if (c.s.msg.cut_id != 0 && end < n) r.kept = static_cast<std::int64_t>(end);
+      if (r.kept >= 0 && !late)
+        for (auto& a : trim_answers)
+          if (a.t.cut_id == c.s.msg.cut_id) races.answer_first += 1;
+      if (c.s.msg.cut_id != 0) troupe::detail::remote_cuts::finish(name[c.s.p], c.s.msg.cut_id);
       r.outputs = batch::of(std::vector<std::int64_t>(
           in->items.begin(), in->items.begin() + static_cast<std::ptrdiff_t>(end)));
       f.core->on_result(c.s.p, c.s.gen, r.run, c.s.id, r);
@@ -595,7 +643,10 @@ struct split_schedule {
         auto p = rng() % 3;
         if (at[p].empty()) continue;
         auto& c = at[p].front();
-        auto* cut = c.s.msg.cut.get();
+        if (!c.cut && c.s.msg.cut) c.cut = c.s.msg.cut;
+        if (!c.cut && c.s.msg.cut_id != 0)  // a node's producer begins it: a trim may be there
+          c.cut = troupe::detail::remote_cuts::start(name[p], c.s.msg.cut_id, c.s.msg.items.size());
+        auto* cut = c.cut.get();
         if (cut == nullptr) {
           f.io.t += std::chrono::microseconds{1 + rng() % 50};
           auto done = std::move(c);
@@ -629,6 +680,7 @@ struct split_schedule {
         auto p = rng() % 3;
         for (auto& c : at[p]) zombies.push_back(std::move(c));
         at[p].clear();
+        if (remote) dead[p] = true;
         f.core->producer_down(p, "killed by the schedule", false);
         for (auto [q, gen] : f.io.fresh) f.core->replaced(q, gen);
         f.io.fresh.clear();
@@ -640,6 +692,28 @@ struct split_schedule {
       } else if (roll < 92) {
         // A spurious wakeup (a timer of an older event).
         f.core->timer_fired(scheduler_io::timer::wakeup, 0);
+      } else if (roll < 96 && !f.io.trims.empty()) {
+        // A trim reaches its node (not a dead one's: a dead node answers nothing).
+        auto t = f.io.trims.front();
+        f.io.trims.pop_front();
+        if (!dead[t.p]) {
+          auto c = std::find_if(at[t.p].begin(), at[t.p].end(),
+                                [&](const running& r) { return r.s.msg.cut_id == t.cut_id; });
+          if (c == at[t.p].end())
+            races.after_answer += 1;
+          else if (!c->cut)
+            races.before_begin += 1;
+          trim_answers.push_back(
+              {t, troupe::detail::remote_cuts::trim(name[t.p], t.cut_id, t.items, t.all)});
+        } else {
+          races.to_the_dead += 1;
+        }
+        if (dead[t.p] && rng() % 2 == 0)
+          trim_answers.push_back({t, -1});  // the shell's request timed out
+      } else if (!trim_answers.empty()) {   // a trim's answer comes back
+        auto a = trim_answers.front();
+        trim_answers.pop_front();
+        f.core->trimmed(a.t.p, a.t.gen, a.t.job, a.t.id, a.kept);
       }
     }
     if (!job->done()) {
@@ -679,11 +753,17 @@ struct split_schedule {
     }
     splits = f.stats->value.split_chunks;
     moved = f.stats->value.moved_items;
+    trims = f.stats->value.trims_sent;
     return std::nullopt;
   }
 
   std::mt19937_64 rng;
-  std::uint64_t splits = 0, moved = 0;
+  bool remote = false;
+  std::uint64_t splits = 0, moved = 0, trims = 0;
+  /// How often each race of a node's trim came up.
+  struct {
+    std::uint64_t before_begin = 0, after_answer = 0, answer_first = 0, to_the_dead = 0;
+  } races;
 };
 
 std::uint64_t split_seeds() {
@@ -703,6 +783,38 @@ TEST(SchedulerCore, SplitsTrimsLateAnswersAndLossesDeliverEveryItemExactlyOnce) 
   // The schedules did split chunks (else this test would prove nothing).
   EXPECT_GT(splits, split_seeds());
   EXPECT_GT(moved, splits);
+}
+
+TEST(SchedulerCore, NodeChunksTrimmedThroughTheirNodeDeliverEveryItemExactlyOnce) {
+  // The same schedules on node producers: every trim races the chunk's start, its answer and
+  // its producer's death, and the trim's own answer races the chunk's.
+  std::uint64_t splits = 0, moved = 0, trims = 0;
+  decltype(split_schedule::races) races;
+  for (std::uint64_t seed = 1; seed <= split_seeds(); ++seed) {
+    split_schedule sch{seed, true};
+    auto wrong = sch.run();
+    ASSERT_FALSE(wrong) << "seed " << seed << ": " << *wrong;
+    splits += sch.splits;
+    moved += sch.moved;
+    trims += sch.trims;
+    races.before_begin += sch.races.before_begin;
+    races.after_answer += sch.races.after_answer;
+    races.answer_first += sch.races.answer_first;
+    races.to_the_dead += sch.races.to_the_dead;
+  }
+  std::cout << trims << " trims, " << splits << " splits, " << moved << " items moved; trims "
+            << races.before_begin << " before the chunk began, " << races.after_answer
+            << " after its answer, " << races.to_the_dead << " to a dead node; "
+            << races.answer_first << " answers before their trim's\n";
+  // The schedules did trim, and met every race (else this test would prove nothing).
+  EXPECT_GT(trims, split_seeds() / 4);
+  EXPECT_GT(splits, split_seeds() / 10);
+  EXPECT_GT(moved, splits);
+  EXPECT_GT(races.before_begin, 0u);
+  EXPECT_GT(races.after_answer, 0u);
+  EXPECT_GT(races.answer_first, 0u);
+  EXPECT_GT(races.to_the_dead, 0u);
+  EXPECT_EQ(troupe::detail::remote_cuts::size(), 0u) << "a node kept a chunk's cut";
 }
 
 TEST(SchedulerCore, APlantedSplitThatLosesAnItemIsCaught) {

@@ -15,6 +15,7 @@
 #include "troupe/device_binding.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
+#include "troupe/internal/remote_cuts.hpp"
 #include "troupe/protocol.hpp"
 #include "troupe/register.hpp"
 
@@ -41,8 +42,24 @@ struct chunk_group {
   std::vector<caf::response_promise> answers;
 };
 
+/// A chunk from a coordinator in another process that may be trimmed (options::
+/// split_late_chunks): its end is kept in remote_cuts, where the node's actor moves it (this
+/// actor's mailbox is busy until the chunk is done); the answer says where it ended.
+chunk_result work_trimmable(caf::event_based_actor* self, producer_state& st, const work_chunk& w) {
+  auto mine = w;
+  mine.cut = remote_cuts::start(self->id(), w.cut_id, w.items.size());
+  auto r = st.work(mine);
+  auto end = mine.cut->end();
+  remote_cuts::finish(self->id(), w.cut_id);
+  if (end < w.items.size()) r.kept = static_cast<std::int64_t>(end);
+  return r;
+}
+
 caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<producer_state> st) {
-  self->attach_functor([st] { st->destroy(); });
+  self->attach_functor([st, id = self->id()] {
+    st->destroy();
+    remote_cuts::forget(id);
+  });
   auto group = std::make_shared<chunk_group>();
   return {
       [st](init_atom) {
@@ -73,7 +90,7 @@ caf::behavior producer_actor(caf::event_based_actor* self, std::shared_ptr<produ
           }
           return answer;
         }
-        auto r = st->work(w);
+        auto r = w.cut_id != 0 && !w.cut ? work_trimmable(self, *st, w) : st->work(w);
         // Large outputs for a remote scheduler go back as fragments, then a small reference.
         if (r.ok())
           r.outputs =

@@ -38,6 +38,10 @@ struct sent_chunk {
   std::size_t bytes = 0;   ///< the chunk's size in memory (max_chunk_bytes when unknown)
   /// options::split_late_chunks: where it ends, shared with its producer (null: not cut).
   std::shared_ptr<chunk_cut> cut;
+  /// A node's producer: the chunk's number for a trim (0: not cut), and whether a trim is on its
+  /// way (its answer, or the chunk's, says where it ended).
+  std::uint64_t cut_id = 0;
+  bool trimming = false;
   /// When its producer was first asked for the items it claimed and has not started.
   std::optional<clock_type::time_point> asked;
   std::uint64_t asked_started = 0;  ///< the items it had started then (chunk_cut::started)

@@ -138,7 +138,8 @@ runtime::runtime(std::vector<device> devices, config cfg, options opts, std::str
   }
   auto spawned = spawn_all(job, settings);  // ends what it started when it throws
   init_all(spawned, devices_, 0, false);    // ends them all when one fails
-  scheduler_ = spawn_scheduler(*sys_, spawned, devices_, opts_, stats_, spawn_, cfg_);
+  scheduler_ = spawn_scheduler(*sys_, spawned, devices_, opts_, stats_, spawn_, cfg_, true, nullptr,
+                               node_actors(devices_));
   if (anchor_) caf::anon_send(anchor_, scheduler_);  // where a draining node's notice goes
   publish();
   open_ = true;
@@ -193,6 +194,15 @@ caf::actor runtime::spawn_remote(const device& d, std::size_t i) {
   return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
                        spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
                        anchor, deadlines_);
+}
+
+std::vector<caf::actor> runtime::node_actors(const std::vector<device>& ds) {
+  std::vector<caf::actor> out;
+  for (auto& d : ds) {
+    auto i = d.is_local() ? nodes_.end() : nodes_.find(d.node());
+    out.push_back(i != nodes_.end() ? i->second : caf::actor{});
+  }
+  return out;
 }
 
 void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,

@@ -47,6 +47,7 @@ struct job_spec {
 struct producers_added {
   std::vector<caf::actor> actors;
   std::vector<device> where;
+  std::vector<caf::actor> nodes;  ///< a node producer's node actor (its chunks' trims)
   std::size_t first = 0;
   std::shared_ptr<std::promise<void>> done;  ///< set once the scheduler has them
 };
@@ -178,6 +179,8 @@ class runtime {
   void abandon(const std::vector<caf::actor>& started, bool keep_anchor = false) noexcept;
   /// A producer on node device `d` (slot `i`), spawned through its node (anchor_ its owner).
   caf::actor spawn_remote(const device& d, std::size_t i);
+  /// The node actor of each device on a node (null for a local one): where trims go.
+  std::vector<caf::actor> node_actors(const std::vector<device>& ds);
   /// Asks `spawned` (for devices `ds`, slots from `first`) to construct their job objects;
   /// throws the first failure after ending every one of them.
   void init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,
@@ -248,7 +251,8 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
                            bool detached = true,
-                           std::shared_ptr<std::atomic<bool>> halted = nullptr);
+                           std::shared_ptr<std::atomic<bool>> halted = nullptr,
+                           std::vector<caf::actor> nodes = {});
 
 }  // namespace troupe::detail
 

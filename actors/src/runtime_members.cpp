@@ -107,6 +107,7 @@ void runtime::add_devices(const std::vector<device>& ds) {
     auto msg = std::make_shared<producers_added>();
     msg->actors = fresh;
     msg->where = ds;
+    msg->nodes = node_actors(ds);
     msg->first = first;
     msg->done = done;
     // Under the lock, as submit(): the scheduler has them before a close() (which stops them).

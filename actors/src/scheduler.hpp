@@ -70,7 +70,9 @@ struct producer_slot : producer_model {
   std::uint64_t end_gen = 0;  ///< which end request (scheduler-wide) the drain_end timer is for
   int restarts_in_row = 0;
   std::size_t failures_in_row = 0;  ///< items that threw in a row (quarantine)
-  bool cuts = false;  ///< its chunks can be cut (options::split_late_chunks): it shares memory
+  /// Its chunks can be cut (options::split_late_chunks): it shares this process's memory, or
+  /// its node trims them (trim_remote).
+  bool cuts = false;
   clock_type::time_point last_done{};  ///< when its last answer arrived
 };
 
@@ -142,6 +144,10 @@ class scheduler {
   void producer_failed(std::size_t p, std::uint64_t gen, const std::string& why, bool unreachable);
   /// Producer `p`'s actor or node is gone (a monitor's message).
   void producer_down(std::size_t p, const std::string& why, bool unreachable);
+  /// The answer to trim_remote: chunk `id` of `job` on node producer `p` now ends at `kept`
+  /// (-1: nothing was taken).
+  void trimmed(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+               std::int64_t kept);
   void replaced(std::size_t p, std::uint64_t gen);
   void replace_failed(std::size_t p, std::uint64_t gen, const std::string& why);
   void consumed(std::uint64_t job, std::size_t n, bool last);
@@ -267,8 +273,12 @@ class scheduler {
   bool split_late(std::size_t p, clock_type::time_point now);
 
   /// Items [keep, n) of the chunk `rec` on producer `q` (taken back from its cut) become a
-  /// piece of their own, sent to `p`.
-  void split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep, std::size_t p);
+  /// piece of their own, sent to `p`, or queued for the next producer with room (`p` empty: a
+  /// node's trim, answered later).
+  void split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep,
+                   std::optional<std::size_t> p);
+  /// A node's chunk `rec` on `q` ends at `kept` (the trim's answer, or the chunk's own).
+  void apply_trim(std::size_t q, sent_chunk& rec, std::int64_t kept);
 
   /// `limit`: at most this many new items (options::batching), else the producer's chunk limit.
   bool dispatch_from(job_state& j, std::size_t p, clock_type::time_point now,
@@ -340,7 +350,7 @@ class scheduler {
   void requeue_outstanding(std::size_t p);
 
   /// A fresh slot for a producer on `d`.
-  producer_slot make_slot(const device& d) const;
+  producer_slot make_slot(std::size_t p, const device& d) const;
 
   /// Starts a fresh producer on the device of slot `p`; it takes work once constructed.
   void restart(std::size_t p);
@@ -410,6 +420,7 @@ class scheduler {
   /// split_late() found nothing worth taking: it looks again at this time (reset by a send).
   std::optional<clock_type::time_point> no_split_before_;
   std::optional<clock_type::time_point> split_check_;  ///< a wakeup to look again
+  std::uint64_t next_cut_id_ = 0;  ///< the last work_chunk::cut_id given (node producers)
   /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
   struct grouped_chunk {
     std::size_t p;

@@ -22,10 +22,12 @@ class scheduler_shell final : public scheduler_io {
  public:
   scheduler_shell(caf::event_based_actor* self, std::vector<caf::actor> producers,
                   std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
-                  producer_spawner spawn, config cfg, std::shared_ptr<std::atomic<bool>> halted)
+                  producer_spawner spawn, config cfg, std::shared_ptr<std::atomic<bool>> halted,
+                  std::vector<caf::actor> nodes)
       : self_(self),
         halted_(std::move(halted)),
         handles_(std::move(producers)),
+        nodes_(std::move(nodes)),
         devices_(devices),
         spawn_(std::move(spawn)),
         cfg_(std::move(cfg)),
@@ -71,7 +73,9 @@ class scheduler_shell final : public scheduler_io {
       a.done->set_value();
       return;
     }
+    nodes_.resize(handles_.size());
     for (std::size_t i = 0; i < a.actors.size(); ++i) {
+      nodes_.push_back(i < a.nodes.size() ? a.nodes[i] : caf::actor{});
       handles_.push_back(a.actors[i]);
       devices_.push_back(a.where[i]);
       self_->monitor(a.actors[i]);
@@ -181,12 +185,30 @@ class scheduler_shell final : public scheduler_io {
 
   void forget_job(std::uint64_t job) override { consumers_.erase(job); }
 
+  [[nodiscard]] bool cuts_reach(std::size_t p, const device& d) const override {
+    return d.is_local() || (p < nodes_.size() && nodes_[p]);
+  }
+
+  void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                   std::uint64_t cut_id, std::uint64_t items, bool all) override {
+    // To the node's actor: the producer's own mailbox is busy while it works. A node that does
+    // not answer (dead: its loss comes as a down) leaves the chunk as it is after 10 s.
+    auto back = [this, p, gen, job, id](std::int64_t kept) {
+      if (auto* c = core()) c->trimmed(p, gen, job, id, kept);
+    };
+    self_
+        ->request(nodes_[p], std::chrono::seconds{10}, trim_atom::value, handles_[p].id(), cut_id,
+                  items, all)
+        .then([back](std::int64_t kept) { back(kept); }, [back](caf::error&) { back(-1); });
+  }
+
   void quit() override { self_->quit(); }
 
  private:
   caf::event_based_actor* self_;
   std::shared_ptr<std::atomic<bool>> halted_;
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
+  std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
   std::vector<device> devices_;
   producer_spawner spawn_;
   config cfg_;
@@ -199,16 +221,18 @@ class scheduler_shell final : public scheduler_io {
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
-                           bool detached, std::shared_ptr<std::atomic<bool>> halted) {
+                           bool detached, std::shared_ptr<std::atomic<bool>> halted,
+                           std::vector<caf::actor> nodes) {
   // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
   // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
-  auto init =
-      [producers = std::move(producers), devices = std::move(devices), opts = std::move(opts),
-       spawn = std::move(spawn), cfg = std::move(cfg), halted = std::move(halted)](
-          caf::event_based_actor* self, std::shared_ptr<stats_box> box) mutable -> caf::behavior {
+  auto init = [producers = std::move(producers), devices = std::move(devices),
+               opts = std::move(opts), spawn = std::move(spawn), cfg = std::move(cfg),
+               halted = std::move(halted),
+               nodes = std::move(nodes)](caf::event_based_actor* self,
+                                         std::shared_ptr<stats_box> box) mutable -> caf::behavior {
     auto st = std::make_shared<scheduler_shell>(self, std::move(producers), std::move(devices),
                                                 std::move(opts), std::move(box), std::move(spawn),
-                                                std::move(cfg), halted);
+                                                std::move(cfg), halted, std::move(nodes));
     return {
         [st](std::shared_ptr<job_spec>& spec) {
           mark_internal_thread();

@@ -131,7 +131,7 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
       auto ji = jobs_.find(rec.job);
       if (ji == jobs_.end()) continue;
       auto* x = ji->second->pieces.find(rec.id);
-      if (!x || x->holders.size() != 1 || x->holders[0] == p) continue;
+      if (!x || x->holders.size() != 1 || x->holders[0] == p || x->trimming) continue;
       // Items not started yet are taken back (split_late), not copied: a chunk that can be
       // cut is copied only once its producer, asked for the items it has not started, has
       // neither looked nor started an item for 10 target chunk times (it is stuck in one).
@@ -332,8 +332,13 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
   // A chunk an idle producer may take items of (not one folded on its producer, nor a part of
   // a batched call).
-  if (s.cuts && group_ == nullptr && !j.fold && rec.items > 0 && rec.items <= chunk_cut::max_items)
-    rec.cut = std::make_shared<chunk_cut>(rec.items);
+  if (s.cuts && group_ == nullptr && !j.fold && rec.items > 0 &&
+      rec.items <= chunk_cut::max_items) {
+    if (s.local)
+      rec.cut = std::make_shared<chunk_cut>(rec.items);
+    else
+      rec.cut_id = ++next_cut_id_;  // a node's: trimmed there (trim_remote)
+  }
   s.outstanding.push_back(rec);
   s.items += rec.items;
   room_changed(p);
@@ -363,6 +368,7 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   work_chunk w{job, x.first, x.items, !j.opts.on_error.fails_fast(), nullptr};
   if (j.fold) w.fold = j.gate;
   w.cut = rec.cut;
+  w.cut_id = rec.cut_id;
   if (group_ != nullptr) {  // dispatch_batch sends the group once it is complete
     group_->push_back(grouped_chunk{p, gen, id, std::move(w)});
     return;

@@ -40,9 +40,20 @@ class scheduler_io {
   virtual void forget_job(std::uint64_t job) = 0;
   /// The scheduler has closed: nothing more will come from it.
   virtual void quit() = 0;
-  /// Whether a producer on `d` sees a work_chunk's cut (it shares this process's memory): a
-  /// chunk to a node is never cut.
-  [[nodiscard]] virtual bool cuts_reach(const device& d) const { return d.is_local(); }
+  /// Whether producer `p`'s chunks can be cut: one on `d` in this process shares the
+  /// work_chunk's cut; one on a node is trimmed through its node (trim_remote).
+  [[nodiscard]] virtual bool cuts_reach(std::size_t p, const device& d) const {
+    (void)p;
+    return d.is_local();
+  }
+  /// Chunk `id` of `job` at producer `p` (a node's, generation `gen`), sent with `cut_id`, of
+  /// `items` items: its node takes back the items not claimed (all, or the later half);
+  /// trimmed(p, gen, job, id, kept) with the items its producer keeps, or -1 (nothing taken).
+  /// May never be answered (the node died: its loss comes as producer_down).
+  virtual void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                           std::uint64_t cut_id, std::uint64_t items, bool all) {
+    (void)p, (void)gen, (void)job, (void)id, (void)cut_id, (void)items, (void)all;
+  }
 };
 
 }  // namespace troupe::detail

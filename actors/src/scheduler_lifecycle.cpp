@@ -7,7 +7,7 @@ scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts
                      std::shared_ptr<stats_box> stats)
     : io_(io), opts_(std::move(opts)), settings_(settings_of(opts_)), stats_(std::move(stats)) {
   for (auto& d : devices) {
-    producers_.push_back(make_slot(d));
+    producers_.push_back(make_slot(producers_.size(), d));
     room_changed(producers_.size() - 1);
   }
   if (!opts_.trace_file.empty()) {
@@ -90,18 +90,18 @@ void scheduler::timer_fired(scheduler_io::timer t, std::uint64_t id) {
   }
 }
 
-producer_slot scheduler::make_slot(const device& d) const {
+producer_slot scheduler::make_slot(std::size_t p, const device& d) const {
   producer_slot s;
   s.where = d;
   s.local = d.is_local();
-  s.cuts = opts_.split_late_chunks && io_.cuts_reach(d);
+  s.cuts = opts_.split_late_chunks && io_.cuts_reach(p, d);
   if (opts_.chunk_size) s.chunk_items = opts_.chunk_size;
   return s;
 }
 
 void scheduler::add_producers(const std::vector<device>& devices) {
   for (auto& d : devices) {
-    producers_.push_back(make_slot(d));
+    producers_.push_back(make_slot(producers_.size(), d));
     room_changed(producers_.size() - 1);
     trace_lane(producers_.size() - 1);
     trace_instant(producers_.size() - 1, "added", "add_devices");

@@ -80,6 +80,9 @@ struct basic_piece {
   clock_type::time_point not_before{};
   std::string last_error;  ///< what its item threw last (a retry)
   std::string last_where;
+  /// A trim of it is on its way to its node: no speculative copy until it is answered (the copy
+  /// would hold items the trim moves).
+  bool trimming = false;
 };
 
 template <class Batch>
@@ -160,7 +163,8 @@ class basic_inflight_table {
     std::optional<std::uint64_t> best;
     std::uint64_t best_first = 0;
     for (auto& [id, x] : pieces_)
-      if (x.holders.size() == 1 && x.holders[0] != p && (!best || x.first < best_first)) {
+      if (x.holders.size() == 1 && x.holders[0] != p && !x.trimming &&
+          (!best || x.first < best_first)) {
         best = id;
         best_first = x.first;
       }

@@ -14,6 +14,11 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     stats_->value.late_answers += 1;
     return;
   }
+  if (r.kept >= 0) {  // a node's chunk trimmed there: this answer may come before the trim's
+    auto t = std::find_if(s.outstanding.begin(), s.outstanding.end(),
+                          [&](const sent_chunk& x) { return x.job == job && x.id == id; });
+    if (t != s.outstanding.end() && t->cut_id != 0) apply_trim(p, *t, r.kept);
+  }
   auto now = clock_now();
   auto ji = jobs_.find(job);  // (nothing below ends a job before its answer is taken)
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
@@ -249,7 +254,14 @@ void scheduler::producer_failed(std::size_t p, std::uint64_t gen, const std::str
 }
 
 void scheduler::producer_down(std::size_t p, const std::string& why, bool unreachable) {
-  if (producers_[p].state != slot_state::restarting) give_up(p, why, unreachable);
+  if (producers_[p].state == slot_state::restarting) return;
+  bool ending = end_pending(producers_[p].state);
+  give_up(p, why, unreachable);
+  // Gone while its end() was awaited (a drain, a close): a producer whose node died never
+  // answers (CAF 0.17 fails no request to a dead node), and remove() or close() waited
+  // close_timeout for it. Its end is taken as failed now.
+  if (ending && end_pending(producers_[p].state))
+    producer_ended(p, "it went down before producer::end() answered (" + why + ")");
 }
 
 void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable, bool quarantine,

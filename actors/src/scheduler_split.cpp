@@ -31,8 +31,9 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
                                                            s.outstanding.front().size()));
     for (std::size_t k = 0; k < s.outstanding.size(); ++k) {
       auto& rec = s.outstanding[k];
-      if (!rec.cut) continue;
+      if (!rec.cut && rec.cut_id == 0) continue;
       any_cut = true;
+      if (rec.trimming) continue;  // a trim is on its way to its node
       auto ji = jobs_.find(rec.job);
       if (ji == jobs_.end() || !consumer_has_room(*ji->second)) continue;
       auto* x = ji->second->pieces.find(rec.id);
@@ -40,11 +41,20 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
       if (x->avoid && *x->avoid == p && !only_choice(p)) continue;
       split_candidate c;
       c.position = k;
-      c.unclaimed = rec.cut->unclaimed();
-      c.claimed = rec.cut->next();
       c.model_ns_per_item = s.rate(rec.job) ? s.ns_per_item_of(rec.job) : 0;
       c.expected_ns = s.chunk_ns_of(rec.job, rec.size());
       c.elapsed_ns = k == 0 ? elapsed : 0;
+      if (rec.cut) {
+        c.unclaimed = rec.cut->unclaimed();
+        c.claimed = rec.cut->next();
+      } else {
+        // A node's chunk: its progress is not seen here. The one being worked has done about
+        // its time so far by the job's cost there (unknown: not a candidate yet).
+        if (k == 0 && c.model_ns_per_item <= 0) continue;
+        auto done = k == 0 ? static_cast<std::uint64_t>(elapsed / c.model_ns_per_item) + 1 : 0;
+        c.claimed = std::min<std::uint64_t>(done, rec.items);
+        c.unclaimed = rec.items - c.claimed;
+      }
       c.wait_ns = k > 0 && front_late ? elapsed : 0;
       if (k == 0) {  // its pace since the last look (a look at least an eighth target apart)
         if (rec.looked) {
@@ -57,7 +67,7 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
           rec.looked_next = c.claimed;
         }
       }
-      if (runs_late(c, ns(opts_.target_chunk_time) / 8)) {
+      if (rec.cut && runs_late(c, ns(opts_.target_chunk_time) / 8)) {
         // Its current grab may hold slow items: asked for the ones it has not started (since
         // when, unless it still has not looked since the last time).
         if (!rec.cut->wanted() || !rec.asked) {
@@ -94,6 +104,23 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
   }
   auto& w = at[choice->index];
   auto& rec = producers_[w.q].outstanding[w.k];
+  if (!rec.cut) {
+    // A node's chunk: its node takes the items back (those its producer has not claimed), and
+    // the answer (trimmed(), or the chunk's own, whichever comes first) queues them for the
+    // next producer with room. Nothing else is taken from it meanwhile, nor copied.
+    rec.trimming = true;
+    w.j->pieces.find(rec.id)->trimming = true;
+    io_.trim_remote(w.q, producers_[w.q].gen, rec.job, rec.id, rec.cut_id, rec.items, choice->all);
+    {
+      std::lock_guard<std::mutex> guard{stats_->mtx};
+      stats_->value.trims_sent += 1;
+    }
+    trace_instant(w.q, "trim sent",
+                  "job " + std::to_string(rec.job) + ": " + std::to_string(rec.items) +
+                      " items, for producer " + std::to_string(p));
+    look_again(target / 8);
+    return false;
+  }
   auto keep = rec.cut->trim(choice->all);
   if (!keep) {
     // Every item claimed: its producer is asked for those it has not started (it gives them
@@ -107,8 +134,28 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
   return true;
 }
 
+void scheduler::trimmed(std::size_t q, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
+                        std::int64_t kept) {
+  auto& s = producers_[q];
+  if (s.gen != gen) return;  // lost meanwhile: its chunks were queued again whole
+  auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
+                          [&](const sent_chunk& c) { return c.job == job && c.id == id; });
+  if (rec == s.outstanding.end()) return;  // answered first: its answer said where it ended
+  apply_trim(q, *rec, kept);
+  pump();
+}
+
+void scheduler::apply_trim(std::size_t q, sent_chunk& rec, std::int64_t kept) {
+  rec.trimming = false;
+  auto ji = jobs_.find(rec.job);
+  auto* x = ji != jobs_.end() ? ji->second->pieces.find(rec.id) : nullptr;
+  if (x) x->trimming = false;
+  if (!x || kept < 0 || static_cast<std::uint64_t>(kept) >= rec.items) return;
+  split_piece(*ji->second, q, rec, static_cast<std::uint64_t>(kept), std::nullopt);
+}
+
 void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep,
-                            std::size_t p) {
+                            std::optional<std::size_t> p) {
   auto& x = *j.pieces.find(rec.id);
   auto n = x.items.size();
   piece y;
@@ -135,7 +182,8 @@ void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::u
   }
   trace_instant(q, "split",
                 "job " + std::to_string(j.id) + ": items " + std::to_string(y.first) + ".." +
-                    std::to_string(y.first + moved) + " to producer " + std::to_string(p));
+                    std::to_string(y.first + moved) +
+                    (p ? " to producer " + std::to_string(*p) : std::string{" queued"}));
   if (fault_points::planted.load() == fault_points::planted_bug::split_drops_item &&
       y.items.size() > 1) {
     y.first += 1;
@@ -150,8 +198,13 @@ void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::u
       return c.job == rec.job && c.id == rec.id;
     }));
   }
+  if (!p) {
+    j.pieces.add_queued(std::move(y));
+    touch(j);
+    return;
+  }
   auto id = j.pieces.add(std::move(y));
-  send(p, j, id);
+  send(*p, j, id);
 }
 
 }  // namespace troupe::detail

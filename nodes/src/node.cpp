@@ -23,6 +23,7 @@
 #include "troupe/detail/node_view.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/registry.hpp"
+#include "troupe/internal/remote_cuts.hpp"
 #include "troupe/log.hpp"
 #include "troupe/protocol.hpp"
 
@@ -143,6 +144,18 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
                                  "): its producers end, and it answers as incarnation " +
                                  std::to_string(st->incarnation));
         st->publish();
+      },
+      [self, st](trim_atom, std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items,
+                 bool all) -> std::int64_t {
+        // Only a chunk of one of the requesting coordinator's own producers.
+        auto sender = self->current_sender();
+        if (sender == nullptr) return -1;
+        for (auto& [owner, ps] : st->producers_of) {
+          if (owner.node() != sender->node()) continue;
+          for (auto& p : ps)
+            if (p.id() == producer) return detail::remote_cuts::trim(producer, cut_id, items, all);
+        }
+        return -1;
       },
       [st](hello_atom) {
         node_hello hello{node_protocol_version, {}, st->incarnation, st->draining};

@@ -102,12 +102,15 @@ struct options {
   /// copies a task at 1.5 × the median; troupe measures each producer on its own).
   double speculation_after = 2.0;
   /// A producer that falls idle (no job has an item for it) takes back part of a chunk that
-  /// another local producer has not started yet: the later half of its items not started, or
+  /// another producer has not started yet: the later half of its items not started, or
   /// all of them for a chunk queued behind others, when they are worth at least an eighth of
   /// target_chunk_time there (stats::split_chunks, moved_items). Items are claimed before they
   /// start, so each is worked exactly once; a speculative copy is then made only of a chunk
-  /// whose items have all started (a producer stuck in one). Chunks to nodes, batched calls
-  /// (options::batching) and chunks folded on their producer (consumer::merge) are not split.
+  /// whose items have all started (a producer stuck in one). A node's chunk is trimmed by its
+  /// node (a message to the node's actor, stats::trims_sent: the producer's own mailbox is busy
+  /// while it works), once the job's cost per item there is known; the items come back to the
+  /// next producer with room. Batched calls (options::batching) and chunks folded on their
+  /// producer (consumer::merge) are not split.
   bool split_late_chunks = true;
   /// close() and the destructor wait this long, in all, for the producers to finish their
   /// current chunk and run producer::end(); producers still busy then are left behind (their
@@ -168,6 +171,9 @@ struct stats {
   /// idle producer, and those items (each still worked once).
   std::uint64_t split_chunks = 0;
   std::uint64_t moved_items = 0;
+  /// Trims sent to nodes for their producers' late chunks (each may take items or find them all
+  /// started; those taken count in split_chunks and moved_items).
+  std::uint64_t trims_sent = 0;
   /// Batch producers (work(troupe::span<const In>)): calls made again on halves of a batch
   /// that threw, to find the items that fail alone.
   std::uint64_t split_calls = 0;

@@ -95,6 +95,9 @@ struct work_chunk {
   /// scheduler takes back those not claimed for an idle producer. Null: every item is the
   /// producer's.
   std::shared_ptr<detail::chunk_cut> cut{};
+  /// To a producer in another process, options::split_late_chunks: the chunk's number for
+  /// trim_atom (growing in the order its coordinator sends that producer chunks); 0: not cut.
+  std::uint64_t cut_id = 0;
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.
@@ -113,6 +116,9 @@ struct chunk_result {
   std::vector<item_error> failures;
   /// Batch producers: work(span) calls made again on halves of a batch that threw.
   std::uint64_t extra_calls = 0;
+  /// A chunk with a cut_id trimmed on its node: the items it answers, [0, kept) (-1: all). Its
+  /// coordinator may see this answer before the trim's own answer.
+  std::int64_t kept = -1;
 
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };
@@ -142,7 +148,8 @@ struct init_done {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
-  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items, x.keep_going);
+  return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items, x.keep_going,
+           x.cut_id);
 }
 
 template <class Inspector>
@@ -153,7 +160,7 @@ typename Inspector::result_type inspect(Inspector& f, item_error& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
   return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
-           x.idle_ns, x.code, x.failed_index, x.what, x.failures, x.extra_calls);
+           x.idle_ns, x.code, x.failed_index, x.what, x.failures, x.extra_calls, x.kept);
 }
 
 template <class Inspector>
@@ -194,8 +201,8 @@ namespace troupe {
 
 /// The version of troupe's node protocol; peers with another version are refused.
 // 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom;
-// 6: node_hello::incarnation, leaving
-constexpr std::uint32_t node_protocol_version = 6;
+// 6: node_hello::incarnation, leaving; 7: work_chunk::cut_id, chunk_result::kept, trim_atom
+constexpr std::uint32_t node_protocol_version = 7;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 /// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
@@ -216,6 +223,11 @@ using fence_atom = caf::atom_constant<caf::atom("tr_fence")>;
 /// every producer it holds, for every coordinator, and takes a new incarnation, which the
 /// cluster's next probe admits (rejoined). Ignored unless the incarnation is the node's own.
 using given_up_atom = caf::atom_constant<caf::atom("tr_givenup")>;
+/// A coordinator, to the node's actor (options::split_late_chunks): trim_atom, the producer's
+/// actor id, the chunk's cut_id, its items, all. Takes back the items of that chunk its producer
+/// has not claimed (all of them, or the later half); answered with the items the producer keeps
+/// (an int64), or -1 when nothing was taken. Only for the requesting coordinator's producers.
+using trim_atom = caf::atom_constant<caf::atom("tr_trim")>;
 
 /// A node's answer to hello_atom: its protocol version, the devices it offers and its
 /// incarnation (random, new at every start of the node's process: a restart is a new member).
