@@ -10,7 +10,10 @@
 //                    items, against fixed chunk sizes (a sweep)
 // For each: the makespan, the ideal (total work / producers, or the longest item when longer),
 // and the items computed twice (stats().duplicated_items).
-// Usage: troupe_uneven_bench [--producers 3] [--only NAME]
+// With --node-processes N, slow-patch and lognormal run on N node processes of one CPU producer
+// each (this program started again with --serve), against as many TBB threads; --no-split turns
+// options::split_late_chunks off (a node's late chunk is then only copied, as before trims).
+// Usage: troupe_uneven_bench [--producers 3] [--only NAME] [--node-processes N [--no-split]]
 #include <tbb/global_control.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -24,12 +27,17 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <troupe/troupe.hpp>
 #include <vector>
+
+#include "child_node.hpp"
+#include "common/cli.hpp"
 
 namespace {
 
@@ -102,6 +110,12 @@ struct batched {
   };
 };
 
+}  // namespace
+
+TROUPE_REGISTER_JOB(costed);
+
+namespace {
+
 double seconds_since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
 }
@@ -145,13 +159,29 @@ void report(const std::string& name, double secs, double ideal, std::uint64_t du
 
 int main(int argc, char** argv) {
   CLI::App app{"troupe on uneven work, against oneTBB"};
-  std::size_t producers = 3;
+  std::size_t producers = 3, nodes = 0;
   std::string only;
-  bool sizes = false;
+  bool sizes = false, no_split = false;
+  example::flags f;  // --serve: this program as a node (--node-processes starts it so)
+  example::add_flags(app, f);
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
   app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
   app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-cost or batch");
+  app.add_option("--node-processes", nodes, "slow-patch and lognormal on this many node processes");
+  app.add_flag("--no-split", no_split, "options::split_late_chunks off");
   CLI11_PARSE(app, argc, argv);
+  if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
+  std::vector<std::unique_ptr<child_node>> children;
+  std::optional<troupe::cluster> cluster;
+  if (nodes > 0) {
+    producers = nodes;
+    std::vector<std::string> addresses;
+    for (std::size_t i = 0; i < nodes; ++i) {
+      children.push_back(std::make_unique<child_node>(argv[0], "cpu"));
+      addresses.push_back(children.back()->address);
+    }
+    cluster = troupe::cluster::connect(addresses);
+  }
   tbb::global_control threads{tbb::global_control::max_allowed_parallelism, producers};
   tbb::task_arena arena{static_cast<int>(producers)};
   auto want = [&](const char* name) { return only.empty() || only == name; };
@@ -160,15 +190,27 @@ int main(int argc, char** argv) {
   // TBB over the same items.
   auto measure = [&](const char* name, const std::vector<std::int64_t>& us, int before,
                      std::size_t before_items) {
-    troupe::unordered_runner<costed> r{troupe::cpus(producers)};
+    troupe::options o;
+    o.split_late_chunks = !no_split;
+    troupe::unordered_runner<costed> r{
+        cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
-    auto dup0 = r.stats().duplicated_items;
+    auto s0 = r.stats();
     auto t0 = clock_type::now();
     r.run(us);
     auto secs = seconds_since(t0);
-    report(name, secs, ideal_of(us, producers), r.stats().duplicated_items - dup0, us.size(),
-           tbb_makespan(arena, us));
+    auto s1 = r.stats();
+    report(name, secs, ideal_of(us, producers), s1.duplicated_items - s0.duplicated_items,
+           us.size(), tbb_makespan(arena, us));
+    if (cluster)
+      std::cout << "  on " << nodes << " nodes: " << s1.trims_sent - s0.trims_sent
+                << " trims sent, " << s1.split_chunks - s0.split_chunks << " chunks split, "
+                << s1.moved_items - s0.moved_items << " items moved\n";
   };
+  if (cluster && (only.empty() || (only != "slow-patch" && only != "lognormal"))) {
+    std::cerr << "--node-processes: only slow-patch or lognormal (--only)\n";
+    return 2;
+  }
   if (want("slow-after-fast"))
     measure("slow-after-fast", std::vector<std::int64_t>(3'000, 200), 5, 200'000);
   if (want("slow-patch")) {

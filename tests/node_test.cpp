@@ -290,6 +290,25 @@ TEST(Nodes, AProducerHungInsideWorkIsGivenUpOnWithWorkTimeout) {
   EXPECT_EQ(runner.run(iota(20)), sum_of_squares(20));
 }
 
+TEST(Nodes, AProducerHungInsideWorkIsStillCopiedAfterItsNodeTrimmedItsChunk) {
+  // Late chunks on nodes are trimmed by their node first; a producer stuck in an item keeps
+  // every item it claimed, and its node answers each trim "nothing taken". After 10 target
+  // chunk times of that, the rest is copied to the idle producer (speculation), as before
+  // trims: the job ends, exact, with no work_timeout set.
+  node_process a{"cpu,cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  auto cfg = slow(100);
+  cfg.set("hang_on", std::int64_t{2500});
+  troupe::options opts;
+  opts.close_timeout = std::chrono::milliseconds{500};  // the stuck producer is left behind
+  troupe::unordered_runner<remote_squares> runner{c.devices(), cfg, opts};
+  EXPECT_EQ(runner.run(iota(3000)), sum_of_squares(3000));
+  auto s = runner.stats();
+  std::cout << s.trims_sent << " trims sent, " << s.split_chunks << " chunks split, "
+            << s.duplicated_items << " items copied\n";
+  EXPECT_GT(s.duplicated_items, 0u) << "the stuck item was copied";
+}
+
 TEST(Nodes, LosingEveryNodeIsNodeErrorAndANewNodeCanBeUsed) {
   {
     node_process a{"cpu"};

@@ -42,6 +42,10 @@ struct sent_chunk {
   /// way (its answer, or the chunk's, says where it ended).
   std::uint64_t cut_id = 0;
   bool trimming = false;
+  /// A node's chunk: when a trim last took items, and when the next may be sent (a trim that
+  /// took nothing waits a target chunk time). `asked` holds the first trim that took nothing
+  /// since items were last taken: a speculative copy waits 10 target chunk times from either.
+  std::optional<clock_type::time_point> taken, trim_again;
   /// When its producer was first asked for the items it claimed and has not started.
   std::optional<clock_type::time_point> asked;
   std::uint64_t asked_started = 0;  ///< the items it had started then (chunk_cut::started)

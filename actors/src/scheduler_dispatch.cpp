@@ -139,12 +139,22 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
         rec.asked = now;  // it works on: not stuck
         rec.asked_started = rec.cut->started();
       }
-      if (rec.cut && (rec.cut->unclaimed() > 0 || !rec.cut->wanted() || !rec.asked ||
-                      now - *rec.asked < 10 * opts_.target_chunk_time)) {
+      // A node's chunk that was trimmed: copied once a trim has found every item claimed for
+      // 10 target chunk times (stuck in one), or 10 after the last trim that took items.
+      auto trimmed_lately = [&] {
+        auto within = [&](const std::optional<clock_type::time_point>& t) {
+          return t && now - *t < 10 * opts_.target_chunk_time;
+        };
+        return rec.asked ? within(rec.asked) : within(rec.taken);
+      };
+      if ((rec.cut && (rec.cut->unclaimed() > 0 || !rec.cut->wanted() || !rec.asked ||
+                       now - *rec.asked < 10 * opts_.target_chunk_time)) ||
+          (!rec.cut && rec.cut_id != 0 && trimmed_lately())) {
         // Look again when it may be (split_late asks its producer meanwhile).
+        auto since = rec.asked ? rec.asked : rec.cut ? std::nullopt : rec.taken;
         auto wait = std::chrono::duration<double, std::nano>(
-                        rec.asked ? *rec.asked + 10 * opts_.target_chunk_time - now
-                                  : clock_type::duration{10 * opts_.target_chunk_time})
+                        since ? *since + 10 * opts_.target_chunk_time - now
+                              : clock_type::duration{10 * opts_.target_chunk_time})
                         .count();
         wait = std::max(wait, floor / 10);
         if (!best_job) next_late = std::min(next_late.value_or(wait), wait);

@@ -33,7 +33,8 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
       auto& rec = s.outstanding[k];
       if (!rec.cut && rec.cut_id == 0) continue;
       any_cut = true;
-      if (rec.trimming) continue;  // a trim is on its way to its node
+      if (rec.trimming || (rec.trim_again && now < *rec.trim_again))
+        continue;  // a trim is on its way to its node, or one took nothing a moment ago
       auto ji = jobs_.find(rec.job);
       if (ji == jobs_.end() || !consumer_has_room(*ji->second)) continue;
       auto* x = ji->second->pieces.find(rec.id);
@@ -147,6 +148,14 @@ void scheduler::trimmed(std::size_t q, std::uint64_t gen, std::uint64_t job, std
 
 void scheduler::apply_trim(std::size_t q, sent_chunk& rec, std::int64_t kept) {
   rec.trimming = false;
+  auto now = clock_now();
+  if (kept < 0 || static_cast<std::uint64_t>(kept) >= rec.items) {
+    if (!rec.asked) rec.asked = now;  // nothing taken: every item claimed (or done)
+    rec.trim_again = now + opts_.target_chunk_time;
+  } else {
+    rec.asked.reset();
+    rec.taken = now;
+  }
   auto ji = jobs_.find(rec.job);
   auto* x = ji != jobs_.end() ? ji->second->pieces.find(rec.id) : nullptr;
   if (x) x->trimming = false;

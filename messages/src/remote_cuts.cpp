@@ -8,6 +8,8 @@ namespace troupe::detail::remote_cuts {
 
 namespace {
 
+constexpr std::size_t max_waiting = 1024;  ///< chunks known per producer, at most
+
 struct producer_cuts {
   std::uint64_t last_started = 0;  ///< the newest cut id its producer has begun
   std::map<std::uint64_t, std::shared_ptr<chunk_cut>> cuts;
@@ -57,6 +59,9 @@ std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t it
   auto i = p.cuts.find(cut_id);
   if (i == p.cuts.end()) {
     if (cut_id <= p.last_started) return -1;  // begun and answered already
+    // A coordinator keeps a few chunks queued at a producer: more is not a real one's trim
+    // (a hostile peer's would grow this table without bound).
+    if (p.cuts.size() >= max_waiting) return -1;
     // Not begun yet (it waits in the producer's mailbox): its cut starts here, and the
     // producer finds it trimmed when it begins.
     i = p.cuts.emplace(cut_id, std::make_shared<chunk_cut>(items)).first;
