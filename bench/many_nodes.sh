@@ -81,9 +81,9 @@ for line in sys.stdin:
     print("%.3f %s" % (time.monotonic() - t0, line), end="", flush=True)'; }
 /usr/bin/time -f "%U %S" -o "$dir/cpu" "$bin" --nodes "$list" --items "$items" --work-ms "$work_ms" ${TRACE:+--trace "$TRACE"} \
   ${MIN_NODES:+--min-nodes "$MIN_NODES"} -v > "$dir/out" 2> >(stamp > "$dir/log") || { sleep 1; tail -20 "$dir/log"; exit 1; }
+end=$(date +%s.%N)  # (before this script's own wait below: it used to be counted)
 sleep 0.5  # the stamper's last lines
 cp "$dir/log" /tmp/many_nodes_last.log
-end=$(date +%s.%N)
 expected=$(python3 -c "print(sum(x * x for x in range($items)))")
 grep -qx "result: $expected" "$dir/out" || { echo "wrong result: $(cat "$dir/out")"; exit 1; }
 python3 - "$start" "$end" "$items" "$work_ms" "$n" "$(cat "$dir/cpu")" <<'PY'
@@ -95,6 +95,8 @@ ideal = items * work_ms / 1000 / n
 print(f"{n} nodes, {items} items of {work_ms} ms: {wall:.2f} s (connect and start included), "
       f"ideal {ideal:.2f} s, efficiency {ideal / wall:.2f}; coordinator CPU {user + system:.2f} s ({(user + system) / items * 1e6:.1f} us per item)")
 PY
+job=$(sed -n 's/^[0-9.]* done: [0-9]* items in \([0-9.]*\) s.*/\1/p' "$dir/log")
+[ -n "$job" ] && python3 -c "import sys; j, i = float(sys.argv[1]), $items * $work_ms / 1000 / $n; print(f'the job alone: {j:.2f} s, efficiency {i / j:.2f}')" "$job"
 echo "runner started after $(sed -n 's/^\([0-9.]*\) .*runner started.*/\1/p' "$dir/log") s (connect included)"
 if [ -n "${ROLLING:-}" ]; then
   [ -f "$dir/rolled" ] || echo "the job ended before the rolling restart did: more items, or a larger ROLLING"

@@ -600,11 +600,12 @@ TEST(Cluster, ANodeKilledWhileADrainOrACloseAwaitsItsProducersEndDoesNotHoldThem
   }
 }
 
-TEST(Cluster, ANodesLateChunkIsTrimmedThroughItsNodeAndAnIdleProducerTakesTheRestOnce) {
-  // A slow patch near the end of a job on two nodes: the producer holding it runs late while
-  // the other has nothing left. Its node trims the chunk (a message to the node's actor: the
-  // producer's mailbox is busy) and the items it had not claimed go to the idle producer.
-  // Before, a node's chunk was never split: the idle producer waited, or made a copy.
+/// A slow patch near the end of a job of `Job` on two nodes: the producer holding it runs late
+/// while the other has nothing left. Its node trims the chunk (a message to the node's actor:
+/// the producer's mailbox is busy) and the items it had not claimed go to the idle producer.
+/// Before, a node's chunk was never split: the idle producer waited, or made a copy.
+template <class Job>
+void late_chunk_trimmed_on_a_node() {
   node_process a{"cpu"}, b{"cpu"};
   auto c = troupe::cluster::connect({a.address(), b.address()}, {}, troupe::cluster_options{});
   auto cfg = slow(200);
@@ -613,7 +614,7 @@ TEST(Cluster, ANodesLateChunkIsTrimmedThroughItsNodeAndAnIdleProducerTakesTheRes
   cfg.set("slow_us", 5000);
   troupe::options o;
   o.speculative = false;  // every work() call is one item: the counts add up exactly
-  troupe::unordered_runner<remote_squares> runner{c, cfg, o};
+  troupe::unordered_runner<Job> runner{c, cfg, o};
   EXPECT_EQ(runner.run(iota(4000)), sum_of_squares(4000));
   auto st = runner.stats();
   std::uint64_t items = 0;
@@ -625,6 +626,17 @@ TEST(Cluster, ANodesLateChunkIsTrimmedThroughItsNodeAndAnIdleProducerTakesTheRes
   EXPECT_GT(st.trims_sent, 0u);
   EXPECT_GT(st.split_chunks, 0u);
   EXPECT_GT(st.moved_items, 0u);
+}
+
+TEST(Cluster, ANodesLateChunkIsTrimmedThroughItsNodeAndAnIdleProducerTakesTheRestOnce) {
+  late_chunk_trimmed_on_a_node<remote_squares>();
+}
+
+TEST(Cluster, ANodesLateChunkIsTrimmedAlsoWhenItsConsumerMerges) {
+  // consumer::merge folds chunks on local producers, which are then not cut; a node's producer
+  // never folds, and its chunks were not trimmed either (the examples' sum_of_squares merges:
+  // 128 node processes idled for seconds at a job's tail behind one oversized chunk).
+  late_chunk_trimmed_on_a_node<remote_folded_squares>();
 }
 
 TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo) {

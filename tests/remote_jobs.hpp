@@ -70,6 +70,18 @@ struct remote_squares {
   };
 };
 
+/// The same squares, with a consumer that merges (consumer::merge): local producers fold their
+/// chunks, a node's send them as before.
+struct remote_folded_squares {
+  using producer = remote_squares::producer;
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    void merge(consumer&& other) { sum += other.sum; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+
 /// A batch producer (work(span)): the same squares, one call per chunk.
 struct remote_batch_squares {
   struct producer {

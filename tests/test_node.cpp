@@ -5,6 +5,7 @@
 #include "remote_jobs.hpp"
 
 TROUPE_REGISTER_JOB(remote_squares);
+TROUPE_REGISTER_JOB(remote_folded_squares);
 TROUPE_REGISTER_JOB(remote_batch_squares);
 TROUPE_REGISTER_JOB(remote_blobs);
 TROUPE_REGISTER_JOB(remote_index);

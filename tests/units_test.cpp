@@ -582,6 +582,22 @@ TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
   EXPECT_EQ(far.chunk_limit(s, 1), 8u);
 }
 
+TEST(ProducerModel, ChunksOfNearlyOneSizeWithNoisyTimesDoNotReadAsAFixedCost) {
+  // A node's chunks of 2 ms items, 6 to 8 at a time, on a loaded machine: their times vary by
+  // a few milliseconds whatever their size. A line through them is a "fixed cost" of ~14 ms
+  // and a cost per item near 0, and the chunks grew 7, 14, 28, 56, 896 items (1.9 s of work
+  // in one chunk at a job's tail, with 128 node processes). Sizes this close tell no line: the
+  // cost stays per item and the chunks stay at 8.
+  model_settings s;
+  producer_model far{false, s};
+  const std::vector<std::pair<std::size_t, double>> answers{
+      {7, 15e6}, {7, 16e6}, {6, 17e6}, {7, 11e6}, {8, 13e6}, {7, 18e6}, {6, 12e6}, {8, 14e6}};
+  for (auto [n, t] : answers)
+    far.learn(chunk_of_job(1, n), static_cast<std::int64_t>(t), 0, true, s);
+  EXPECT_LE(far.chunk_limit(s, 1), 16u) << "chunks of about 2 ms items aimed at 16 ms";
+  EXPECT_GE(far.chunk_limit(s, 1), 6u);
+}
+
 TEST(ProducerModel, AChunkFarSlowerThanItsModelSaidShrinksTheNextOnesAtOnce) {
   model_settings s;
   producer_model m{true, s};

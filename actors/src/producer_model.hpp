@@ -85,6 +85,16 @@ struct job_rate {
     return wnn / w - mean_n * mean_n <= 1e-6 * mean_n * mean_n + 1e-12;
   }
 
+  /// Whether the sizes answered spread enough for a line through them to mean anything: chunks
+  /// of 6, 7 and 8 items whose times vary by a few milliseconds on a loaded machine fit a
+  /// "fixed cost" and a cost per item near 0 (seen with 128 node processes: a node's chunks grew
+  /// 7, 14, 28, 56, 896 items, 1.9 s of work in the job's tail). Sizes 1 and 2 spread enough.
+  [[nodiscard]] bool spread() const {
+    if (w <= 0) return false;
+    auto mean_n = wn / w;
+    return wnn / w - mean_n * mean_n >= 0.05 * mean_n * mean_n;
+  }
+
   /// The least-squares line a + b·n through the answers, as fitted (either may be negative);
   /// answers of two sizes at least.
   [[nodiscard]] std::pair<double, double> fit() const {
@@ -97,8 +107,9 @@ struct job_rate {
   [[nodiscard]] std::pair<double, double> cost() const {
     if (w <= 0 || wn <= 0) return {0, 0};
     auto mean_n = wn / w, mean_t = wt / w;
-    // One chunk size seen so far: all of it per item, as a plain producer.
-    if (one_size()) return {0, std::max(0.01, mean_t / mean_n)};
+    // One chunk size seen so far (or sizes too close to tell a line): all of it per item, as a
+    // plain producer.
+    if (!spread()) return {0, std::max(0.01, mean_t / mean_n)};
     auto [a, b] = fit();
     // A negative fixed cost: none, all of it per item. Bigger chunks no slower (b <= 0): the
     // calls' cost is fixed (a batch producer's), or a small chunk's thread was woken late; the
@@ -111,7 +122,7 @@ struct job_rate {
   /// sizes or more, the bigger ones slower, and a fixed cost of at least an eighth of `target`
   /// that outweighs the items' own cost in the calls answered.
   [[nodiscard]] bool mostly_fixed(double target) const {
-    if (one_size()) return false;
+    if (!spread()) return false;
     auto [a, b] = fit();
     return b > 0 && a >= target / 8 && a >= b * wn / w;
   }

@@ -420,7 +420,8 @@ class scheduler {
   /// split_late() found nothing worth taking: it looks again at this time (reset by a send).
   std::optional<clock_type::time_point> no_split_before_;
   std::optional<clock_type::time_point> split_check_;  ///< a wakeup to look again
-  std::uint64_t next_cut_id_ = 0;  ///< the last work_chunk::cut_id given (node producers)
+  std::uint64_t next_cut_id_ = 0;    ///< the last work_chunk::cut_id given (node producers)
+  std::size_t trims_in_flight_ = 0;  ///< trim_remote commands not answered yet
   /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
   struct grouped_chunk {
     std::size_t p;

@@ -20,8 +20,10 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
   std::vector<place> at;
   bool any_cut = false;  // a chunk that may be worth it later (its consumer busy now, say)
   double longest = 0;    // the longest a producer has been on its current chunk
+  std::size_t idle = 1;  // producers with nothing to do, p with them
   for (std::size_t q = 0; q < producers_.size(); ++q) {
     auto& s = producers_[q];
+    if (q != p && takes_work(s.state) && s.outstanding.empty()) ++idle;
     if (q == p || !alive(s.state) || s.outstanding.empty()) continue;
     auto elapsed = ns(now - std::max(s.outstanding.front().sent, s.last_done));
     longest = std::max(longest, elapsed);
@@ -108,7 +110,14 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
   if (!rec.cut) {
     // A node's chunk: its node takes the items back (those its producer has not claimed), and
     // the answer (trimmed(), or the chunk's own, whichever comes first) queues them for the
-    // next producer with room. Nothing else is taken from it meanwhile, nor copied.
+    // next producer with room. Nothing else is taken from it meanwhile, nor copied. Trims go
+    // out at once for as many chunks as producers are idle (each idle producer asks in the
+    // same pass), no more.
+    if (trims_in_flight_ >= idle) {
+      look_again(target / 8);
+      return false;
+    }
+    trims_in_flight_ += 1;
     rec.trimming = true;
     w.j->pieces.find(rec.id)->trimming = true;
     io_.trim_remote(w.q, producers_[w.q].gen, rec.job, rec.id, rec.cut_id, rec.items, choice->all);
@@ -119,7 +128,6 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
     trace_instant(w.q, "trim sent",
                   "job " + std::to_string(rec.job) + ": " + std::to_string(rec.items) +
                       " items, for producer " + std::to_string(p));
-    look_again(target / 8);
     return false;
   }
   auto keep = rec.cut->trim(choice->all);
@@ -137,6 +145,7 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
 
 void scheduler::trimmed(std::size_t q, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
                         std::int64_t kept) {
+  if (trims_in_flight_ > 0) trims_in_flight_ -= 1;  // each trim_remote is answered once
   auto& s = producers_[q];
   if (s.gen != gen) return;  // lost meanwhile: its chunks were queued again whole
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
