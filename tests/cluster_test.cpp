@@ -541,6 +541,75 @@ TEST(Cluster, ANodeKilledBetweenItsProducersInitAnswersDoesNotHoldAddForCloseTim
   EXPECT_EQ(sum, sum_of_squares(in.made->load()));
 }
 
+TEST(Cluster, ANodeKilledAtAnyMomentOfItsDrainNeverHoldsRemoveBeyondConnectTimeout) {
+  // The join test's twin for cluster::remove(): a member SIGKILLed 0 to 20 ms into its drain (a
+  // job running on a runner that follows the cluster, the node holding some of its chunks).
+  // Wherever the kill lands (the drain's start, chunks finishing, producer::end()), remove()
+  // returns or throws within connect_timeout (+ 0.5 s), the job's result is exact, and the node
+  // leaves the devices.
+  node_process a{"cpu,cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.connect_timeout = std::chrono::milliseconds{2000};
+  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  running_job r{c, 20};
+  auto bound = o.connect_timeout + std::chrono::milliseconds{500};
+  std::size_t returned = 0, threw = 0;
+  for (int us : {0, 300, 1000, 2000, 3000, 5000, 10000, 20000}) {
+    SCOPED_TRACE("killed " + std::to_string(us) + " us into remove()");
+    std::optional<node_process> n;
+    n.emplace("cpu,cpu");
+    auto address = n->address();
+    c.add(address);
+    // Its producers take items of the running job before the drain begins.
+    {
+      test_util::watchdog dog{std::chrono::seconds{30}, "items on the new node"};
+      auto on_n = [&] {
+        std::uint64_t k = 0;
+        for (auto& p : r.runner.stats().producers)
+          if (p.alive && p.where.node() == address) k += p.items;
+        return k;
+      };
+      while (on_n() == 0) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+    }
+    std::atomic<bool> go{false};
+    std::thread killer{[&] {
+      while (!go) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds{us});
+      n->kill(SIGKILL);
+    }};
+    test_util::watchdog dog{std::chrono::seconds{60}, "cluster::remove of a node killed mid-drain"};
+    auto t0 = std::chrono::steady_clock::now();
+    go = true;
+    try {
+      c.remove(address);
+      ++returned;
+    } catch (const troupe::error& e) {  // lost before the drain began: not up
+      ++threw;
+      EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
+    }
+    auto took = std::chrono::steady_clock::now() - t0;
+    killer.join();
+    std::cout << "killed " << us << " us in: remove() "
+              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+    EXPECT_LT(took, bound) << "remove() outlived connect_timeout";
+    {
+      test_util::watchdog wait{std::chrono::seconds{30}, "the killed node leaving the devices"};
+      for (;;) {
+        auto ds = r.runner.devices();
+        if (std::none_of(ds.begin(), ds.end(),
+                         [&](const troupe::device& d) { return d.node() == address; }))
+          break;
+        std::this_thread::sleep_for(std::chrono::milliseconds{5});
+      }
+    }
+    n.reset();
+  }
+  std::cout << returned << " remove() returned, " << threw << " threw\n";
+  r.finish();
+}
+
 /// Kills `n` once the file at `marker` exists (a producer there has reached the moment).
 std::thread kill_on_marker(const std::string& marker, node_process& n, std::atomic<bool>& killed) {
   return std::thread{[&n, &killed, marker] {
@@ -614,6 +683,9 @@ void late_chunk_trimmed_on_a_node() {
   cfg.set("slow_us", 5000);
   troupe::options o;
   o.speculative = false;  // every work() call is one item: the counts add up exactly
+  // Chunks of 100: the patch is one chunk, sized for fast items (the adaptive size would
+  // shrink on meeting it, and both producers might end on slow one-item chunks, none idle).
+  o.chunk_size = 100;
   troupe::unordered_runner<Job> runner{c, cfg, o};
   EXPECT_EQ(runner.run(iota(4000)), sum_of_squares(4000));
   auto st = runner.stats();

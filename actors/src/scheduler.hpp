@@ -144,8 +144,7 @@ class scheduler {
   void producer_failed(std::size_t p, std::uint64_t gen, const std::string& why, bool unreachable);
   /// Producer `p`'s actor or node is gone (a monitor's message).
   void producer_down(std::size_t p, const std::string& why, bool unreachable);
-  /// The answer to trim_remote: chunk `id` of `job` on node producer `p` now ends at `kept`
-  /// (-1: nothing was taken).
+  /// trim_remote's answer: chunk `id` of `job` on `p` now ends at `kept` (-1: nothing taken).
   void trimmed(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
                std::int64_t kept);
   void replaced(std::size_t p, std::uint64_t gen);
@@ -272,9 +271,8 @@ class scheduler {
   /// for the items it claimed and has not started. False when nothing was sent.
   bool split_late(std::size_t p, clock_type::time_point now);
 
-  /// Items [keep, n) of the chunk `rec` on producer `q` (taken back from its cut) become a
-  /// piece of their own, sent to `p`, or queued for the next producer with room (`p` empty: a
-  /// node's trim, answered later).
+  /// Items [keep, n) of chunk `rec` on `q` (taken back from its cut) become a piece of their
+  /// own, sent to `p`, or queued for the next producer with room (a node's trim: no `p`).
   void split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::uint64_t keep,
                    std::optional<std::size_t> p);
   /// A node's chunk `rec` on `q` ends at `kept` (the trim's answer, or the chunk's own).
@@ -420,8 +418,8 @@ class scheduler {
   /// split_late() found nothing worth taking: it looks again at this time (reset by a send).
   std::optional<clock_type::time_point> no_split_before_;
   std::optional<clock_type::time_point> split_check_;  ///< a wakeup to look again
-  std::uint64_t next_cut_id_ = 0;    ///< the last work_chunk::cut_id given (node producers)
-  std::size_t trims_in_flight_ = 0;  ///< trim_remote commands not answered yet
+  std::uint64_t next_cut_id_ = 0;    ///< the last work_chunk::cut_id given; and trim_remote
+  std::size_t trims_in_flight_ = 0;  ///< commands not answered yet
   /// dispatch_batch: the group being assembled (send() adds to it instead of sending).
   struct grouped_chunk {
     std::size_t p;

@@ -147,11 +147,12 @@ void scheduler::trimmed(std::size_t q, std::uint64_t gen, std::uint64_t job, std
                         std::int64_t kept) {
   if (trims_in_flight_ > 0) trims_in_flight_ -= 1;  // each trim_remote is answered once
   auto& s = producers_[q];
-  if (s.gen != gen) return;  // lost meanwhile: its chunks were queued again whole
+  // Not when its producer was lost meanwhile (its chunks were queued again whole), nor when
+  // the chunk was answered first (its answer said where it ended). Either way an idle producer
+  // may send another trim now: the pump goes on.
   auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
                           [&](const sent_chunk& c) { return c.job == job && c.id == id; });
-  if (rec == s.outstanding.end()) return;  // answered first: its answer said where it ended
-  apply_trim(q, *rec, kept);
+  if (s.gen == gen && rec != s.outstanding.end()) apply_trim(q, *rec, kept);
   pump();
 }
 

@@ -19,6 +19,7 @@
 #include <map>
 #include <thread>
 
+#include "node_state.hpp"
 #include "troupe/detail/network.hpp"
 #include "troupe/detail/node_view.hpp"
 #include "troupe/error.hpp"
@@ -32,47 +33,6 @@ namespace troupe {
 // -- node ----------------------------------------------------------------------------------------
 
 namespace {
-
-struct node_state {
-  std::vector<device> devices;
-  std::uint64_t incarnation = 0;  ///< random, new at every serve(): a restart is a new member
-  std::size_t max_producers_per_coordinator = 0;
-  std::map<caf::actor_addr, std::vector<caf::actor>> producers_of;  ///< by owner
-  std::map<caf::node_id, std::size_t> producers_on;                 ///< by the owner's node
-  /// node::drain: no new producers; the callers of drain wait for the last one to end.
-  bool draining = false;
-  std::vector<caf::response_promise> drained;
-  /// Clusters' watchers (watch_atom): told when the node drains, so that its leave is a
-  /// drain for them too, not a loss. At most max_watchers.
-  std::vector<caf::actor> watchers;
-  static constexpr std::size_t max_watchers = 1024;
-
-  [[nodiscard]] std::int64_t left() const {
-    std::int64_t n = 0;
-    for (auto& [owner, ps] : producers_of) n += static_cast<std::int64_t>(ps.size());
-    return n;
-  }
-  [[nodiscard]] bool empty() const { return left() == 0; }
-  /// What observers read (node_views()): updated after every change of the fields above.
-  std::shared_ptr<detail::node_numbers> numbers;
-  void publish(int spawned = 0, int refused = 0) {
-    std::lock_guard<std::mutex> guard{numbers->mtx};
-    auto& v = numbers->view;
-    v.incarnation = incarnation;
-    v.draining = draining;
-    v.producers = static_cast<std::size_t>(left());
-    v.coordinators = 0;
-    for (auto& [owner, ps] : producers_of) v.coordinators += ps.empty() ? 0 : 1;
-    v.watchers = watchers.size();
-    v.producers_spawned += static_cast<std::uint64_t>(spawned);
-    v.spawns_refused += static_cast<std::uint64_t>(refused);
-  }
-  /// Answers the drain's callers with the producers still there (0: all ended).
-  void answer_drained() {
-    for (auto& rp : drained) rp.deliver(left());
-    drained.clear();
-  }
-};
 
 std::string join(const std::vector<std::string>& xs) {
   std::string out;
@@ -147,15 +107,10 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
       },
       [self, st](trim_atom, std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items,
                  bool all) -> std::int64_t {
-        // Only a chunk of one of the requesting coordinator's own producers.
-        auto sender = self->current_sender();
-        if (sender == nullptr) return -1;
-        for (auto& [owner, ps] : st->producers_of) {
-          if (owner.node() != sender->node()) continue;
-          for (auto& p : ps)
-            if (p.id() == producer) return detail::remote_cuts::trim(producer, cut_id, items, all);
-        }
-        return -1;
+        auto from = self->current_sender();  // only for the requester's own producers
+        return from && st->owns(from->node(), producer)
+                   ? detail::remote_cuts::trim(producer, cut_id, items, all)
+                   : -1;
       },
       [st](hello_atom) {
         node_hello hello{node_protocol_version, {}, st->incarnation, st->draining};
