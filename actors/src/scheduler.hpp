@@ -293,11 +293,10 @@ class scheduler {
   void send(std::size_t p, job_state& j, std::uint64_t id,
             std::optional<clock_type::duration> first_wait = std::nullopt);
 
-  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late), 100 us late. A
-  /// time already passed wakes it 100 us from now: the caller computed `t` from a clock read
-  /// earlier in this event, and a wakeup dropped because the thread was preempted in between
-  /// would leave the job waiting for an event that never comes (it hung CI once: an ordered job
-  /// whose only way on was a speculative copy).
+  /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late), 100 us late; a
+  /// time already passed, 100 us from now (the caller read the clock earlier in this event: a
+  /// wakeup dropped because the thread was preempted in between left an ordered job whose only
+  /// way on was a speculative copy waiting for an event that never came, in CI once).
   void wake_at(clock_type::time_point t);
 
   // -- results -----------------------------------------------------------------------------
@@ -305,25 +304,19 @@ class scheduler {
   /// Counts the items that threw in a row on `s`; true when it reaches quarantine_after.
   bool count_failures(producer_slot& s, const chunk_result& r, std::size_t n, std::uint64_t first);
 
-  /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
-  /// job; the outputs of the others are delivered around them.
   /// How a job whose range its handle took back ends (its cancel is on its way).
-  static std::exception_ptr taken_back(std::uint64_t job) {
-    return std::make_exception_ptr(
-        cancelled("job " + std::to_string(job) + " was cancelled (its handle was given up)"));
-  }
+  static std::exception_ptr taken_back(std::uint64_t job);
   /// Why a producer's answer to `x` cannot be right (outputs and failures do not add up to
   /// its items, failures out of order or outside it), or nothing.
   static std::optional<std::string> malformed(const piece& x, const chunk_result& r);
+  /// Items of piece `x` threw (a job with skip or retry): each is retried, skipped or ends the
+  /// job; the outputs of the others are delivered around them.
   void handle_failures(job_state& j, std::size_t p, piece x, chunk_result& r);
-
   /// Outputs [out, out + n) of `outputs` are items [first, first + n) of `j`.
   void deliver_part(job_state& j, std::uint64_t first, std::size_t n, const batch& outputs,
                     std::size_t out);
-
   /// A piece's outputs, all of its items.
   void deliver(job_state& j, std::uint64_t first, std::size_t n, batch outputs);
-
   void release(job_state& j);
 
   /// Tells options::on_event (on this thread; what it throws is ignored).

@@ -118,6 +118,11 @@ bool scheduler::count_failures(producer_slot& s, const chunk_result& r, std::siz
   return reached;
 }
 
+std::exception_ptr scheduler::taken_back(std::uint64_t job) {
+  return std::make_exception_ptr(
+      cancelled("job " + std::to_string(job) + " was cancelled (its handle was given up)"));
+}
+
 std::optional<std::string> scheduler::malformed(const piece& x, const chunk_result& r) {
   // A producer (a node's, possibly a faulty or hostile one) answers every item once: an output,
   // or a failure listed in input order within the chunk.
