@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -429,69 +430,86 @@ TEST(Cluster, ANodeFrozenPastLostAfterThenThawedRejoinsByItselfAndTakesWorkInThe
   run.finish();
 }
 
-TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) {
-  // A fresh node SIGKILLed 0 to 5 ms into cluster::add(), a job running on a runner that
-  // follows the cluster: wherever the kill lands (connecting, the runner's spawn on the node,
-  // the producers' start), add() returns or throws within connect_timeout (+ 0.5 s), the
-  // job's result is exact, and the next membership change is not held behind the join (before,
-  // a kill at 1.3 ms held add() for the runner's 120 s reply timeout, the notifier with it).
+/// A cluster of one node with a job running on a runner that follows it; fresh nodes (a fresh
+/// address each time) SIGKILLed `us` into a membership call on them, for each `us`: the call
+/// returns or throws (naming the node) within connect_timeout (+ 0.5 s), and the node leaves
+/// the cluster's and the runner's devices (the next membership change is not held behind it).
+struct kills_mid_call {
   node_process a{"cpu,cpu"};
   recorder ev;
-  troupe::cluster_options o;
-  o.on_change = ev.callback();
-  o.connect_timeout = std::chrono::milliseconds{2000};
-  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  troupe::cluster_options o = options(ev);
+  troupe::cluster c = troupe::cluster::connect({a.address()}, {}, o);
   running_job r{c, 20};
-  auto bound = o.connect_timeout + std::chrono::milliseconds{500};
-  std::size_t joined = 0, refused = 0;
-  for (int us : {0, 300, 700, 1000, 1300, 1600, 2000, 2500, 3000, 5000}) {
-    SCOPED_TRACE("killed " + std::to_string(us) + " us into add()");
-    std::optional<node_process> n;
-    n.emplace("cpu,cpu");  // a fresh address each time
-    auto address = n->address();
-    std::atomic<bool> go{false};
-    std::thread killer{[&] {
-      while (!go) std::this_thread::yield();
-      std::this_thread::sleep_for(std::chrono::microseconds{us});
-      n->kill(SIGKILL);
-    }};
-    test_util::watchdog dog{std::chrono::seconds{60}, "cluster::add of a node killed mid-join"};
-    auto t0 = std::chrono::steady_clock::now();
-    go = true;
-    try {
-      c.add(address);
-      ++joined;
-    } catch (const troupe::node_error& e) {
-      ++refused;
-      EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
-    }
-    auto took = std::chrono::steady_clock::now() - t0;
-    killer.join();
-    std::cout << "killed " << us << " us in: add() "
-              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
-    EXPECT_LT(took, bound) << "add() outlived connect_timeout";
-    // The next membership change is not held: a member's loss is reported (a node that did
-    // join), and the node is out of the devices either way.
-    {
-      test_util::watchdog wait{std::chrono::seconds{30}, "the killed node leaving the devices"};
-      for (;;) {
-        auto ds = c.devices();
-        if (std::none_of(ds.begin(), ds.end(),
-                         [&](const troupe::device& d) { return d.node() == address; }))
-          break;
-        std::this_thread::sleep_for(std::chrono::milliseconds{5});
-      }
-    }
-    n.reset();
+  std::chrono::milliseconds bound = o.connect_timeout + std::chrono::milliseconds{500};
+
+  static troupe::cluster_options options(recorder& ev) {
+    troupe::cluster_options o;
+    o.on_change = ev.callback();
+    o.connect_timeout = std::chrono::milliseconds{2000};
+    return o;
   }
-  std::cout << joined << " add() returned, " << refused << " threw\n";
+
+  /// `prepare(address)` first (not timed), then `call(address)` with the kill `us` into it.
+  /// Returns how many calls returned (the others threw).
+  std::size_t run(std::initializer_list<int> delays, const char* what,
+                  const std::function<void(const std::string&)>& prepare,
+                  const std::function<void(const std::string&)>& call) {
+    std::size_t returned = 0;
+    for (int us : delays) {
+      SCOPED_TRACE("killed " + std::to_string(us) + " us into " + what);
+      std::optional<node_process> n;
+      n.emplace("cpu,cpu");
+      auto address = n->address();
+      prepare(address);
+      std::atomic<bool> go{false};
+      std::thread killer{[&] {
+        while (!go) std::this_thread::yield();
+        std::this_thread::sleep_for(std::chrono::microseconds{us});
+        n->kill(SIGKILL);
+      }};
+      test_util::watchdog dog{std::chrono::seconds{60}, what};
+      auto t0 = std::chrono::steady_clock::now();
+      go = true;
+      try {
+        call(address);
+        ++returned;
+      } catch (const troupe::error& e) {
+        EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
+      }
+      auto took = std::chrono::steady_clock::now() - t0;
+      killer.join();
+      std::cout << "killed " << us << " us in: " << what << " "
+                << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
+      EXPECT_LT(took, bound) << what << " outlived connect_timeout";
+      test_util::watchdog wait{std::chrono::seconds{30}, "the killed node leaving the devices"};
+      auto there = [&](const std::vector<troupe::device>& ds) {
+        return std::any_of(ds.begin(), ds.end(),
+                           [&](const troupe::device& d) { return d.node() == address; });
+      };
+      while (there(c.devices()) || there(r.runner.devices()))
+        std::this_thread::sleep_for(std::chrono::milliseconds{5});
+    }
+    std::cout << returned << " of " << delays.size() << " returned, the others threw\n";
+    return returned;
+  }
+};
+
+TEST(Cluster, ANodeKilledAtAnyMomentOfItsJoinNeverHoldsAddBeyondConnectTimeout) {
+  // A fresh node SIGKILLed 0 to 5 ms into cluster::add(): wherever the kill lands (connecting,
+  // the runner's spawn on the node, the producers' start), add() is bounded and the job's
+  // result exact (before, a kill at 1.3 ms held add() for the runner's 120 s reply timeout,
+  // the notifier with it).
+  kills_mid_call k;
+  k.run(
+      {0, 300, 700, 1000, 1300, 1600, 2000, 2500, 3000, 5000}, "add()", [](const std::string&) {},
+      [&](const std::string& address) { k.c.add(address); });
   // A healthy node still joins at once, and takes work.
   node_process b{"cpu,cpu"};
   auto t0 = std::chrono::steady_clock::now();
-  c.add(b.address());
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, bound);
-  r.finish();
-  EXPECT_EQ(ev.count(troupe::membership_event::joined, b.address()), 1u);
+  k.c.add(b.address());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, k.bound);
+  k.r.finish();
+  EXPECT_EQ(k.ev.count(troupe::membership_event::joined, b.address()), 1u);
 }
 
 TEST(Cluster, ANodeKilledBetweenItsProducersInitAnswersDoesNotHoldAddForCloseTimeout) {
@@ -542,72 +560,24 @@ TEST(Cluster, ANodeKilledBetweenItsProducersInitAnswersDoesNotHoldAddForCloseTim
 }
 
 TEST(Cluster, ANodeKilledAtAnyMomentOfItsDrainNeverHoldsRemoveBeyondConnectTimeout) {
-  // The join test's twin for cluster::remove(): a member SIGKILLed 0 to 20 ms into its drain (a
-  // job running on a runner that follows the cluster, the node holding some of its chunks).
-  // Wherever the kill lands (the drain's start, chunks finishing, producer::end()), remove()
-  // returns or throws within connect_timeout (+ 0.5 s), the job's result is exact, and the node
-  // leaves the devices.
-  node_process a{"cpu,cpu"};
-  recorder ev;
-  troupe::cluster_options o;
-  o.on_change = ev.callback();
-  o.connect_timeout = std::chrono::milliseconds{2000};
-  auto c = troupe::cluster::connect({a.address()}, {}, o);
-  running_job r{c, 20};
-  auto bound = o.connect_timeout + std::chrono::milliseconds{500};
-  std::size_t returned = 0, threw = 0;
-  for (int us : {0, 300, 1000, 2000, 3000, 5000, 10000, 20000}) {
-    SCOPED_TRACE("killed " + std::to_string(us) + " us into remove()");
-    std::optional<node_process> n;
-    n.emplace("cpu,cpu");
-    auto address = n->address();
-    c.add(address);
-    // Its producers take items of the running job before the drain begins.
-    {
-      test_util::watchdog dog{std::chrono::seconds{30}, "items on the new node"};
-      auto on_n = [&] {
-        std::uint64_t k = 0;
-        for (auto& p : r.runner.stats().producers)
-          if (p.alive && p.where.node() == address) k += p.items;
-        return k;
-      };
-      while (on_n() == 0) std::this_thread::sleep_for(std::chrono::milliseconds{1});
-    }
-    std::atomic<bool> go{false};
-    std::thread killer{[&] {
-      while (!go) std::this_thread::yield();
-      std::this_thread::sleep_for(std::chrono::microseconds{us});
-      n->kill(SIGKILL);
-    }};
-    test_util::watchdog dog{std::chrono::seconds{60}, "cluster::remove of a node killed mid-drain"};
-    auto t0 = std::chrono::steady_clock::now();
-    go = true;
-    try {
-      c.remove(address);
-      ++returned;
-    } catch (const troupe::error& e) {  // lost before the drain began: not up
-      ++threw;
-      EXPECT_NE(std::string{e.what()}.find(address), std::string::npos) << e.what();
-    }
-    auto took = std::chrono::steady_clock::now() - t0;
-    killer.join();
-    std::cout << "killed " << us << " us in: remove() "
-              << std::chrono::duration<double, std::milli>(took).count() << " ms\n";
-    EXPECT_LT(took, bound) << "remove() outlived connect_timeout";
-    {
-      test_util::watchdog wait{std::chrono::seconds{30}, "the killed node leaving the devices"};
-      for (;;) {
-        auto ds = r.runner.devices();
-        if (std::none_of(ds.begin(), ds.end(),
-                         [&](const troupe::device& d) { return d.node() == address; }))
-          break;
-        std::this_thread::sleep_for(std::chrono::milliseconds{5});
-      }
-    }
-    n.reset();
-  }
-  std::cout << returned << " remove() returned, " << threw << " threw\n";
-  r.finish();
+  // The join test's twin for cluster::remove(): a member SIGKILLed 0 to 20 ms into its drain,
+  // its producers holding chunks of the running job. Wherever the kill lands (the drain's
+  // start, chunks finishing, producer::end()), remove() is bounded and the job's result exact.
+  kills_mid_call k;
+  auto joined = [&](const std::string& address) {
+    k.c.add(address);
+    test_util::watchdog dog{std::chrono::seconds{30}, "items on the new node"};
+    auto on_it = [&] {
+      std::uint64_t n = 0;
+      for (auto& p : k.r.runner.stats().producers)
+        if (p.alive && p.where.node() == address) n += p.items;
+      return n;
+    };
+    while (on_it() == 0) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  };
+  k.run({0, 300, 1000, 2000, 3000, 5000, 10000, 20000}, "remove()", joined,
+        [&](const std::string& address) { k.c.remove(address); });
+  k.r.finish();
 }
 
 /// Kills `n` once the file at `marker` exists (a producer there has reached the moment).
