@@ -25,6 +25,8 @@
 //   them: their chunks finish, end_atom); the node answers once they are gone (or at the deadline)
 //   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
 //   cluster watcher ──watch_atom──▶ node; node::drain ──leaving_atom, incarnation──▶ watcher
+//   scheduler ──trim_atom, producer, cut_id, items, all──▶ node ──kept (int64)──▶ scheduler
+//   (a late chunk's items not claimed go back; the chunk's answer carries `kept` too)
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
 // work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state), takes a
