@@ -840,6 +840,35 @@ TEST(FairShare, PickPassesOverJobsWithoutWorkForThisProducerAndDropsStaleOnes) {
 
 #include "split_policy.hpp"
 #include "troupe/detail/chunk_cut.hpp"
+#include "troupe/internal/remote_cuts.hpp"
+
+TEST(RemoteCuts, ATrimBeforeTheChunkBeginsAfterItsAnswerAndBeyondTheCapIsSafe) {
+  namespace rc = troupe::detail::remote_cuts;
+  const std::uint64_t producer = 0xC0FFEE0001;
+  // A trim for a chunk not begun yet (still in the producer's mailbox): all of it is taken,
+  // and the producer finds its cut at 0 when it begins.
+  EXPECT_EQ(rc::trim(producer, 2, 10, true), 0);
+  auto c2 = rc::start(producer, 2, 10);
+  EXPECT_EQ(c2->end(), 0u);
+  EXPECT_EQ(c2->claim(4), 0u) << "nothing left to claim";
+  rc::finish(producer, 2);
+  // Chunk 1 was sent before chunk 2 (cut ids grow in send order): answered already.
+  EXPECT_EQ(rc::trim(producer, 1, 10, true), -1);
+  // A chunk being worked: the later half of what is not claimed goes.
+  auto c3 = rc::start(producer, 3, 10);
+  EXPECT_EQ(c3->claim(4), 4u);
+  EXPECT_EQ(rc::trim(producer, 3, 10, false), 7);  // 6 unclaimed: 3 taken
+  EXPECT_EQ(c3->end(), 7u);
+  rc::finish(producer, 3);
+  EXPECT_EQ(rc::trim(producer, 3, 10, true), -1) << "answered";
+  // A hostile coordinator's trims for chunks it never sent do not grow the table past the cap.
+  for (std::uint64_t id = 100; id < 3000; ++id) rc::trim(producer, id, 5, true);
+  EXPECT_LE(rc::size(), 1024u);
+  EXPECT_EQ(rc::trim(producer, 5000, 5, true), -1) << "past the cap: nothing taken";
+  EXPECT_EQ(rc::trim(producer, 6000, 0, true), -1) << "an empty chunk";
+  rc::forget(producer);
+  EXPECT_EQ(rc::size(), 0u);
+}
 
 TEST(ChunkCut, ItemsClaimedAreTheProducersAndUnclaimedOnesTheSchedulers) {
   troupe::detail::chunk_cut c{10};
