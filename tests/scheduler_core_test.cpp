@@ -64,7 +64,7 @@ struct fake_io final : scheduler_io {
   struct trim {
     std::size_t p;
     std::uint64_t gen, job, id, cut_id, items;
-    bool all;
+    bool all, ask;
   };
   std::deque<trim> trims;
 
@@ -92,8 +92,8 @@ struct fake_io final : scheduler_io {
     return d.is_local() || remote_cuts;
   }
   void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
-                   std::uint64_t cut_id, std::uint64_t items, bool all) override {
-    trims.push_back({p, gen, job, id, cut_id, items, all});
+                   std::uint64_t cut_id, std::uint64_t items, bool all, bool ask) override {
+    trims.push_back({p, gen, job, id, cut_id, items, all, ask});
   }
 };
 
@@ -704,7 +704,7 @@ struct split_schedule {
           else if (!c->cut)
             races.before_begin += 1;
           trim_answers.push_back(
-              {t, troupe::detail::remote_cuts::trim(name[t.p], t.cut_id, t.items, t.all)});
+              {t, troupe::detail::remote_cuts::trim(name[t.p], t.cut_id, t.items, t.all, t.ask)});
         } else {
           races.to_the_dead += 1;
         }

@@ -190,7 +190,7 @@ class scheduler_shell final : public scheduler_io {
   }
 
   void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
-                   std::uint64_t cut_id, std::uint64_t items, bool all) override {
+                   std::uint64_t cut_id, std::uint64_t items, bool all, bool ask) override {
     // To the node's actor: the producer's own mailbox is busy while it works. A node that does
     // not answer (dead: its loss comes as a down) leaves the chunk as it is after 10 s.
     auto back = [this, p, gen, job, id](std::int64_t kept) {
@@ -198,7 +198,7 @@ class scheduler_shell final : public scheduler_io {
     };
     self_
         ->request(nodes_[p], std::chrono::seconds{10}, trim_atom::value, handles_[p].id(), cut_id,
-                  items, all)
+                  items, all, ask)
         .then([back](std::int64_t kept) { back(kept); }, [back](caf::error&) { back(-1); });
   }
 

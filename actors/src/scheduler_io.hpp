@@ -47,12 +47,13 @@ class scheduler_io {
     return d.is_local();
   }
   /// Chunk `id` of `job` at producer `p` (a node's, generation `gen`), sent with `cut_id`, of
-  /// `items` items: its node takes back the items not claimed (all, or the later half);
+  /// `items` items: its node takes back the items not claimed (all, or the later half; `ask`:
+  /// it runs late, its producer gives back the claimed items it has not started);
   /// trimmed(p, gen, job, id, kept) with the items its producer keeps, or -1 (nothing taken).
   /// May never be answered (the node died: its loss comes as producer_down).
   virtual void trim_remote(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
-                           std::uint64_t cut_id, std::uint64_t items, bool all) {
-    (void)p, (void)gen, (void)job, (void)id, (void)cut_id, (void)items, (void)all;
+                           std::uint64_t cut_id, std::uint64_t items, bool all, bool ask) {
+    (void)p, (void)gen, (void)job, (void)id, (void)cut_id, (void)items, (void)all, (void)ask;
   }
 };
 

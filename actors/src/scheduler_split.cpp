@@ -120,7 +120,8 @@ bool scheduler::split_late(std::size_t p, clock_type::time_point now) {
     trims_in_flight_ += 1;
     rec.trimming = true;
     w.j->pieces.find(rec.id)->trimming = true;
-    io_.trim_remote(w.q, producers_[w.q].gen, rec.job, rec.id, rec.cut_id, rec.items, choice->all);
+    io_.trim_remote(w.q, producers_[w.q].gen, rec.job, rec.id, rec.cut_id, rec.items, choice->all,
+                    runs_late(cs[choice->index], ns(opts_.target_chunk_time) / 8));
     {
       std::lock_guard<std::mutex> guard{stats_->mtx};
       stats_->value.trims_sent += 1;

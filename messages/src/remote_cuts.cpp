@@ -51,7 +51,8 @@ void forget(std::uint64_t producer) noexcept {
   t.by_producer.erase(producer);
 }
 
-std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items, bool all) {
+std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items, bool all,
+                  bool ask) {
   if (items == 0 || items > chunk_cut::max_items) return -1;
   auto& t = the_table();
   std::lock_guard<std::mutex> guard{t.mtx};
@@ -66,6 +67,7 @@ std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t it
     // producer finds it trimmed when it begins.
     i = p.cuts.emplace(cut_id, std::make_shared<chunk_cut>(items)).first;
   }
+  if (ask) i->second->ask();
   auto keep = i->second->trim(all);
   return keep ? static_cast<std::int64_t>(*keep) : -1;
 }

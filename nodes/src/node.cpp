@@ -106,10 +106,10 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
         st->publish();
       },
       [self, st](trim_atom, std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items,
-                 bool all) -> std::int64_t {
+                 bool all, bool ask) -> std::int64_t {
         auto from = self->current_sender();  // only for the requester's own producers
         return from && st->owns(from->node(), producer)
-                   ? detail::remote_cuts::trim(producer, cut_id, items, all)
+                   ? detail::remote_cuts::trim(producer, cut_id, items, all, ask)
                    : -1;
       },
       [st](hello_atom) {

@@ -25,7 +25,7 @@
 //   them: their chunks finish, end_atom); the node answers once they are gone (or at the deadline)
 //   coordinator ──spawn_producer, owner──▶ node ──actor (a producer or a replica)──▶ coordinator
 //   cluster watcher ──watch_atom──▶ node; node::drain ──leaving_atom, incarnation──▶ watcher
-//   scheduler ──trim_atom, producer, cut_id, items, all──▶ node ──kept (int64)──▶ scheduler
+//   scheduler ──trim_atom, producer, cut_id, items, all, ask──▶ node ──kept (int64)──▶ scheduler
 //   (a late chunk's items not claimed go back; the chunk's answer carries `kept` too)
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
@@ -226,9 +226,11 @@ using fence_atom = caf::atom_constant<caf::atom("tr_fence")>;
 /// cluster's next probe admits (rejoined). Ignored unless the incarnation is the node's own.
 using given_up_atom = caf::atom_constant<caf::atom("tr_givenup")>;
 /// A coordinator, to the node's actor (options::split_late_chunks): trim_atom, the producer's
-/// actor id, the chunk's cut_id, its items, all. Takes back the items of that chunk its producer
-/// has not claimed (all of them, or the later half); answered with the items the producer keeps
-/// (an int64), or -1 when nothing was taken. Only for the requesting coordinator's producers.
+/// actor id, the chunk's cut_id, its items, all, ask. Takes back the items of that chunk its
+/// producer has not claimed (all of them, or the later half), and with `ask` (the chunk runs
+/// late) asks the producer for the claimed ones it has not started; answered with the items the
+/// producer keeps (an int64), or -1 when nothing was taken. Only for the requesting
+/// coordinator's producers.
 using trim_atom = caf::atom_constant<caf::atom("tr_trim")>;
 
 /// A node's answer to hello_atom: its protocol version, the devices it offers and its

@@ -26,8 +26,11 @@ void forget(std::uint64_t producer) noexcept;
 /// A coordinator takes back items of chunk `cut_id` (`items` items) that its producer has not
 /// claimed: all of them, or the later half (chunk_cut::trim). The items the producer keeps
 /// ([0, result)), or -1 when nothing was taken (every item claimed: the producer is then asked
-/// for those it has not started; or the chunk answered already).
-std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items, bool all);
+/// for those it has not started; or the chunk answered already). `ask`: the chunk runs late,
+/// and its producer is asked for the claimed items it has not started in any case (a grab of
+/// items that looked trivial may hold slow ones), which a later trim can take.
+std::int64_t trim(std::uint64_t producer, std::uint64_t cut_id, std::uint64_t items, bool all,
+                  bool ask = false);
 
 /// Chunks known here now (tests).
 std::size_t size() noexcept;
