@@ -251,7 +251,7 @@ std::vector<bool> runtime::present() const {
   std::lock_guard<std::mutex> guard{stats_->mtx};
   auto& ps = stats_->value.producers;
   for (std::size_t i = 0; i < slots_.size() && i < ps.size(); ++i)
-    out[i] = !ps[i].removed && (ps[i].alive || slots_[i].is_local());
+    out[i] = !ps[i].removed && (ps[i].alive || slots_[i].is_local()) && fenced_.count(i) == 0;
   return out;
 }
 
