@@ -204,8 +204,13 @@ class producer_model {
   /// Where it is in its life; changed only through next() (scheduler::move).
   slot_state state = slot_state::working;
   std::vector<sent_chunk> outstanding;  ///< in the order sent (a producer works FIFO)
-  std::size_t items = 0;                ///< items outstanding
-  double ns_per_item = 0;               ///< measured inside producer::work; 0 = not yet
+  /// Chunk `id` of `job` in outstanding, or outstanding.end().
+  std::vector<sent_chunk>::iterator find(std::uint64_t job, std::uint64_t id) {
+    return std::find_if(outstanding.begin(), outstanding.end(),
+                        [&](const sent_chunk& c) { return c.job == job && c.id == id; });
+  }
+  std::size_t items = 0;   ///< items outstanding
+  double ns_per_item = 0;  ///< measured inside producer::work; 0 = not yet
   std::size_t chunk_items = 1;
   std::size_t depth = min_depth;  ///< chunks kept queued at it
   std::size_t calm = 0;           ///< answers in a row without the producer starving

@@ -15,14 +15,12 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     return;
   }
   if (r.kept >= 0) {  // a node's chunk trimmed there: this answer may come before the trim's
-    auto t = std::find_if(s.outstanding.begin(), s.outstanding.end(),
-                          [&](const sent_chunk& x) { return x.job == job && x.id == id; });
+    auto t = s.find(job, id);
     if (t != s.outstanding.end() && t->cut_id != 0) apply_trim(p, *t, r.kept);
   }
   auto now = clock_now();
   auto ji = jobs_.find(job);  // (nothing below ends a job before its answer is taken)
-  auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
-                          [&](const sent_chunk& x) { return x.job == job && x.id == id; });
+  auto rec = s.find(job, id);
   if (rec != s.outstanding.end()) {
     if (trace_)
       trace_->chunk(p, flow_id(job, id), job, r.first, rec->items, rec->bytes,

@@ -151,8 +151,7 @@ void scheduler::trimmed(std::size_t q, std::uint64_t gen, std::uint64_t job, std
   // Not when its producer was lost meanwhile (its chunks were queued again whole), nor when
   // the chunk was answered first (its answer said where it ended). Either way an idle producer
   // may send another trim now: the pump goes on.
-  auto rec = std::find_if(s.outstanding.begin(), s.outstanding.end(),
-                          [&](const sent_chunk& c) { return c.job == job && c.id == id; });
+  auto rec = s.find(job, id);
   if (s.gen == gen && rec != s.outstanding.end()) apply_trim(q, *rec, kept);
   pump();
 }
@@ -213,10 +212,8 @@ void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::u
     // Nothing of it is left to its producer: no longer in flight (its empty answer is dropped),
     // so that a producer stuck ahead of it cannot hold the job.
     j.pieces.take_out(rec.id);
-    auto& out = producers_[q].outstanding;
-    out.erase(std::find_if(out.begin(), out.end(), [&](const sent_chunk& c) {
-      return c.job == rec.job && c.id == rec.id;
-    }));
+    auto& s = producers_[q];
+    s.outstanding.erase(s.find(rec.job, rec.id));
   }
   if (!p) {
     j.pieces.add_queued(std::move(y));
