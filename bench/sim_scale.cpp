@@ -11,7 +11,8 @@
 // the joined producers took.
 // --members N: a live cluster's membership bookkeeping (what the watcher does with answers)
 // for N members: their joins, then probe rounds (every member answers, then the tick).
-// Usage: troupe_sim_scale_bench [--max-nodes 1000] [--per-producer 20] [--join-storm 1000]
+// Usage: troupe_sim_scale_bench [--min-nodes 1] [--max-nodes 1000] [--per-producer 20]
+// [--join-storm 1000]
 //        [--members 1000]
 #include <time.h>
 
@@ -50,7 +51,8 @@ std::pair<std::vector<std::int64_t>, std::int64_t> numbers(std::int64_t n) {
 
 int main(int argc, char** argv) {
   CLI::App app{"the scheduler's cost per decision from 8 to 8,000 simulated producers"};
-  std::size_t max_nodes = 1000, per_producer = 20;
+  std::size_t min_nodes = 1, max_nodes = 1000, per_producer = 20;
+  app.add_option("--min-nodes", min_nodes, "smallest number of simulated nodes (1, 10, 100, ...)");
   app.add_option("--max-nodes", max_nodes, "largest number of simulated nodes");
   app.add_option("--per-producer", per_producer, "items per producer");
   std::size_t storm = 0;
@@ -118,8 +120,14 @@ int main(int argc, char** argv) {
               << (got == expected ? ", exact" : ", WRONG RESULT") << std::endl;
     return got == expected ? 0 : 1;
   }
-  for (std::size_t n = 1; n <= max_nodes; n *= 10) {
-    troupe::testing::simulation sim{7};
+  // One job on n simulated nodes (seed: the simulation's): its CPU, and what the joined took.
+  struct outcome {
+    double cpu = 0;
+    std::uint64_t by_joined = 0, chunks = 0;
+    bool exact = false;
+  };
+  auto one = [&](std::size_t n, std::uint64_t seed) {
+    troupe::testing::simulation sim{seed};
     auto name = [](std::size_t i) { return "n" + std::to_string(i) + ":1"; };
     auto joining = n >= 10 ? n / 10 : 0;
     std::vector<std::string> names, later;
@@ -142,18 +150,43 @@ int main(int argc, char** argv) {
       r.add_devices(added);
     }
     auto got = job.get();
-    auto cpu = cpu_seconds() - c0;
-    std::uint64_t by_joined = 0;
-    for (auto& p : r.stats().producers)
+    outcome o;
+    o.cpu = cpu_seconds() - c0;
+    o.exact = got == expected;
+    for (auto& p : r.stats().producers) {
+      o.chunks += p.chunks;
       if (std::find(later.begin(), later.end(), p.where.node()) != later.end())
-        by_joined += p.items;
+        o.by_joined += p.items;
+    }
+    return o;
+  };
+  for (std::size_t n = min_nodes; n <= max_nodes; n *= 10) {
+    // Small pools run their job again (other seeds) until 1,000 nodes' worth: a job of 160
+    // items is over in a millisecond of CPU, too short to time alone.
+    auto reps = std::max<std::size_t>(1, 1000 / n / 10);
+    outcome sum;
+    sum.exact = true;
+    for (std::size_t k = 0; k < reps; ++k) {
+      auto o = one(n, 7 + k);
+      sum.cpu += o.cpu;
+      sum.by_joined += o.by_joined;
+      sum.chunks += o.chunks;
+      sum.exact = sum.exact && o.exact;
+    }
+    auto items = 8 * n * per_producer;
+    auto killed = n >= 10 ? n / 10 : 0;
+    auto joining = n >= 10 ? n / 10 : 0;
     std::cout << std::setw(5) << n << " nodes, " << std::setw(5) << 8 * n << " producers, " << items
-              << " items, " << killed << " nodes killed, " << joining << " joined (" << by_joined
-              << " items there): " << std::fixed << std::setprecision(2) << cpu << " s of CPU, "
-              << std::setprecision(1) << cpu / static_cast<double>(items) * 1e6 << " us per item"
-              << (got == expected ? ", exact" : ", WRONG RESULT") << std::endl;
-    if (got != expected) return 1;
-    if (joining > 0 && by_joined == 0) {
+              << " items, " << killed << " nodes killed, " << joining << " joined ("
+              << sum.by_joined / reps << " items there), " << reps << " run(s): " << std::fixed
+              << std::setprecision(3) << sum.cpu / static_cast<double>(reps) << " s of CPU each, "
+              << std::setprecision(1) << sum.cpu / static_cast<double>(items * reps) * 1e6
+              << " us per item, " << sum.cpu / static_cast<double>(sum.chunks) * 1e6
+              << " us per chunk ("
+              << static_cast<double>(items * reps) / static_cast<double>(sum.chunks)
+              << " items each)" << (sum.exact ? ", exact" : ", WRONG RESULT") << std::endl;
+    if (!sum.exact) return 1;
+    if (joining > 0 && sum.by_joined == 0) {
       std::cerr << "the nodes that joined took no work" << std::endl;
       return 1;
     }

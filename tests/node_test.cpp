@@ -180,11 +180,16 @@ TEST(Nodes, SigkillOfOneNodeMidRunStillGivesTheExactResult) {
   opts.on_event = [lost](const troupe::producer_event& e) {
     if (e.what == troupe::producer_event::kind::lost) lost->push_back(e.producer);
   };
-  troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+  auto all = c.devices();
+  troupe::unordered_runner<remote_squares> runner{all, slow(2000), opts};
+  EXPECT_EQ(runner.devices(), all);
   EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));
   auto s = runner.stats();
   EXPECT_FALSE(s.producers[0].alive);
   EXPECT_TRUE(s.producers[2].alive);
+  // A runner over a device list (no cluster to say the node is lost) lists the lost node's
+  // producers no more: before, they stayed until its next add_devices or remove_devices.
+  EXPECT_EQ(runner.devices(), (std::vector<troupe::device>{all[2], all[3]}));
   runner.close();  // no more events: the vector is read after the scheduler has ended
   std::sort(lost->begin(), lost->end());
   EXPECT_EQ(*lost, (std::vector<std::size_t>{0, 1}));  // node a's two producers, once each

@@ -125,8 +125,11 @@ class runtime {
   void close() noexcept;
   [[nodiscard]] bool is_open() const;
   /// The devices of the producers present now (a snapshot: it stays valid and unchanged for
-  /// the runner's life; call again after add_devices / remove_devices).
-  [[nodiscard]] const std::vector<device>& devices() const noexcept { return *current_.load(); }
+  /// the next 64 changes; call again after add_devices / remove_devices or a loss). A producer
+  /// the scheduler lost or removed since the last list is left out here, on the caller's thread.
+  [[nodiscard]] const std::vector<device>& devices() const noexcept;
+  /// The list as last published, without looking for losses (under membership_).
+  [[nodiscard]] const std::vector<device>& published() const noexcept { return *current_.load(); }
   /// Starts producers on `devices` (waits until constructed) and hands them to the scheduler;
   /// they take work at once. Throws for the new devices only (invalid_argument,
   /// device_unavailable, init_error, node_error), runner_closed after close().
@@ -208,6 +211,8 @@ class runtime {
   std::deque<std::vector<device>> published_;
   static constexpr std::size_t kept_snapshots = 64;
   std::atomic<const std::vector<device>*> current_{nullptr};
+  /// stats_box::presence when the list was last published.
+  std::atomic<std::uint64_t> published_presence_{0};
   std::mutex membership_;  ///< one add_devices / remove_devices at a time (taken before mtx_)
   std::string job_;        ///< the registered name, for producers on nodes
   tls tls_;

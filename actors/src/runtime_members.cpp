@@ -130,7 +130,7 @@ void runtime::remove_devices(const std::vector<device>& ds) {
     if (i == slots_.size())
       throw invalid_argument("remove_devices(): " + d.str() +
                              " is not (or not that many times) among this runner's devices (" +
-                             listed(devices()) + "); nothing was removed");
+                             listed(published()) + "); nothing was removed");
     left[i] = false;
     slots.push_back(i);
   }

@@ -33,12 +33,16 @@ class scheduler_shell final : public scheduler_io {
         cfg_(std::move(cfg)),
         core_(*this, std::move(devices), std::move(opts), std::move(stats)) {
     // CAF 0.17 never fails a request to a dead node: monitors (and heartbeats) tell us.
-    for (auto& h : handles_) self_->monitor(h);
+    for (std::size_t p = 0; p < handles_.size(); ++p) watch(p);
     self_->set_down_handler([this](caf::down_msg& dm) {
-      for (std::size_t p = 0; p < handles_.size(); ++p)
-        if (handles_[p].address() == dm.source)
-          if (auto* c = core())
-            c->producer_down(p, error_text(dm.reason), dm.reason == caf::exit_reason::unreachable);
+      // By address, not by a scan of every slot: a node lost with its producers at 8,000
+      // producers was a scan per producer (BENCHMARKS, "the scheduler's cost as the pool grows").
+      auto it = slot_of_.find(dm.source);
+      if (it == slot_of_.end()) return;  // a replaced producer's old actor
+      auto p = it->second;
+      slot_of_.erase(it);
+      if (auto* c = core())
+        c->producer_down(p, error_text(dm.reason), dm.reason == caf::exit_reason::unreachable);
     });
   }
 
@@ -49,8 +53,7 @@ class scheduler_shell final : public scheduler_io {
   void leaving(const std::vector<caf::actor>& producers) {
     std::vector<std::size_t> slots;
     for (auto& a : producers)
-      for (std::size_t p = 0; p < handles_.size(); ++p)
-        if (handles_[p] && handles_[p].address() == a.address()) slots.push_back(p);
+      if (auto it = slot_of_.find(a.address()); it != slot_of_.end()) slots.push_back(it->second);
     if (slots.empty()) return;
     if (auto* c = core()) c->drain(slots, std::make_shared<std::promise<void>>());
   }
@@ -78,7 +81,7 @@ class scheduler_shell final : public scheduler_io {
       nodes_.push_back(i < a.nodes.size() ? a.nodes[i] : caf::actor{});
       handles_.push_back(a.actors[i]);
       devices_.push_back(a.where[i]);
-      self_->monitor(a.actors[i]);
+      watch(handles_.size() - 1);
     }
     c->add_producers(a.where);
     a.done->set_value();
@@ -138,8 +141,10 @@ class scheduler_shell final : public scheduler_io {
 
   void replace_producer(std::size_t p, std::uint64_t gen) override {
     auto fresh = spawn_(self_->system(), devices_[p], cfg_, p);  // may throw: the core logs it
+    if (handles_[p])
+      slot_of_.erase(handles_[p].address());  // its down, if still to come, is dropped
     handles_[p] = fresh;
-    self_->monitor(fresh);
+    watch(p);
     self_->request(fresh, caf::infinite, init_atom::value)
         .then(
             [this, p, gen](const init_done&) {
@@ -205,10 +210,18 @@ class scheduler_shell final : public scheduler_io {
   void quit() override { self_->quit(); }
 
  private:
+  /// Monitors slot p's actor and indexes it by address (its down finds the slot).
+  void watch(std::size_t p) {
+    if (!handles_[p]) return;
+    slot_of_[handles_[p].address()] = p;
+    self_->monitor(handles_[p]);
+  }
+
   caf::event_based_actor* self_;
   std::shared_ptr<std::atomic<bool>> halted_;
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
+  std::unordered_map<caf::actor_addr, std::size_t> slot_of_;  ///< live handles_, by address
   std::vector<device> devices_;
   producer_spawner spawn_;
   config cfg_;

@@ -173,6 +173,7 @@ void scheduler::retire(std::size_t p, const std::string& why) {
     stats_->value.producers[p].alive = false;
     stats_->value.producers[p].removed = true;
   }
+  stats_->presence.fetch_add(1, std::memory_order_release);
   io_.stop_producer(p);
   trace_instant(p, "removed", why);
   emit(producer_event::kind::removed, p, why);

@@ -74,6 +74,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
       {
         std::lock_guard<std::mutex> guard{stats_->mtx};
         stats_->value.producers[p].items += r.outputs.size();
+        stats_->value.producers[p].chunks += 1;
       }
       if (r.failures.empty())
         deliver(j, x->first, x->items.size(), std::move(r.outputs));
@@ -293,6 +294,7 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
     stats_->value.producers[p].alive = false;
     stats_->value.producers[p].quarantined = quarantine;
   }
+  stats_->presence.fetch_add(1, std::memory_order_release);
   emit(kind, p,
        quarantine ? "work() threw " + std::to_string(s.failures_in_row) +
                         " times in a row (options::quarantine_after)"
@@ -359,6 +361,7 @@ void scheduler::replaced(std::size_t p, std::uint64_t gen) {
     ps.alive = true;
     ps.restarts += 1;
   }
+  stats_->presence.fetch_add(1, std::memory_order_release);
   log(log_level::info,
       "producer " + std::to_string(p) + " on " + s.where.str() + " was replaced by a fresh one");
   emit(producer_event::kind::replaced, p, "a fresh producer on the same device");

@@ -72,6 +72,7 @@ struct sim_producer_state {
   sim_state* sim = nullptr;
   device where;  ///< on its node ("a:1/cpu")
   std::string node;
+  sim_node* at = nullptr;  ///< its node (nodes_ is a std::map: the entry stays put)
   /// The job's producer on the local device, run as a real producer actor runs it.
   producer_state real;
   sim_clock::time_point busy_until{};
@@ -141,7 +142,9 @@ class sim_state final : public sim_host {
     st->real.index = index;
     st->real.serialize = serialize;
     auto a = sys_.spawn(sim_producer, st);
-    nodes_[st->node].producers.push_back(a);
+    auto& n = nodes_[st->node];
+    st->at = &n;
+    n.producers.push_back(a);
     return a;
   }
 
@@ -167,9 +170,10 @@ class sim_state final : public sim_host {
       if (sched_.has_job()) {
         auto n = sched_.jobs.size();
         if (n > 1) {
+          // The next to run: one picked at random, swapped to the front (a rotate moved every
+          // actor before it: a step cost as much as the actors ready, thousands at scale).
           auto k = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng_);
-          std::rotate(sched_.jobs.begin(), sched_.jobs.begin() + static_cast<std::ptrdiff_t>(k),
-                      sched_.jobs.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+          std::swap(sched_.jobs.front(), sched_.jobs[k]);
         }
         sched_.run_once();
         clear_internal_thread();  // the job's code ran on this thread; the caller's waits may
@@ -388,7 +392,7 @@ class sim_state final : public sim_host {
   bool stuck_ = false;
 
  public:
-  sim_node& node_of(const sim_producer_state& st) { return node(st.node); }
+  sim_node& node_of(const sim_producer_state& st) { return st.at ? *st.at : node(st.node); }
 };
 
 inline sim_state& sim_of(const std::shared_ptr<sim_host>& host) {

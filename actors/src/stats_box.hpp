@@ -17,6 +17,8 @@ struct stats_box {
   /// Items of running jobs (of known size) not yet pulled for a producer: what
   /// options::max_queued_items bounds. submit() adds, the scheduler takes away.
   std::atomic<std::uint64_t> queued{0};
+  /// Bumped whenever a producer's alive or removed changes: devices() publishes again.
+  std::atomic<std::uint64_t> presence{0};
   // For observers (under mtx, touched by the scheduler once per chunk and per job):
   seconds_histogram chunk_seconds{
       {0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30}};

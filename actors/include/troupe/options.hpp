@@ -149,6 +149,9 @@ struct producer_stats {
   std::size_t index = 0;
   device where;
   std::uint64_t items = 0;
+  /// Chunks it answered whole (items / chunks: its mean chunk; each is one decision of the
+  /// scheduler's and one message each way).
+  std::uint64_t chunks = 0;
   std::chrono::nanoseconds busy{0};  ///< time spent inside producer::work
   bool alive = true;
   /// Times this producer was replaced by a fresh one on the same device after it was given up
