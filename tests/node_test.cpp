@@ -795,6 +795,56 @@ TEST(NodesHostile, SpawnRequestsWithAForeignOwnerAreRefused) {
   expect_serves(a.address());  // a real coordinator still gets its producers
 }
 
+TEST(NodesHostile, TrimsFromAnotherCoordinatorAreRefusedWhileTheOwnersJobRuns) {
+  // A peer that is not the producers' coordinator sends trim_atom (options::split_late_chunks on
+  // nodes) for every producer id and cut id it can guess while the owner's job runs: a trim it
+  // got through would take the owner's items (all = true, also of chunks not started yet).
+  // Every one is refused (-1), and the owner's job is exact.
+  test_util::watchdog dog{std::chrono::seconds{120}, "hostile trims"};
+  node_process a{"cpu"};
+  auto c = troupe::cluster::connect({a.address()});
+  troupe::options opts;
+  auto started = std::make_shared<std::atomic<bool>>(false);
+  opts.on_progress = [started](const troupe::progress& p) {
+    if (p.done > 0) *started = true;
+  };
+  troupe::unordered_runner<remote_squares> runner{c.devices(), slow(2000), opts};
+  std::int64_t got = 0;
+  std::thread job{[&] { got = runner.run(iota(600)); }};
+  while (!*started) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  auto& sys = troupe::detail::network_system({});
+  int fd = raw_connect(a.port());
+  auto node_actor = basp_handshake_as(fd, sys, fake_node_id(4242, 'h'));
+  std::string stream;
+  std::uint64_t id = 0;
+  for (std::uint64_t producer = 1; producer <= 128; ++producer)
+    for (std::uint64_t cut = 0; cut < 48; ++cut)
+      stream += basp_request(++id, 7, node_actor,
+                             serialized(sys, std::vector<caf::strong_actor_ptr>{},
+                                        caf::make_message(troupe::trim_atom::value, producer, cut,
+                                                          std::uint64_t{1000}, true, true)));
+  ASSERT_TRUE(send_all(fd, stream));
+  const std::string refused = serialized(sys, caf::make_message(std::int64_t{-1}));
+  std::string replies;
+  auto count = [&] {
+    std::size_t n = 0;
+    for (auto at = replies.find(refused); at != std::string::npos;
+         at = replies.find(refused, at + 1))
+      ++n;
+    return n;
+  };
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
+  while (count() < id && std::chrono::steady_clock::now() < until) {
+    send_all(fd, basp_header(basp::message_type::heartbeat, 0, 0, 0, 0, 0));
+    closed_by_peer_within(fd, std::chrono::milliseconds{100}, &replies);
+  }
+  EXPECT_EQ(count(), id) << "trims answered otherwise than refused: taken";
+  close(fd);
+  job.join();
+  EXPECT_EQ(got, sum_of_squares(600));
+  EXPECT_EQ(runner.stats().producers[0].items, 600u);  // the node worked every item, once
+}
+
 TEST(NodesHostile, AMessageThatFailsToDeserializeClosesOnlyItsConnection) {
   node_process a{"cpu,cpu"};
   // A coordinator connected before, and using the node after.
