@@ -244,6 +244,35 @@ TEST(Hardening, ClosedRunnersLeaveNoThreadsBehind) {
   EXPECT_LE(thread_count(), baseline);
 }
 
+// A runner whose pool changes: each removed producer's thread used to live as long as the
+// runner (the scheduler kept its actor, and a detached actor's thread ends only when its actor
+// is destroyed): 2,000 add_devices/remove_devices left 2,000 threads and ~4 kB each.
+TEST(Hardening, RemovedProducersLeaveNoThreadsBehindWhileTheRunnerLives) {
+  troupe::unordered_runner<test_jobs::squares> runner{1};
+  runner.add_devices({troupe::device{"cpu"}});
+  runner.remove_devices({troupe::device{"cpu"}});  // warm: the shared system's own threads
+  auto baseline = thread_count();
+  for (int stable = 0, i = 0; stable < 5 && i < 1000; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto now = thread_count();
+    stable = now == baseline ? stable + 1 : 0;
+    baseline = now;
+  }
+  for (int i = 0; i < 40; ++i) {
+    runner.add_devices({troupe::device{"cpu"}});
+    EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+    runner.remove_devices({troupe::device{"cpu"}});  // the first present cpu: the older one
+  }
+  EXPECT_EQ(runner.stats().producers.size(), 42u);
+  EXPECT_EQ(runner.devices().size(), 1u);
+  // Each ends just after its removal: wait for them, boundedly (the runner stays open).
+  int waits = 0;
+  for (; waits < 1000 && thread_count() > baseline; ++waits)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_LE(thread_count(), baseline) << "40 producers removed, the runner open";
+  EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));  // the last one added works
+}
+
 // -- members from on_progress and from the job's own code --------------------------------------
 
 troupe::unordered_runner<test_jobs::squares>* current = nullptr;

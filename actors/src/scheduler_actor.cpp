@@ -136,7 +136,14 @@ class scheduler_shell final : public scheduler_io {
   }
 
   void stop_producer(std::size_t p) override {
-    if (handles_[p]) self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
+    if (!handles_[p]) return;
+    self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
+    // Let it go: a detached actor's thread lives until its actor is destroyed, so a removed
+    // local producer whose handle stayed here kept its thread (and ~1 kB) for the runner's
+    // life: 2,000 add_devices/remove_devices left 2,000 threads. Its down is not needed (the
+    // core stopped it); a request to an empty handle fails at once (sec::invalid_argument).
+    slot_of_.erase(handles_[p].address());
+    handles_[p] = caf::actor{};
   }
 
   void replace_producer(std::size_t p, std::uint64_t gen) override {
@@ -202,8 +209,8 @@ class scheduler_shell final : public scheduler_io {
       if (auto* c = core()) c->trimmed(p, gen, job, id, kept);
     };
     self_
-        ->request(nodes_[p], std::chrono::seconds{10}, trim_atom::value, handles_[p].id(), cut_id,
-                  items, all, ask)
+        ->request(nodes_[p], std::chrono::seconds{10}, trim_atom::value,
+                  handles_[p] ? handles_[p].id() : caf::actor_id{0}, cut_id, items, all, ask)
         .then([back](std::int64_t kept) { back(kept); }, [back](caf::error&) { back(-1); });
   }
 
