@@ -144,6 +144,7 @@ class scheduler_shell final : public scheduler_io {
     // core stopped it); a request to an empty handle fails at once (sec::invalid_argument).
     slot_of_.erase(handles_[p].address());
     handles_[p] = caf::actor{};
+    if (p < nodes_.size()) nodes_[p] = caf::actor{};
   }
 
   void replace_producer(std::size_t p, std::uint64_t gen) override {
