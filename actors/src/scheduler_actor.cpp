@@ -138,6 +138,11 @@ class scheduler_shell final : public scheduler_io {
   void stop_producer(std::size_t p) override {
     if (!handles_[p]) return;
     self_->send_exit(handles_[p], caf::exit_reason::user_shutdown);
+    forget_producer(p);
+  }
+
+  void forget_producer(std::size_t p) override {
+    if (!handles_[p]) return;
     // Let it go: a detached actor's thread lives until its actor is destroyed, so a removed
     // local producer whose handle stayed here kept its thread (and ~1 kB) for the runner's
     // life: 2,000 add_devices/remove_devices left 2,000 threads. Its down is not needed (the

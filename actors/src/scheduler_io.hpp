@@ -25,6 +25,9 @@ class scheduler_io {
   virtual void end_producer(std::size_t p) = 0;
   /// Ends `p`'s actor without waiting (a producer given up on, or left at close).
   virtual void stop_producer(std::size_t p) = 0;
+  /// A node producer given up on (its node lost, or stuck past work_timeout): no message to it
+  /// (a stuck one's answers still come, and are dropped), only what is kept of it let go.
+  virtual void forget_producer(std::size_t /*p*/) {}
   /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
   /// replace_failed(p, gen, why). Throws std::exception when none can be started.
   virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;

@@ -305,10 +305,10 @@ void scheduler::give_up(std::size_t p, const std::string& why, bool unreachable,
                                                           : "lost",
                 why);
   requeue_outstanding(p);
-  // A lost node producer is stopped too: a fenced node's producer ends, and the coordinator
-  // lets go of its proxy (kept for the runner's life before: part of a membership change's
-  // memory in the churn soak).
-  io_.stop_producer(p);
+  if (s.local || quarantine)
+    io_.stop_producer(p);
+  else  // its proxy was kept for the runner's life: part of a membership change's memory
+    io_.forget_producer(p);
   if (replace) restart(p);
   if (!s.local) s.release();  // a remote slot is never replaced (its node's rejoin adds slots)
   if (was_leaving) retire(p, "lost while it drained: " + why);  // its chunks went to the others
