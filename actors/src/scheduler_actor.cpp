@@ -145,8 +145,10 @@ class scheduler_shell final : public scheduler_io {
     if (!handles_[p]) return;
     // Let it go: a detached actor's thread lives until its actor is destroyed, so a removed
     // local producer whose handle stayed here kept its thread (and ~1 kB) for the runner's
-    // life: 2,000 add_devices/remove_devices left 2,000 threads. Its down is not needed (the
-    // core stopped it); a request to an empty handle fails at once (sec::invalid_argument).
+    // life: 2,000 add_devices/remove_devices left 2,000 threads; a lost node producer kept its
+    // proxy. Its down is not needed (the core stopped it or gave up on it); a request to an
+    // empty handle fails at once (sec::invalid_argument). A node ends the producers it still
+    // runs for this runner when the runner's anchor actor ends.
     slot_of_.erase(handles_[p].address());
     handles_[p] = caf::actor{};
     if (p < nodes_.size()) nodes_[p] = caf::actor{};
