@@ -255,26 +255,6 @@ std::vector<bool> runtime::present() const {
   return out;
 }
 
-const std::vector<device>& runtime::devices() const noexcept {
-  // A producer lost or removed by the scheduler, not by a membership call (a node killed under
-  // a runner built over a device list), used to stay listed until the next add or remove. The
-  // scheduler cannot publish (add_devices holds membership_ while it waits for the scheduler):
-  // it bumps presence, and the list is published again here. A membership call under way
-  // publishes when it ends; this call does not wait for it.
-  if (stats_->presence.load(std::memory_order_acquire) !=
-      published_presence_.load(std::memory_order_acquire)) {
-    auto* self = const_cast<runtime*>(this);  // never a const object: made by runner handles
-    std::unique_lock<std::mutex> member{self->membership_, std::try_to_lock};
-    if (member.owns_lock()) {
-      try {
-        self->publish();
-      } catch (...) {  // out of memory: the previous list stays
-      }
-    }
-  }
-  return *current_.load();
-}
-
 void runtime::publish() {
   if (slots_.empty()) slots_ = devices_;  // at construction
   published_presence_.store(stats_->presence.load(std::memory_order_acquire),
