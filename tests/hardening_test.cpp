@@ -273,6 +273,39 @@ TEST(Hardening, RemovedProducersLeaveNoThreadsBehindWhileTheRunnerLives) {
   EXPECT_EQ(runner.run(iota(1000)), sum_of_squares(1000));  // the last one added works
 }
 
+// devices() publishes a new list itself when the scheduler removed or lost a producer since the
+// last one (the caller's thread, under a try_lock): readers on several threads while the pool
+// changes under them see whole lists only, of the sizes the pool can have.
+TEST(Hardening, DevicesFromManyThreadsWhileThePoolChangesSeeWholeLists) {
+  troupe::unordered_runner<test_jobs::squares> runner{1};
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> reads{0}, bad{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 4; ++t)
+    readers.emplace_back([&] {
+      while (!stop) {
+        std::vector<troupe::device> copy = runner.devices();
+        if (copy.empty() || copy.size() > 2) bad += 1;
+        for (auto& d : copy)
+          if (d != troupe::device{"cpu"}) bad += 1;
+        reads += 1;
+      }
+    });
+  for (int i = 0; i < 200; ++i) {
+    runner.add_devices({troupe::device{"cpu"}});
+    if (i % 50 == 0) {
+      EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));
+    }
+    runner.remove_devices({troupe::device{"cpu"}});
+  }
+  stop = true;
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0u);
+  EXPECT_GT(reads.load(), 0u);
+  EXPECT_EQ(runner.devices().size(), 1u);
+  EXPECT_EQ(runner.stats().producers.size(), 201u);
+}
+
 // -- members from on_progress and from the job's own code --------------------------------------
 
 troupe::unordered_runner<test_jobs::squares>* current = nullptr;
