@@ -468,6 +468,7 @@ TEST(Jobs, AProducerThatKeepsThrowingIsQuarantined) {
   }
   EXPECT_EQ(quarantined, 1);  // the bad one (constructed first: any of the three)
   EXPECT_EQ(alive, 2);
+  EXPECT_EQ(runner.devices().size(), 2u);  // out of the pool for good: not listed
   // Later jobs run on the others.
   EXPECT_EQ(runner.run(iota(100)), iota(100));
 }
