@@ -126,16 +126,18 @@ int main(int argc, char** argv) {
     std::uint64_t by_joined = 0, chunks = 0;
     bool exact = false;
   };
+  // From 10 nodes on, a tenth of them killed and a tenth joining.
+  auto tenth = [](std::size_t n) -> std::size_t { return n >= 10 ? n / 10 : 0; };
   auto one = [&](std::size_t n, std::uint64_t seed) {
     troupe::testing::simulation sim{seed};
     auto name = [](std::size_t i) { return "n" + std::to_string(i) + ":1"; };
-    auto joining = n >= 10 ? n / 10 : 0;
+    auto joining = tenth(n);
     std::vector<std::string> names, later;
     for (std::size_t i = 0; i < n - joining; ++i) names.push_back(name(i));
     for (std::size_t i = n - joining; i < n; ++i) later.push_back(name(i));
     sim.nodes(names, troupe::cpus(8));
     sim.cost_per_item(std::chrono::milliseconds{2});
-    auto killed = n >= 10 ? n / 10 : 0;
+    auto killed = tenth(n);
     for (std::size_t i = 0; i < killed; ++i) sim.at_chunk(3).kill(names[i]);
     auto r = sim.unordered_runner<squares>(sim.devices());
     auto items = static_cast<std::int64_t>(8 * n * per_producer);
@@ -174,8 +176,8 @@ int main(int argc, char** argv) {
       sum.exact = sum.exact && o.exact;
     }
     auto items = 8 * n * per_producer;
-    auto killed = n >= 10 ? n / 10 : 0;
-    auto joining = n >= 10 ? n / 10 : 0;
+    auto killed = tenth(n);
+    auto joining = tenth(n);
     std::cout << std::setw(5) << n << " nodes, " << std::setw(5) << 8 * n << " producers, " << items
               << " items, " << killed << " nodes killed, " << joining << " joined ("
               << sum.by_joined / reps << " items there), " << reps << " run(s): " << std::fixed

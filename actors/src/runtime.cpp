@@ -246,13 +246,13 @@ void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector
 }
 
 std::vector<bool> runtime::present() const {
-  // Gone: removed (remove_devices, a node's drain), quarantined, or lost for good (on a node).
+  // Gone: removed (remove_devices, a node's drain), quarantined, or lost (on a node: for good,
+  // also when its cluster fenced it: the scheduler marks the loss).
   std::vector<bool> out(slots_.size(), true);
   std::lock_guard<std::mutex> guard{stats_->mtx};
   auto& ps = stats_->value.producers;
   for (std::size_t i = 0; i < slots_.size() && i < ps.size(); ++i)
-    out[i] = !ps[i].removed && !ps[i].quarantined && (ps[i].alive || slots_[i].is_local()) &&
-             fenced_.count(i) == 0;
+    out[i] = !ps[i].removed && !ps[i].quarantined && (ps[i].alive || slots_[i].is_local());
   return out;
 }
 

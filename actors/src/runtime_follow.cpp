@@ -87,13 +87,10 @@ void runtime::fence_node(const std::string& node) {
     std::lock_guard<std::mutex> guard{mtx_};
     if (open_ && scheduler_) caf::anon_send(scheduler_, fence_atom::value, node);
   }
+  // Its producers leave devices() once the scheduler has taken the fence (presence: the next
+  // devices() publishes).
   std::lock_guard<std::mutex> member{membership_};
   nodes_.erase(node);  // never that process again
-  // Its producers leave devices() now: the list is a snapshot, published by membership calls
-  // only, and a node lost just after it joined stayed listed until the next one.
-  for (std::size_t i = 0; i < slots_.size(); ++i)
-    if (!slots_[i].is_local() && slots_[i].node() == node) fenced_.insert(i);
-  publish();
 }
 
 bool runtime::only_on(const std::string& node) {

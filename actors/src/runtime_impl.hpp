@@ -15,7 +15,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -218,9 +217,6 @@ class runtime {
   tls tls_;
   bool network_ = false;  ///< sys_ is the network system: node devices may be added
   std::map<std::string, caf::actor> nodes_;
-  /// Slots on nodes their cluster gave up on (fence_node): gone for good, out of devices() at
-  /// once (the scheduler marks them lost when it gets the fence).
-  std::set<std::size_t> fenced_;
   /// Connecting to a node and its answer to a spawn (the cluster's connect_timeout for both,
   /// once following one).
   node_deadlines deadlines_;

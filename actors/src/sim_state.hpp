@@ -392,7 +392,7 @@ class sim_state final : public sim_host {
   bool stuck_ = false;
 
  public:
-  sim_node& node_of(const sim_producer_state& st) { return st.at ? *st.at : node(st.node); }
+  sim_node& node_of(const sim_producer_state& st) { return *st.at; }
 };
 
 inline sim_state& sim_of(const std::shared_ptr<sim_host>& host) {
