@@ -209,7 +209,9 @@ struct classify_mlp {
 template <class State>
 struct file_model_producer {
   file_model_producer(const troupe::device& d, const troupe::config& cfg, State& shared)
-      : where(d), model(shared), inputs(cfg.get_or<std::int64_t>("inputs", n_features)),
+      : where(d),
+        model(shared),
+        inputs(cfg.get_or<std::int64_t>("inputs", n_features)),
         max_batch(std::max<std::int64_t>(1, cfg.get_or<std::int64_t>("max_batch", 1))) {}
   void warmup() {
     c10::InferenceMode inference;

@@ -749,6 +749,68 @@ TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo
   EXPECT_EQ(ev.count(troupe::membership_event::lost, silent), 0u);
 }
 
+TEST(Cluster, MinNodesAboveTheAddressesGivenIsANodeErrorNotACrash) {
+  // Every address answers, but there are fewer than min_nodes (a name resolving to 2 pods with
+  // --min-nodes 3): connect threw no error of a node (there was none) but rethrew a null
+  // exception_ptr, which ended the process.
+  node_process a{"cpu"};
+  troupe::cluster_options o;
+  o.min_nodes = 3;
+  test_util::watchdog dog{std::chrono::seconds{30}, "a connect of fewer nodes than min_nodes"};
+  try {
+    troupe::cluster::connect({a.address()}, {}, o);
+    ADD_FAILURE() << "connect returned with 1 node for min_nodes 3";
+  } catch (const troupe::node_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("1 of 1 nodes answered, min_nodes is 3"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Cluster, DiscoveryNeverDrainsTheAddressesGivenToConnect) {
+  // connect({a}) with discovery listing a and b: both join. When discovery stops listing a, a
+  // stays (connect's own addresses are the operator's); when it stops listing b, b drains.
+  node_process a{"cpu"}, b{"cpu"};
+  std::mutex mtx;
+  std::vector<std::string> listed{a.address(), b.address()};
+  std::size_t polls = 0;
+  std::condition_variable polled;
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.discover_every = std::chrono::milliseconds{20};
+  o.discover = [&] {
+    std::lock_guard<std::mutex> guard{mtx};
+    ++polls;
+    polled.notify_all();
+    return listed;
+  };
+  auto wait_polls = [&](std::size_t n) {  // n more polls of the discovery thread
+    test_util::watchdog dog{std::chrono::seconds{30}, "the discovery thread's polls"};
+    std::unique_lock<std::mutex> lock{mtx};
+    auto until = polls + n;
+    polled.wait(lock, [&] { return polls >= until; });
+  };
+  auto c = troupe::cluster::connect({a.address()}, {}, o);
+  EXPECT_EQ(c.devices().size(), 2u);
+  {
+    std::lock_guard<std::mutex> guard{mtx};
+    listed = {b.address()};
+  }
+  wait_polls(5);
+  EXPECT_EQ(ev.count(troupe::membership_event::draining, a.address()), 0u);
+  EXPECT_EQ(c.devices().size(), 2u);
+  {
+    std::lock_guard<std::mutex> guard{mtx};
+    listed = {};
+  }
+  ev.wait_for(troupe::membership_event::drained, b.address());
+  wait_polls(3);
+  EXPECT_EQ(ev.count(troupe::membership_event::draining, a.address()), 0u);
+  ASSERT_EQ(c.devices().size(), 1u);
+  EXPECT_EQ(c.devices()[0].str().rfind(a.address(), 0), 0u) << c.devices()[0].str();
+}
+
 /// Discovery over a name that resolves through this test's own /etc/hosts: run by
 /// tests/netns_discovery.sh inside a network namespace whose /etc/netns/NAME/hosts `ip netns
 /// exec` binds over /etc/hosts (the machine's own file is never touched); skipped elsewhere.

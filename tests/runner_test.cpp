@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <fstream>
 #include <future>
@@ -18,6 +19,7 @@
 
 #include "test_jobs.hpp"
 #include "test_util.hpp"
+#include "troupe/detail/job_ops.hpp"
 
 using namespace test_jobs;
 
@@ -768,6 +770,37 @@ TEST(Runner, ProducersOfADeviceShareOneDeviceStateAndWarmUpBeforeTheirFirstChunk
   troupe::unordered_runner<shared_model_job> again{troupe::cpus(2), cfg};
   EXPECT_EQ(states_made, 2);
   EXPECT_EQ(again.run(iota(100)), 5 * test_util::sum_of_squares(100));
+}
+
+namespace {
+
+/// A device_state whose constructor waits (up to 5 s) for another device's to be running at
+/// the same time: how many were inside at once.
+struct rendezvous_state {
+  rendezvous_state(const troupe::device&, const troupe::config&) {
+    std::unique_lock<std::mutex> lock{mtx};
+    most = std::max(most, ++inside);
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::seconds{5}, [] { return most >= 2; });
+    --inside;
+  }
+  static inline std::mutex mtx;
+  static inline std::condition_variable cv;
+  static inline int inside = 0, most = 0;
+};
+
+}  // namespace
+
+TEST(Runner, DeviceStatesOfDifferentDevicesAreMadeAtTheSameTime) {
+  // Each device's model loads at once with the others' (one lock per device, not one per job
+  // type: 8 GPUs loaded their weights one after another).
+  std::thread other{
+      [] { troupe::detail::device_state_for<rendezvous_state>(troupe::device{"cuda:1"}, {}); }};
+  auto cpu = troupe::detail::device_state_for<rendezvous_state>(troupe::device{"cpu"}, {});
+  other.join();
+  EXPECT_EQ(rendezvous_state::most, 2) << "the second device's state waited for the first's";
+  // The same device still gets the one it has.
+  EXPECT_EQ(troupe::detail::device_state_for<rendezvous_state>(troupe::device{"cpu"}, {}), cpu);
 }
 
 namespace {

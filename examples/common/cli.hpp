@@ -102,7 +102,15 @@ struct flags {
       auto found = troupe::dns_discovery(discover)();
       addresses.insert(addresses.end(), found.begin(), found.end());
     }
-    if (!addresses.empty()) out = troupe::cluster::connect(addresses, tls()).devices();
+    if (!addresses.empty()) {
+      if (min_nodes == 0) {
+        out = troupe::cluster::connect(addresses, tls()).devices();
+      } else {  // the nodes that answer now, at least --min-nodes of them
+        troupe::cluster_options o;
+        o.min_nodes = min_nodes;
+        out = troupe::cluster::connect(addresses, tls(), o).devices();
+      }
+    }
     if (addresses.empty() || devices_given)
       for (auto& spec : split(devices)) out.emplace_back(spec);
     return out;
@@ -137,10 +145,13 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--nodes", f.nodes, "comma-separated HOST:PORT of nodes whose devices to use");
   app.add_option("--discover", f.discover,
                  "NAME:PORT: use every node the DNS name resolves to (a Kubernetes headless "
-                 "service), polled every second: nodes that appear join, those that vanish drain");
+                 "service); programs that follow a cluster (sum_of_squares) poll it every "
+                 "second: nodes that appear join, those that vanish drain; the others resolve "
+                 "it once, at start");
   app.add_option("--min-nodes", f.min_nodes,
-                 "with --nodes/--discover: start once this many nodes answer (0: all); the others "
-                 "join when they answer");
+                 "with --nodes/--discover: start with the nodes that answer within the connect "
+                 "timeout, an error if fewer than this many (0: every node must answer); in "
+                 "programs that follow a cluster the others join when they answer");
   app.add_option("--probes-per-second", f.probes_per_second,
                  "with --nodes/--discover: ask the members for a sign of life at most this often "
                  "in all (default 1000; 0: every member every 200 ms)");

@@ -114,6 +114,10 @@ void cluster_core::admit(reached& r, bool rethrow) {
 }
 
 void cluster_core::connect_all(std::vector<std::string> addresses) {
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    given_.insert(addresses.begin(), addresses.end());  // never drained by discovery
+  }
   if (discovering()) {
     std::vector<std::string> found;
     try {
@@ -152,13 +156,17 @@ void cluster_core::connect_all(std::vector<std::string> addresses) {
   }
   auto needed = o_.min_nodes == 0 ? got.size() : o_.min_nodes;
   if (answered < needed) {
-    if (o_.min_nodes == 0 || !first) std::rethrow_exception(first);
+    auto short_of = "cluster::connect: " + std::to_string(answered) + " of " +
+                    std::to_string(got.size()) + " nodes answered, min_nodes is " +
+                    std::to_string(o_.min_nodes);
+    // Every node answered, and there are fewer than min_nodes (a name that resolves to fewer
+    // addresses than the cluster needs): no node's error to pass on.
+    if (!first) throw node_error(short_of);
+    if (o_.min_nodes == 0) std::rethrow_exception(first);
     try {
       std::rethrow_exception(first);
     } catch (const std::exception& e) {
-      throw node_error("cluster::connect: " + std::to_string(answered) + " of " +
-                       std::to_string(got.size()) + " nodes answered, min_nodes is " +
-                       std::to_string(o_.min_nodes) + "; the first that did not: " + e.what());
+      throw node_error(short_of + "; the first that did not: " + e.what());
     }
   }
   for (auto& r : got) {

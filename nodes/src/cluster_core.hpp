@@ -155,6 +155,7 @@ class cluster_core {
   std::shared_ptr<leaving_sink> sink_ = std::make_shared<leaving_sink>();
   caf::actor listener_;  ///< hears members that drain themselves (watching clusters only)
   std::set<std::string> discovered_;  ///< what discovery listed last
+  std::set<std::string> given_;       ///< connect()'s own addresses: discovery never drains them
 };
 
 }  // namespace troupe::detail

@@ -58,16 +58,17 @@ void cluster_core::discover_loop() {
     if (failing) log(log_level::info, "cluster discovery succeeds again");
     failing = false;
     std::set<std::string> now(found.begin(), found.end());
-    std::set<std::string> before;
+    std::set<std::string> before, given;
     {
       std::lock_guard<std::mutex> guard{mtx_};
       before = discovered_;
       discovered_ = now;
+      given = given_;
     }
     for (auto& a : now)
       if (!before.count(a) && !stopping()) appear(a);
-    for (auto& a : before)
-      if (!now.count(a) && !stopping()) vanish(a);
+    for (auto& a : before)  // connect()'s own addresses stay, whatever discovery says
+      if (!now.count(a) && !given.count(a) && !stopping()) vanish(a);
   }
 }
 

@@ -235,17 +235,29 @@ struct device_state_holder<void> {};
 
 /// The device_state `S` of device `d` in this process: made (on the calling producer's thread,
 /// bound to `d`) by the first producer of `d` that asks, shared by the others while any holds
-/// it, destroyed when the last lets go. Producers constructed at once wait for the first.
+/// it, destroyed when the last lets go. Producers of `d` constructed at once wait for the
+/// first; those of other devices do not (each device's model loads at the same time).
 template <class S>
 std::shared_ptr<device_state_holder<S>> device_state_for(const device& d, const config& cfg) {
+  struct entry {
+    std::mutex making;
+    std::weak_ptr<device_state_holder<S>> state;
+  };
   static std::mutex mtx;
   // Never destroyed: producers on their threads may still let go of their state during exit().
-  static auto& live = *new std::map<std::string, std::weak_ptr<device_state_holder<S>>>;
-  std::lock_guard<std::mutex> guard{mtx};
-  auto& slot = live[d.str()];
-  if (auto h = slot.lock()) return h;
+  // One entry per device name the process has used.
+  static auto& live = *new std::map<std::string, std::unique_ptr<entry>>;
+  entry* e = nullptr;
+  {
+    std::lock_guard<std::mutex> guard{mtx};
+    auto& slot = live[d.str()];
+    if (!slot) slot = std::make_unique<entry>();
+    e = slot.get();
+  }
+  std::lock_guard<std::mutex> guard{e->making};
+  if (auto h = e->state.lock()) return h;
   auto h = std::make_shared<device_state_holder<S>>(d, cfg);
-  slot = h;
+  e->state = h;
   return h;
 }
 
