@@ -289,7 +289,7 @@ TEST(ThreadBudgets, EachCpuProducerRunsLibTorchOnItsOwnBudgetOfIntraOpThreads) {
   for (auto n : seen2) EXPECT_EQ(n, 2);
   EXPECT_EQ(started2, 2u) << "2 producers with 2 threads each: one worker each";
   // By default the cores are divided among the process's CPU producers (at least 1 each).
-  auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  auto cores = static_cast<std::int64_t>(troupe::detail::usable_cores());
   auto [seen3, started3] = forward_passes(2, {});
   auto share = std::max<std::int64_t>(1, cores / 2);
   for (auto n : seen3) EXPECT_EQ(n, share);

@@ -1,6 +1,7 @@
 // Devices, config, messages and the message-level testing support (docs/api.md: "Devices",
 // "Configuration", "Message-level testing").
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
@@ -8,6 +9,7 @@
 #include <caf/binary_serializer.hpp>
 #include <random>
 #include <set>
+#include <thread>
 #include <troupe/device_binding.hpp>
 #include <troupe/internal/bulk.hpp>
 #include <troupe/protocol.hpp>
@@ -70,6 +72,33 @@ TEST(Device, WithoutTheTorchComponentCudaDevicesAreUnavailable) {
   }
 }
 #endif
+
+TEST(Device, UsableCoresFollowTheAffinityMaskAndTheCgroupQuota) {
+  // The default intra-op budget and the consumer threads count the cores the process may use:
+  // hardware_concurrency() counts the machine's (a pod limited to 2 CPUs on 64 cores ran 64
+  // threads per CPU producer).
+  using troupe::detail::cores_of_cpu_max;
+  EXPECT_EQ(cores_of_cpu_max("max 100000"), 0);
+  EXPECT_EQ(cores_of_cpu_max("100000 100000"), 1);
+  EXPECT_EQ(cores_of_cpu_max("150000 100000"), 2) << "a part of a core is rounded up";
+  EXPECT_EQ(cores_of_cpu_max("50000 100000"), 1);
+  EXPECT_EQ(cores_of_cpu_max("-1 100000"), 0) << "cgroup v1's quota of -1: no limit";
+  EXPECT_EQ(cores_of_cpu_max(""), 0);
+  auto machine = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto all = troupe::detail::usable_cores();
+  EXPECT_GE(all, 1);
+  EXPECT_LE(all, machine);
+  if (machine < 2) GTEST_SKIP() << "one core: no affinity mask narrower than the machine";
+  int pinned = 0;
+  std::thread t{[&] {  // sched_getaffinity(0) is the calling thread's mask
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(0, &one);
+    if (::sched_setaffinity(0, sizeof one, &one) == 0) pinned = troupe::detail::usable_cores();
+  }};
+  t.join();
+  EXPECT_EQ(pinned, 1) << "a thread allowed one CPU counted " << pinned;
+}
 
 TEST(Config, TypedGetSetAndNesting) {
   troupe::config cfg;

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "runtime_impl.hpp"
+#include "troupe/device_binding.hpp"
 #include "troupe/protocol.hpp"
 
 namespace troupe::detail {
@@ -144,7 +145,7 @@ bool job_core::wait_for(std::chrono::milliseconds d) {
 std::atomic<int> job_core::spinners{0};
 
 int job_core::max_spinners() {
-  static const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 2));
+  static const int n = std::max(1, usable_cores() / 2);
   return n;
 }
 

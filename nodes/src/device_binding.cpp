@@ -1,7 +1,12 @@
 #include "troupe/device_binding.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "troupe/error.hpp"
@@ -43,12 +48,39 @@ int apply_cpu_thread_budget(int requested) noexcept {
   auto set = cpu_threads.load();
   if (set == nullptr) return 0;
   int n = requested;
-  if (n <= 0) {
-    int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    n = std::max(1, cores / std::max(1, cpu_producers.load()));
-  }
+  if (n <= 0) n = std::max(1, usable_cores() / std::max(1, cpu_producers.load()));
   set(n);
   return n;
+}
+
+int cores_of_cpu_max(const std::string& line) noexcept {
+  long long quota = 0, period = 0;
+  if (std::sscanf(line.c_str(), "%lld %lld", &quota, &period) != 2 || quota <= 0 || period <= 0)
+    return 0;  // "max 100000": no limit
+  return static_cast<int>(std::min<long long>((quota + period - 1) / period, 1 << 20));
+}
+
+int usable_cores() noexcept {
+  int n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) n = std::max(1, CPU_COUNT(&set));
+  int quota = 0;
+  try {
+    std::ifstream v2{"/sys/fs/cgroup/cpu.max"};
+    std::string line;
+    if (v2 && std::getline(v2, line)) {
+      quota = cores_of_cpu_max(line);
+    } else {
+      std::ifstream q{"/sys/fs/cgroup/cpu/cpu.cfs_quota_us"},
+          p{"/sys/fs/cgroup/cpu/cpu.cfs_period_us"};
+      std::string qs, ps;
+      if (q && p && std::getline(q, qs) && std::getline(p, ps))
+        quota = cores_of_cpu_max(qs + " " + ps);
+    }
+  } catch (...) {  // unreadable: no limit known
+  }
+  return quota > 0 ? std::max(1, std::min(n, quota)) : n;
 }
 
 int cuda_device_count() noexcept {

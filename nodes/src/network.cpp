@@ -30,6 +30,7 @@
 #include <random>
 #include <thread>
 
+#include "troupe/device_binding.hpp"
 #include "troupe/error.hpp"
 #include "troupe/internal/bulk.hpp"
 #include "troupe/internal/registry.hpp"
@@ -214,10 +215,9 @@ std::unique_ptr<caf::actor_system_config> make_system_config(bool network, const
   // These threads run the jobs' consumers (and nothing that must stay responsive: the
   // scheduler and the producers have threads of their own): one per core. More threads than
   // cores cost the throughput of cheap items (x*x: ~250 instead of ~500 M items/s on 2 cores).
-  cfg->set("scheduler.max-threads",
-           own_threads.load()
-               ? own_threads.load()
-               : static_cast<std::size_t>(std::max(2u, std::thread::hardware_concurrency())));
+  cfg->set("scheduler.max-threads", own_threads.load()
+                                        ? own_threads.load()
+                                        : static_cast<std::size_t>(std::max(2, usable_cores())));
   cfg->set("logger.file-verbosity", caf::atom("quiet"));
   cfg->set("logger.console-verbosity", caf::atom("quiet"));
   if (!network) return cfg;

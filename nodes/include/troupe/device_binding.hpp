@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "troupe/device.hpp"
 
@@ -42,9 +43,17 @@ bool install_cpu_threads(void (*set)(int n)) noexcept;
 /// CPU producers alive in this process (from their spawn to their actor's end): +1 or -1.
 void count_cpu_producer(int delta) noexcept;
 /// Gives the calling thread (a CPU producer's, before its constructor) its intra-op budget:
-/// `requested` when above 0 (cfg "torch.intra_op_threads"), else the cores divided among the
-/// CPU producers alive, at least 1. Returns the budget set, 0 without troupe::torch.
+/// `requested` when above 0 (cfg "torch.intra_op_threads"), else usable_cores() divided among
+/// the CPU producers alive, at least 1. Returns the budget set, 0 without troupe::torch.
 int apply_cpu_thread_budget(int requested) noexcept;
+/// The cores this process may use, at least 1: the CPUs of its affinity mask (taskset, a
+/// cpuset), and no more than its cgroup's CPU quota rounded up (a container's CPU limit, e.g. a
+/// Kubernetes pod's `limits: cpu: "2"`: cgroup v2's cpu.max, or v1's cfs_quota_us/period_us).
+/// std::thread::hardware_concurrency() counts the machine's cores, whatever the limit.
+int usable_cores() noexcept;
+/// The cores a cgroup v2 cpu.max line allows ("QUOTA PERIOD", rounded up), 0 for no limit
+/// ("max PERIOD") or a line it cannot read.
+int cores_of_cpu_max(const std::string& line) noexcept;
 }  // namespace detail
 
 /// The stream of the producer running on the calling thread (a cudaStream_t), or nullptr when
