@@ -226,8 +226,9 @@ class producer_model {
     return nullptr;
   }
 
-  /// Items in `job`'s next chunk, at most: one at first (a job not seen yet is never sized
-  /// from another job's items), then by the job's own cost model.
+  /// Items in `job`'s next chunk, at most: one at first (a job not seen yet is not sized from
+  /// another job's items here; scheduler::new_job_limit does so when more jobs are open than
+  /// producers), then by the job's own cost model.
   [[nodiscard]] std::size_t chunk_limit(const model_settings& s, std::uint64_t job) const {
     if (s.chunk_size) return chunk_limit(s);
     auto* r = rate(job);
