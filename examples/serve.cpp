@@ -199,13 +199,14 @@ struct classify_mlp {
 
 /// A producer of a model from a file (TorchScript or AOTInductor): `State` is the device's one
 /// loaded copy (device_state, with forward()). Each producer warms it up once before its first
-/// request, and a batch of requests is one forward pass. The warm-up runs every batch size the
-/// batcher can hand it (1 to cfg "max_batch"): the costs of a first call come per shape, not
-/// once (TorchScript's profiling executor specializes on its first runs; cuDNN and oneDNN pick
-/// and build a convolution's plan for each new input shape: on an H200, 2,000 requests in
-/// batches of 1 to 64 after a warm-up of batch 4 alone ran 9.2 ms per forward pass against
-/// 0.9 ms for batches of 1). A package refuses sizes past the one it was exported for: the
-/// warm-up stops there.
+/// request, and a batch of requests is one forward pass. On a GPU the warm-up runs every batch
+/// size the batcher can hand it (1 to cfg "max_batch"): the costs of a first call come per
+/// shape, not once (cuDNN picks and builds a convolution's plan for each new input shape; on an
+/// H200, 2,000 requests in batches of 1 to 64 after a warm-up of batch 4 alone ran 9.2 ms per
+/// forward pass against 0.9 ms for batches of 1). On a CPU, where a forward pass costs far more
+/// than a shape's first-call setup, the powers of two and the largest size (about two full
+/// batches of work). A package refuses sizes past the one it was exported for: the warm-up
+/// stops there.
 template <class State>
 struct file_model_producer {
   file_model_producer(const troupe::device& d, const troupe::config& cfg, State& shared)
@@ -216,15 +217,19 @@ struct file_model_producer {
   void warmup() {
     c10::InferenceMode inference;
     for (int i = 0; i < 2; ++i) model.forward(torch::zeros({1, inputs}, model.where));
+    std::int64_t took = 0;
     for (std::int64_t n = 1; n <= max_batch; ++n) {
+      bool power_of_two = (n & (n - 1)) == 0;
+      if (!model.where.is_cuda() && !power_of_two && n != max_batch) continue;
       try {
         model.forward(torch::zeros({n, inputs}, model.where));
+        took = n;
       } catch (const c10::Error&) {
         if (n == 1) throw;  // not a size limit: the model itself fails
         if (!told.exchange(true))
-          std::cerr << "the model takes at most " << n - 1 << " rows a call: calls of more are "
-                    << "split (lower --max-batch, or export it for " << max_batch << ")"
-                    << std::endl;
+          std::cerr << "the model refuses a call of " << n << " rows (it took " << took
+                    << "): larger calls are split (lower --max-batch, or export it for "
+                    << max_batch << ")" << std::endl;
         break;
       }
     }
