@@ -216,11 +216,12 @@ struct file_model_producer {
         max_batch(std::max<std::int64_t>(1, cfg.get_or<std::int64_t>("max_batch", 1))) {}
   void warmup() {
     c10::InferenceMode inference;
+    // TorchScript's profiling executor: its first runs (then once per size below).
     for (int i = 0; i < 2; ++i) model.forward(torch::zeros({1, inputs}, model.where));
     std::int64_t took = 0;
     for (std::int64_t n = 1; n <= max_batch; ++n) {
       bool power_of_two = (n & (n - 1)) == 0;
-      if (!model.where.is_cuda() && !power_of_two && n != max_batch) continue;
+      if (!where.is_cuda() && !power_of_two && n != max_batch) continue;
       try {
         model.forward(torch::zeros({n, inputs}, model.where));
         took = n;
