@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -765,6 +766,100 @@ TEST(Cluster, MinNodesAboveTheAddressesGivenIsANodeErrorNotACrash) {
               std::string::npos)
         << e.what();
   }
+}
+
+/// A node SIGTERMed while its producers for a runner construct (their init holds on a file):
+/// `start` begins that (the runner's constructor, add_devices), on a thread of its own; the
+/// node has drained (the cluster reported it) before init is let go.
+struct drain_during_init {
+  explicit drain_during_init(const char* name)
+      : dir(::testing::TempDir() + "troupe_" + name + "_" + std::to_string(::getpid())),
+        a{"cpu,cpu", {"--drain-timeout-ms", "20000"}} {
+    clean();
+    ::mkdir(dir.c_str(), 0700);
+    cfg.set("init_hold_dir", dir);
+    o.on_change = rec.callback();
+  }
+  ~drain_during_init() { clean(); }
+  void clean() {  // not std::filesystem: see temp_cert_dir in node_test.cpp
+    std::remove((dir + "/hold").c_str());
+    std::remove((dir + "/constructing").c_str());
+    ::rmdir(dir.c_str());
+  }
+  void during_init(const std::function<void()>& start) {
+    std::ofstream{dir + "/hold"} << "hold\n";
+    std::thread starter{start};
+    {
+      test_util::watchdog dog{std::chrono::seconds{60}, "a producer's init on the node"};
+      while (!std::ifstream{dir + "/constructing"})
+        std::this_thread::sleep_for(std::chrono::milliseconds{1});
+    }
+    a.kill(SIGTERM);
+    rec.wait_for(troupe::membership_event::draining, a.address());
+    std::remove((dir + "/hold").c_str());
+    starter.join();
+  }
+  /// The node's exit: 0 once its producers were drained, 1 at its drain deadline.
+  int exit_code() {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the draining node's exit"};
+    int sig = -1, code = -1;
+    while (!a.ended(&sig, &code)) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+    EXPECT_EQ(sig, 0);
+    return code;
+  }
+  std::string dir;
+  node_process a;
+  troupe::config cfg = slow(1000);
+  recorder rec;
+  troupe::cluster_options o;
+};
+
+/// Every producer the runner had on `node` was drained (removed), none lost.
+void expect_drained(const troupe::stats& s, const std::string& node, std::size_t n) {
+  std::size_t seen = 0;
+  for (auto& p : s.producers) {
+    if (p.where.is_local() || p.where.node() != node) continue;
+    ++seen;
+    EXPECT_TRUE(p.removed) << p.where.str() << " was not drained";
+    EXPECT_FALSE(p.alive) << p.where.str();
+  }
+  EXPECT_EQ(seen, n);
+}
+
+TEST(Cluster, ANodeThatDrainsWhileTheRunnerStartsIsDrainedOnceItHasStarted) {
+  // CI once (cli.rolling_restart): SIGTERM reached a node while the runner that follows the
+  // cluster was starting: the node's producers were constructing, and the runner's scheduler
+  // did not exist yet. The node's notice that they leave was dropped, so they went on taking
+  // work, and the node drained only when the runner closed (or at its drain deadline). Now the
+  // notice waits for the scheduler: the node is drained as soon as the runner has started, while
+  // the runner stays open and idle here.
+  drain_during_init t{"drain_at_start"};
+  node_process b{"cpu"};
+  auto c = troupe::cluster::connect({t.a.address(), b.address()}, {}, t.o);
+  std::optional<troupe::unordered_runner<remote_squares>> runner;
+  t.during_init([&] { runner.emplace(c, t.cfg, troupe::options{}); });
+  EXPECT_EQ(t.exit_code(), 0)
+      << "the node reached its drain deadline: nobody drained its producers";
+  expect_drained(runner->stats(), t.a.address(), 2);
+  EXPECT_EQ(runner->run(iota(300)), sum_of_squares(300)) << "the runner goes on with node b";
+  EXPECT_EQ(runner->devices(), c.devices());
+}
+
+TEST(Cluster, ANodeThatDrainsWhileAddDevicesStartsItsProducersIsDrainedOnceTheyAreAdded) {
+  // The same moment for add_devices(): the scheduler exists, but it does not know the node's
+  // new producers until their init has answered. It keeps the notice until they are added.
+  drain_during_init t{"drain_at_add"};
+  node_process b{"cpu"};
+  auto c = troupe::cluster::connect({t.a.address(), b.address()}, {}, t.o);
+  std::vector<troupe::device> on_a, on_b;
+  for (auto& d : c.devices()) (d.node() == b.address() ? on_b : on_a).push_back(d);
+  troupe::unordered_runner<remote_squares> runner{on_b, t.cfg};
+  t.during_init([&] { runner.add_devices(on_a); });
+  EXPECT_EQ(t.exit_code(), 0)
+      << "the node reached its drain deadline: nobody drained its producers";
+  expect_drained(runner.stats(), t.a.address(), 2);
+  EXPECT_EQ(runner.run(iota(300)), sum_of_squares(300)) << "the runner goes on with node b";
+  EXPECT_EQ(runner.devices(), on_b);
 }
 
 TEST(Cluster, DiscoveryNeverDrainsTheAddressesGivenToConnect) {

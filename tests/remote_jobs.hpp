@@ -24,6 +24,7 @@ struct remote_squares {
           slow_from(cfg.get_or<std::int64_t>("slow_from", -1)),
           slow_to(slow_from + cfg.get_or<std::int64_t>("slow_count", 0)),
           slow_us(cfg.get_or<std::int64_t>("slow_us", 0)) {
+      if (auto dir = cfg.get_or<std::string>("init_hold_dir", ""); !dir.empty()) hold_init(dir);
       // With "second_init_marker" set, the process's second producer to be constructed waits
       // until the first has been constructed 300 ms ago, writes that file and takes a minute:
       // a test that kills the node on seeing the file kills it between two producers' init.
@@ -37,6 +38,14 @@ struct remote_squares {
       std::this_thread::sleep_for(std::chrono::milliseconds{300});
       std::ofstream{marker} << "constructing\n";
       std::this_thread::sleep_for(std::chrono::minutes{1});
+    }
+    /// With "init_hold_dir" set and DIR/hold present, the constructor writes DIR/constructing
+    /// and waits until DIR/hold is gone (at most a minute): a test acts while init is under way.
+    static void hold_init(const std::string& dir) {
+      if (!std::ifstream{dir + "/hold"}) return;
+      std::ofstream{dir + "/constructing"} << "constructing\n";
+      for (int i = 0; i < 60000 && std::ifstream{dir + "/hold"}; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds{1});
     }
     std::int64_t work(std::int64_t x) {
       if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));

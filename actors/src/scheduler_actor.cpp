@@ -2,6 +2,7 @@
 // messages, answers, errors and monitors into the core's events, and runs the core's commands
 // with CAF: requests to producers and consumers, exits, replacements, timers. Bulk payloads are
 // split and joined here, at the edge: the core sees whole batches.
+#include <algorithm>
 #include <caf/actor_system.hpp>
 #include <caf/event_based_actor.hpp>
 #include <unordered_map>
@@ -49,11 +50,23 @@ class scheduler_shell final : public scheduler_io {
   /// The core, for an event; nullptr once halted (the event is dropped).
   scheduler* core() { return halted_ && halted_->load() ? nullptr : &core_; }
 
-  /// A draining node's producers: drained like remove_devices (nobody waits for it here).
+  /// A draining node's producers: drained like remove_devices (nobody waits for it here). One
+  /// this actor does not know yet (add_devices still waits for its init: the node drained
+  /// meanwhile) is remembered and drained as soon as add() brings it.
   void leaving(const std::vector<caf::actor>& producers) {
     std::vector<std::size_t> slots;
-    for (auto& a : producers)
-      if (auto it = slot_of_.find(a.address()); it != slot_of_.end()) slots.push_back(it->second);
+    for (auto& a : producers) {
+      if (auto it = slot_of_.find(a.address()); it != slot_of_.end()) {
+        slots.push_back(it->second);
+      } else if (a) {
+        if (leaving_soon_.size() >= max_leaving_soon) leaving_soon_.erase(leaving_soon_.begin());
+        leaving_soon_.push_back(a.address());
+      }
+    }
+    drain(slots);
+  }
+
+  void drain(const std::vector<std::size_t>& slots) {
     if (slots.empty()) return;
     if (auto* c = core()) c->drain(slots, std::make_shared<std::promise<void>>());
   }
@@ -84,6 +97,14 @@ class scheduler_shell final : public scheduler_io {
       watch(handles_.size() - 1);
     }
     c->add_producers(a.where);
+    std::vector<std::size_t> left;  // their node drained while they started
+    for (std::size_t p = a.first; p < handles_.size(); ++p) {
+      auto i = std::find(leaving_soon_.begin(), leaving_soon_.end(), handles_[p].address());
+      if (i == leaving_soon_.end()) continue;
+      leaving_soon_.erase(i);
+      left.push_back(p);
+    }
+    drain(left);
     a.done->set_value();
   }
 
@@ -237,6 +258,9 @@ class scheduler_shell final : public scheduler_io {
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
   std::unordered_map<caf::actor_addr, std::size_t> slot_of_;  ///< live handles_, by address
+  /// Producers whose node drained before add() brought them (leaving): the newest few.
+  static constexpr std::size_t max_leaving_soon = 1024;
+  std::vector<caf::actor_addr> leaving_soon_;
   std::vector<device> devices_;
   producer_spawner spawn_;
   config cfg_;
