@@ -862,6 +862,31 @@ TEST(Cluster, ANodeThatDrainsWhileAddDevicesStartsItsProducersIsDrainedOnceTheyA
   EXPECT_EQ(runner.devices(), on_b);
 }
 
+TEST(Cluster, ARunnerThatFollowsTheClusterStartsWithoutAMemberThatLeftAfterTheSnapshot) {
+  // A fleet always has a node going: one killed after the cluster last heard from it (a probe
+  // every 30 s here, so the cluster still has it up) is in the runner's starting list, and its
+  // spawn fails. The runner starts on the others instead of failing; the cluster reports the
+  // loss later, and a restart on that address would rejoin the runner.
+  node_process a{"cpu,cpu"}, b{"cpu"};
+  troupe::cluster_options o;
+  o.heartbeat = std::chrono::seconds{30};
+  o.lost_after = std::chrono::seconds{120};
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
+  ASSERT_EQ(c.devices().size(), 3u);
+  a.kill(SIGKILL);
+  {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the killed node's exit"};
+    while (!a.ended()) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  }
+  ASSERT_EQ(c.devices().size(), 3u) << "the cluster noticed the kill: nothing left to test";
+  troupe::unordered_runner<remote_squares> runner{c, slow(100)};
+  std::vector<troupe::device> on_b;
+  for (auto& d : c.devices())
+    if (d.node() == b.address()) on_b.push_back(d);
+  EXPECT_EQ(runner.devices(), on_b);
+  EXPECT_EQ(runner.run(iota(300)), sum_of_squares(300));
+}
+
 TEST(Cluster, DiscoveryNeverDrainsTheAddressesGivenToConnect) {
   // connect({a}) with discovery listing a and b: both join. When discovery stops listing a, a
   // stays (connect's own addresses are the operator's); when it stops listing b, b drains.

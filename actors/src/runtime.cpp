@@ -208,9 +208,13 @@ caf::actor runtime::spawn_remote(const device& d, std::size_t i) {
   }
   // Watched: the node's death ends the wait at once (ask_node.hpp); a failed node is connected
   // anew next time (a node restarted, say).
-  return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
-                       spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
-                       anchor, deadlines_);
+  try {
+    return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
+                         spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
+                         anchor, deadlines_);
+  } catch (const node_error& e) {
+    throw node_start_failed(e.what(), d.node());
+  }
 }
 
 std::vector<caf::actor> runtime::node_actors(const std::vector<device>& ds) {
@@ -225,7 +229,7 @@ std::vector<caf::actor> runtime::node_actors(const std::vector<device>& ds) {
 void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector<device>& ds,
                        std::size_t first, bool keep_anchor) {
   std::vector<caf::actor> started;
-  std::string failure;
+  std::string failure, failed_node;
   errc failure_code = errc::none;
   {
     // Every producer constructs its job object concurrently, on its own thread. A remote one's
@@ -243,6 +247,7 @@ void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector
       } else if (failure_code == errc::none) {
         failure_code = error_code(got.error());
         failure = error_text(got.error());
+        if (!ds[i].is_local()) failed_node = ds[i].node();
         if (failure_code != errc::device_unavailable)
           failure = "producer " + ds[i].str() + " (producer " + std::to_string(first + i) +
                     "): " + failure;
@@ -258,7 +263,10 @@ void runtime::init_all(const std::vector<caf::actor>& spawned, const std::vector
   if (failure_code == errc::none) return;
   abandon(started, keep_anchor);
   if (failure_code == errc::device_unavailable) throw device_unavailable(failure);
-  if (failure_code == errc::node_error) throw node_error(failure);
+  if (failure_code == errc::node_error) {
+    if (!failed_node.empty()) throw node_start_failed(failure, failed_node);
+    throw node_error(failure);
+  }
   throw init_error(failure + "; the producers that did start were ended");
 }
 

@@ -3,6 +3,7 @@
 // join or rejoin, drains those that drain and gives up on those that are lost.
 #include <algorithm>
 #include <caf/send.hpp>
+#include <set>
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/cluster_state.hpp"
@@ -105,14 +106,48 @@ bool runtime::only_on(const std::string& node) {
   return any;
 }
 
+namespace {
+
+/// Whether the node at `address` is leaving (it drains) or gone (it does not answer).
+bool leaving_or_gone(const std::string& address, const tls& t, std::chrono::milliseconds wait) {
+  bool leaving = false;
+  try {
+    connect_node(network_system(t), address, t, wait, nullptr, nullptr, &leaving);
+  } catch (const node_error&) {
+    return true;
+  }
+  return leaving;
+}
+
+}  // namespace
+
 runtime_handle::runtime_handle(const cluster& c, config cfg, options opts, std::string job,
                                producer_maker make) {
   auto f = std::make_shared<runtime_follower>();
   auto snap = troupe::detail::follow(c.state(), f);
   if (snap.devices.empty())
     throw invalid_argument("the cluster has no member that is up: no device to start on");
-  impl_ = std::make_unique<runtime>(std::move(snap.devices), std::move(cfg), std::move(opts),
-                                    std::move(job), make);
+  // A member that leaves while the runner starts there (an operator's rolling restart, a node
+  // killed) is started without: the cluster reports its leave, and its next process rejoins
+  // the runner like any member's. Any other refusal (a node without this job, say) is thrown.
+  std::set<std::string> without;
+  for (;;) {
+    std::vector<device> devices;
+    for (auto& d : snap.devices)
+      if (d.is_local() || without.count(d.node()) == 0) devices.push_back(d);
+    try {
+      if (devices.empty())
+        throw node_error("every member of the cluster left while the runner started");
+      impl_ = std::make_unique<runtime>(std::move(devices), cfg, opts, job, make);
+      break;
+    } catch (const node_start_failed& e) {
+      if (!leaving_or_gone(e.node(), snap.settings, connect_timeout(c.state()))) throw;
+      log(log_level::warn, "a runner following its cluster starts without " + e.node() +
+                               ", which left while the runner started there (" + e.what() +
+                               "); its next process joins the runner as a rejoin");
+      without.insert(e.node());
+    }
+  }
   impl_->follow(c.state(), std::move(f));
 }
 

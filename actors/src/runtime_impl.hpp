@@ -96,6 +96,19 @@ class sim_host {
 
 class runtime_follower;
 
+/// Starting a producer on a node (its spawn or its init) failed because of that node: it died,
+/// or it refused (it drains, say). Thrown by the runtime's start and add_devices; a runner that
+/// follows a cluster starts without a node that left meanwhile (runtime_follow.cpp).
+class node_start_failed : public node_error {
+ public:
+  node_start_failed(const std::string& what, std::string node)
+      : node_error(what), node_(std::move(node)) {}
+  [[nodiscard]] const std::string& node() const noexcept { return node_; }
+
+ private:
+  std::string node_;
+};
+
 class runtime {
  public:
   using consumer_spawner =
