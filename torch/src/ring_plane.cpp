@@ -1,8 +1,8 @@
 // The ring all-reduce's data plane (ring_plane.hpp): a ring's run on its thread. Its loop
 // polls three parts: connecting to the right neighbour (right_link), accepting the left one
 // among whoever connects (left_accept), and transferring the schedule's chunks
-// (ring_schedule.hpp) both ways. The listener: ring_plane_listener.cpp; keys and the tests'
-// switches: ring_plane_keys.cpp.
+// (ring_schedule.hpp) both ways (transfer). The listener: ring_plane_listener.cpp; keys and the
+// tests' switches: ring_plane_keys.cpp.
 #include "ring_plane.hpp"
 
 #include <netinet/in.h>
@@ -172,15 +172,15 @@ class left_accept {
   std::vector<pending> waiting_;
 };
 
-}  // namespace
-
-void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const {
-  // A plain loop for the usual dtypes (vectorized by the compiler): LibTorch's add_ would start
-  // an OpenMP team for this thread, a new one for every ring's thread.
+/// dst += src, `bytes` of them, of the dtype of `like`. A plain loop for the usual dtypes
+/// (vectorized by the compiler): LibTorch's add_ would start an OpenMP team for this thread, a
+/// new one for every ring's thread.
+void add_into(const at::Tensor& like, unsigned char* dst, const unsigned char* src,
+              std::size_t bytes) {
   auto sum = [&](auto* d, const auto* s, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) d[i] += s[i];
   };
-  switch (s_.buf.scalar_type()) {
+  switch (like.scalar_type()) {
     case at::kFloat:
       return sum(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(src),
                  bytes / sizeof(float));
@@ -189,12 +189,107 @@ void run::add_into(unsigned char* dst, const unsigned char* src, std::size_t byt
                  bytes / sizeof(double));
     default: {
       auto count =
-          static_cast<std::int64_t>(bytes) / static_cast<std::int64_t>(s_.buf.element_size());
-      at::from_blob(dst, {count}, s_.buf.options())
-          .add_(at::from_blob(const_cast<unsigned char*>(src), {count}, s_.buf.options()));
+          static_cast<std::int64_t>(bytes) / static_cast<std::int64_t>(like.element_size());
+      at::from_blob(dst, {count}, like.options())
+          .add_(at::from_blob(const_cast<unsigned char*>(src), {count}, like.options()));
     }
   }
 }
+
+/// The schedule's chunks both ways (hop-major, `pieces` messages a hop): to the right each
+/// message once what it passes on has arrived (and been added in); from the left into the
+/// chunk itself (all-gather) or the scratch buffer, then added in.
+class transfer {
+ public:
+  explicit transfer(const spec& s)
+      : s_(s),
+        plan_{s.n, s.pos},
+        messages_(std::size_t{2} * (s.n - 1) * s.pieces),
+        numel_(s.buf.numel()),
+        esize_(static_cast<std::int64_t>(s.buf.element_size())),
+        base_(static_cast<unsigned char*>(s.buf.data_ptr())) {}
+  /// The largest chunk: what the scratch buffer must hold.
+  [[nodiscard]] std::size_t largest() const {
+    std::size_t most = 0;
+    for (std::uint32_t p = 0; p < s_.pieces; ++p)
+      for (std::uint32_t k = 0; k < s_.n; ++k) most = std::max(most, bytes_of(p, k).second);
+    return most;
+  }
+  void use_scratch(unsigned char* scratch) { scratch_ = scratch; }
+  [[nodiscard]] bool sending() const { return sent_ < messages_; }
+  [[nodiscard]] bool receiving() const { return recvd_ < messages_; }
+  [[nodiscard]] bool sendable() const {
+    return sent_ < messages_ && (sent_ < s_.pieces || recvd_ > sent_ - s_.pieces);
+  }
+
+  /// Sends what may go on `fd` until it would block.
+  void send(int fd, bool& moved) {
+    while (sendable()) {
+      auto [p, len] = bytes_of(piece_of(sent_), plan_.sent(hop_of(sent_)));
+      if (len > send_off_) {
+        auto w = ::send(fd, p + send_off_, len - send_off_, MSG_NOSIGNAL);
+        if (w < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+          throw std::runtime_error("the next replica's connection failed: " + errno_text(errno));
+        }
+        send_off_ += static_cast<std::size_t>(w);
+        moved = true;
+      }
+      if (send_off_ == len) {
+        ++sent_;
+        send_off_ = 0;
+      }
+    }
+  }
+
+  /// Receives from `fd` until it would block.
+  void receive(int fd, bool& moved) {
+    while (recvd_ < messages_) {
+      auto h = hop_of(recvd_);
+      auto [p, len] = bytes_of(piece_of(recvd_), plan_.received(h));
+      auto* into = plan_.adds(h) ? scratch_ : p;
+      if (len > recv_off_) {
+        auto r = ::recv(fd, into + recv_off_, len - recv_off_, 0);
+        if (r == 0) throw std::runtime_error("the previous replica closed its connection");
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+          throw std::runtime_error("the previous replica's connection failed: " +
+                                   errno_text(errno));
+        }
+        recv_off_ += static_cast<std::size_t>(r);
+        moved = true;
+      }
+      if (recv_off_ < len) continue;
+      if (plan_.adds(h) && len > 0) add_into(s_.buf, p, scratch_, len);
+      ++recvd_;
+      recv_off_ = 0;
+    }
+  }
+
+ private:
+  [[nodiscard]] std::pair<unsigned char*, std::size_t> bytes_of(std::uint32_t piece,
+                                                                std::uint32_t k) const {
+    auto [b, e] = chunk_range(numel_, s_.pieces, s_.n, piece, k);
+    return {base_ + b * esize_, static_cast<std::size_t>((e - b) * esize_)};
+  }
+  [[nodiscard]] std::uint32_t hop_of(std::size_t m) const {
+    return static_cast<std::uint32_t>(m / s_.pieces);
+  }
+  [[nodiscard]] std::uint32_t piece_of(std::size_t m) const {
+    return static_cast<std::uint32_t>(m % s_.pieces);
+  }
+
+  const spec& s_;
+  const schedule plan_;  // which chunk a hop carries, added in or copied
+  const std::size_t messages_;
+  const std::int64_t numel_, esize_;
+  unsigned char* base_;
+  unsigned char* scratch_ = nullptr;
+  std::size_t sent_ = 0, send_off_ = 0;  // messages sent, bytes of the next one
+  std::size_t recvd_ = 0, recv_off_ = 0;
+};
+
+}  // namespace
 
 run::run(listener& l, spec s, std::function<void(bool, const std::string&)> done)
     : l_(l), s_(std::move(s)), done_(std::move(done)) {
@@ -234,21 +329,8 @@ void run::body() {
 }
 
 void run::loop() {
-  const auto n = s_.n, pieces = s_.pieces;
-  const auto numel = s_.buf.numel();
-  const auto esize = static_cast<std::int64_t>(s_.buf.element_size());
-  auto* base = static_cast<unsigned char*>(s_.buf.data_ptr());
-  const std::size_t messages = std::size_t{2} * (n - 1) * pieces;  // each way, hop-major
-  const schedule plan{n, s_.pos};  // which chunk a hop carries, added in or copied
-  auto bytes_of = [&](std::uint32_t piece, std::uint32_t k) {
-    auto [b, e] = chunk_range(numel, pieces, n, piece, k);
-    return std::pair<unsigned char*, std::size_t>{base + b * esize,
-                                                  static_cast<std::size_t>((e - b) * esize)};
-  };
-  std::size_t largest = 0;
-  for (std::uint32_t p = 0; p < pieces; ++p)
-    for (std::uint32_t k = 0; k < n; ++k) largest = std::max(largest, bytes_of(p, k).second);
-  auto* scratch = l_.scratch(largest);
+  transfer data{s_};
+  data.use_scratch(l_.scratch(data.largest()));
 
   if (int delay = test_delay_ms.load(); delay > 0) {
     pollfd w{wake_, POLLIN, 0};
@@ -263,23 +345,16 @@ void run::loop() {
   right_link out{s_, hello};
   left_accept in{l_, s_, hello};
   const auto connect_until = clock::now() + s_.connect_deadline;
-
-  std::size_t sent = 0, send_off = 0;  // messages sent, bytes of the next one
-  std::size_t recvd = 0, recv_off = 0;
   auto stall_until = clock::now() + s_.stall;
-  auto hop_of = [&](std::size_t m) { return static_cast<std::uint32_t>(m / pieces); };
-  auto piece_of = [&](std::size_t m) { return static_cast<std::uint32_t>(m % pieces); };
-  // Message m may go once what it passes on has arrived (and been added in).
-  auto sendable = [&] { return sent < messages && (sent < pieces || recvd > sent - pieces); };
 
   std::vector<pollfd> fds;
-  while (sent < messages || recvd < messages) {
+  while (data.sending() || data.receiving()) {
     fds.clear();
     fds.push_back({wake_, POLLIN, 0});
     // A connection with nothing left to do is left out (its hang-up would wake every poll).
-    fds.push_back({sent < messages || !out.hello_sent() ? out.fd() : -1,
-                   static_cast<short>(out.wants_out(sendable()) ? POLLOUT : 0), 0});
-    fds.push_back({recvd < messages ? in.fd() : -1, POLLIN, 0});
+    fds.push_back({data.sending() || !out.hello_sent() ? out.fd() : -1,
+                   static_cast<short>(out.wants_out(data.sendable()) ? POLLOUT : 0), 0});
+    fds.push_back({data.receiving() ? in.fd() : -1, POLLIN, 0});
     in.add_fds(fds);
     auto now = clock::now();
     auto until = in.until(stall_until);
@@ -291,51 +366,12 @@ void run::loop() {
     now = clock::now();
     bool moved = false;
     in.poll(now, moved);
-
-    // To the right: every message whose turn it is, once connected and the hello is out.
+    // To the right once connected and the hello is out; from the left once accepted.
     if ((fds[1].revents & (POLLOUT | POLLERR | POLLHUP)) &&
-        out.ready(fds[1].revents, sent < messages, moved)) {
-      while (out.hello_sent() && sendable()) {
-        auto [p, len] = bytes_of(piece_of(sent), plan.sent(hop_of(sent)));
-        if (len > send_off) {
-          auto w = ::send(out.fd(), p + send_off, len - send_off, MSG_NOSIGNAL);
-          if (w < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            throw std::runtime_error("the next replica's connection failed: " + errno_text(errno));
-          }
-          send_off += static_cast<std::size_t>(w);
-          moved = true;
-        }
-        if (send_off == len) {
-          ++sent;
-          send_off = 0;
-        }
-      }
-    }
-
-    // From the left: into the chunk itself (all-gather) or the scratch buffer, then added in.
-    if (in.fd() >= 0 && (fds[2].revents & (POLLIN | POLLERR | POLLHUP))) {
-      while (recvd < messages) {
-        auto h = hop_of(recvd);
-        auto [p, len] = bytes_of(piece_of(recvd), plan.received(h));
-        auto* into = plan.adds(h) ? scratch : p;
-        if (len > recv_off) {
-          auto r = ::recv(in.fd(), into + recv_off, len - recv_off, 0);
-          if (r == 0) throw std::runtime_error("the previous replica closed its connection");
-          if (r < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            throw std::runtime_error("the previous replica's connection failed: " +
-                                     errno_text(errno));
-          }
-          recv_off += static_cast<std::size_t>(r);
-          moved = true;
-        }
-        if (recv_off < len) continue;
-        if (plan.adds(h) && len > 0) add_into(p, scratch, len);
-        ++recvd;
-        recv_off = 0;
-      }
-    }
+        out.ready(fds[1].revents, data.sending(), moved) && out.hello_sent())
+      data.send(out.fd(), moved);
+    if (in.fd() >= 0 && (fds[2].revents & (POLLIN | POLLERR | POLLHUP)))
+      data.receive(in.fd(), moved);
     if (moved) stall_until = now + s_.stall;
     if (now >= connect_until && (out.connecting() || in.fd() < 0))
       throw std::runtime_error((out.connecting()

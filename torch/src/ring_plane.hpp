@@ -123,8 +123,6 @@ class run {
  private:
   void body();
   void loop();
-  /// dst[i] += src[i] over `bytes` of the buffer's dtype.
-  void add_into(unsigned char* dst, const unsigned char* src, std::size_t bytes) const;
   listener& l_;
   spec s_;
   std::function<void(bool, const std::string&)> done_;

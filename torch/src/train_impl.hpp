@@ -19,14 +19,15 @@
 
 namespace troupe::detail {
 
-/// The training message a replica's answer holds; an answer that holds none becomes a
-/// protocol_error (in `r`).
-inline train_msg answer_of(chunk_result& r) {
-  train_msg msg;
+/// The answer (a train_msg, or init's init_reply) a replica's chunk_result holds; an answer
+/// that holds none becomes a protocol_error (in `r`).
+template <class Answer = train_msg>
+Answer answer_of(chunk_result& r) {
+  Answer msg;
   if (!r.ok()) return msg;
   try {
     auto joined = bulk::resolve(r.outputs);
-    auto* b = joined.as<train_msg>();
+    auto* b = joined.as<Answer>();
     if (b == nullptr || b->items.size() != 1) throw protocol_error("not a training answer");
     msg = std::move(b->items[0]);
   } catch (const std::exception& e) {
@@ -147,7 +148,7 @@ struct trainer::impl {
   /// `on_lost(pending)` for requests whose replica was lost (dropped first).
   /// With `replica_timeout`, requests older than it are lost (their replicas dropped), unless
   /// `on_late` is given: then it is called instead, and decides.
-  template <class OnReply, class OnLost, class OnLate = std::nullptr_t>
+  template <class Answer = train_msg, class OnReply, class OnLost, class OnLate = std::nullptr_t>
   void wait(std::map<std::uint64_t, pending>& waiting, OnReply on_reply, OnLost on_lost,
             OnLate on_late = nullptr) {
     auto lose = [&](std::size_t who) {
@@ -169,7 +170,7 @@ struct trainer::impl {
         if (it == waiting.end()) return;  // a request given up on
         auto p = it->second;
         waiting.erase(it);
-        auto msg = answer_of(r);
+        auto msg = answer_of<Answer>(r);
         on_reply(p, r, msg);
       };
       auto on_down = [&](caf::down_msg& dm) {
@@ -201,12 +202,14 @@ struct trainer::impl {
     }
   }
 
-  /// Sends `msg` to each of `who` and waits for all; returns the answers by member. Throws the
+  /// Sends `msg` to each of `who` and waits for all; returns the answers (Answer: train_msg,
+  /// or init_reply for op::init) by member. Throws the
   /// first error (after every answer is in); lost members are dropped.
   /// `drop_failed`: when some (not all) of `who` fail, those are dropped (and retired) before
   /// the error is thrown, so that the others stay identical (a command that changes state).
-  std::map<std::size_t, train_msg> everyone(const std::vector<std::size_t>& who,
-                                            const train_msg& msg, bool drop_failed = false);
+  template <class Answer = train_msg>
+  std::map<std::size_t, Answer> everyone(const std::vector<std::size_t>& who, const train_msg& msg,
+                                         bool drop_failed = false);
   [[noreturn]] void raise(const chunk_result& r, std::size_t who);
   /// `fresh` in rounds that hold at most one replica per process (the caller's, or a node's):
   /// the k-th round holds the k-th replica of each process, in member order.

@@ -59,7 +59,7 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
     // replica's. Processes differ in their generators, so each round starts the next replica
     // of every process at once.
     for (auto& round : construction_rounds(fresh))
-      for (auto& [who, msg] : everyone(round, init)) {
+      for (auto& [who, msg] : everyone<init_reply>(round, init)) {
         grad_bytes = msg.grad_bytes;
         members[who].data_port = msg.data_port;
         members[who].carries_state = msg.carries_state;

@@ -34,7 +34,7 @@ enum class op : std::uint8_t {
 /// deterministic: a fixed tree over shard indices; local: every replica steps on its own.
 enum class reduction : std::uint8_t { fast, deterministic, local, ring };
 
-/// One command to a replica, or its answer.
+/// One command to a replica, or its answer (but init's: init_reply).
 struct train_msg {
   std::uint8_t code = 0;      ///< op
   std::uint8_t mode = 0;      ///< reduction (backward, apply)
@@ -48,14 +48,23 @@ struct train_msg {
   std::vector<at::Tensor> tensors;   ///< gradients, parameters, a state archive (bytes)
   std::vector<std::uint64_t> nodes;  ///< deterministic: (level, index) of each gradient tensor
   std::vector<double> losses;        ///< per shard
-  std::string text;                  ///< the replica's device (init)
   std::int64_t busy_ns = 0;
   double divisor = 1;  ///< apply: the gradient is the sum divided by this (on the replica)
-  // The answer to init:
+};
+
+/// A replica's answer to init (op::init): what the coordinator keeps of it.
+struct init_reply {
+  std::string device;            ///< where the replica runs
   std::uint64_t grad_bytes = 0;  ///< of the replica's flat gradient
   std::uint16_t data_port = 0;   ///< where its left ring neighbour connects; 0: through CAF
   bool carries_state = true;     ///< its optimizer's state travels (optimizer() or save/load)
 };
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, init_reply& x) {
+  return f(caf::meta::type_name("troupe.init_reply"), x.device, x.grad_bytes, x.data_port,
+           x.carries_state);
+}
 
 /// A piece of ring all-reduce data, to the right neighbour: hop `hop` of piece `piece` of ring
 /// `ring` (ring_schedule.hpp says which chunk it is). Sent as the one item of a work_chunk.
@@ -74,7 +83,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
   return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.attempt, x.total_shards,
            x.first_shard, x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes,
-           x.losses, x.text, x.busy_ns, x.divisor, x.grad_bytes, x.data_port, x.carries_state);
+           x.losses, x.busy_ns, x.divisor);
 }
 
 // -- the fixed summation tree over shard indices (train_core.hpp), on tensors --------------------

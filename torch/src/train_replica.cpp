@@ -40,7 +40,7 @@ void replica_state::release() noexcept {
   binding.reset();
 }
 
-void replica_state::init(train_msg& out) {
+void replica_state::init(init_reply& out) {
   binding = bind_device(where);
   {
     // The coordinator starts one replica per process at a time; this lock also covers
@@ -61,7 +61,7 @@ void replica_state::init(train_msg& out) {
           "replica::parameters() are on several devices: troupe reduces them as one flat "
           "tensor");
   }
-  out.text = where.str();
+  out.device = where.str();
   std::uint64_t numel = 0;
   for (auto& p : params) numel += static_cast<std::uint64_t>(p.numel());
   std::uint64_t port = 0;

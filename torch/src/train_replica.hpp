@@ -52,7 +52,7 @@ struct replica_state {
   /// Frees the replica, every tensor held here and then the device binding (idempotent; on
   /// the replica's thread, or in its actor's cleanup).
   void release() noexcept;
-  void init(train_msg& out);
+  void init(init_reply& out);
 
   // -- gradients as views of one flat tensor (as DDP's gradient_as_bucket_view): backward
   // accumulates straight into the flat tensor that is reduced, no copy into it afterwards.

@@ -16,6 +16,7 @@ using ring_io_atom = caf::atom_constant<caf::atom("tr_ringio")>;
 
 [[maybe_unused]] const bool train_msg_registered =
     (register_batch_type<train_msg>("troupe.train_msg"),
+     register_batch_type<init_reply>("troupe.init_reply"),
      register_batch_type<ring_chunk>("troupe.ring_chunk"), true);
 
 }  // namespace
@@ -227,9 +228,12 @@ std::optional<chunk_result> replica_state::handle(caf::event_based_actor* self,
   try {
     if (code != op::init && !r) throw protocol_error("replica on " + where.str() + " not started");
     switch (code) {
-      case op::init:
-        init(out);
-        break;
+      case op::init: {
+        init_reply ready;
+        init(ready);
+        res.outputs = batch::of(std::vector<init_reply>{std::move(ready)});
+        return res;
+      }
       case op::backward:
         backward(*m, out);
         break;

@@ -92,16 +92,17 @@ void trainer::impl::retire(const std::vector<std::size_t>& who) {
       (*self)->send_exit(members[i].a, caf::exit_reason::user_shutdown);
 }
 
-std::map<std::size_t, train_msg> trainer::impl::everyone(const std::vector<std::size_t>& who,
-                                                         const train_msg& msg, bool drop_failed) {
+template <class Answer>
+std::map<std::size_t, Answer> trainer::impl::everyone(const std::vector<std::size_t>& who,
+                                                      const train_msg& msg, bool drop_failed) {
   std::map<std::uint64_t, pending> waiting;
   for (auto w : who) waiting[send(w, msg)] = pending{w, clock::now(), 0, 0};
-  std::map<std::size_t, train_msg> out;
+  std::map<std::size_t, Answer> out;
   first_failure failure;
   std::vector<std::size_t> failed;
-  wait(
+  wait<Answer>(
       waiting,
-      [&](const pending& p, chunk_result& r, train_msg& m) {
+      [&](const pending& p, chunk_result& r, Answer& m) {
         if (!failure.failed(p, r))
           out[p.member] = std::move(m);
         else
@@ -114,6 +115,11 @@ std::map<std::size_t, train_msg> trainer::impl::everyone(const std::vector<std::
   if (failure.result) raise(*failure.result, failure.member);
   return out;
 }
+
+template std::map<std::size_t, train_msg> trainer::impl::everyone<train_msg>(
+    const std::vector<std::size_t>&, const train_msg&, bool);
+template std::map<std::size_t, init_reply> trainer::impl::everyone<init_reply>(
+    const std::vector<std::size_t>&, const train_msg&, bool);
 
 [[noreturn]] void trainer::impl::raise(const chunk_result& r, std::size_t who) {
   auto where = members[who].d.str();

@@ -37,7 +37,7 @@ sim_trainer::sim_trainer(const testing::simulation& sim, std::vector<device> dev
     m.st->where = d.local();
     m.st->cfg = cfg;
     m.st->make = make;
-    train_msg out;
+    init_reply out;
     try {
       m.st->init(out);
       s.grad_bytes = out.grad_bytes;

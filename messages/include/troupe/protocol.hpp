@@ -29,7 +29,8 @@
 //   (a late chunk's items not claimed go back; the chunk's answer carries `kept` too)
 //
 // Training (torch/src/train.cpp): a replica speaks the producer's protocol, one command per
-// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state), takes a
+// work_chunk (a train_msg item: init, backward, apply, get/set params, get/set state; init is
+// answered with an init_reply, the others with a train_msg), takes a
 // ring_order from the coordinator to all-reduce its gradient with its neighbours, and passes
 // ring_chunk items (torch/src/train_msg.hpp) to its right neighbour.
 #pragma once
@@ -203,8 +204,9 @@ namespace troupe {
 
 /// The version of troupe's node protocol; peers with another version are refused.
 // 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom;
-// 6: node_hello::incarnation, leaving; 7: work_chunk::cut_id, chunk_result::kept, trim_atom
-constexpr std::uint32_t node_protocol_version = 7;
+// 6: node_hello::incarnation, leaving; 7: work_chunk::cut_id, chunk_result::kept, trim_atom;
+// 8: a training replica answers init with an init_reply (its fields left train_msg)
+constexpr std::uint32_t node_protocol_version = 8;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 /// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
