@@ -87,7 +87,10 @@ int main(int argc, char** argv) {
   app.add_option("--images", images);
   app.add_option("--per-item", per_item, "images per item (one forward pass each)");
   app.add_option("--producers", producers, "CPU producers");
-  app.add_option("--threads", threads, "hand-set intra-op threads per producer to compare");
+  app.add_option("--threads", threads,
+                 "hand-set intra-op threads per producer to compare (after the default); "
+                 "a list with 0 in it runs exactly that list, 0 being the default budget "
+                 "(e.g. 1 0 1 0 alternates, so that order effects show)");
   app.add_option("--repeat", repeat, "runs of each configuration; the best is reported");
   CLI11_PARSE(app, argc, argv);
   if (file.size() > 4 && file.compare(file.size() - 4, 4, ".pt2") == 0)
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
   cfg.set("model_file", file);
   cfg.set("inputs", inputs);
   std::vector<int> settings{0};
+  if (std::find(threads.begin(), threads.end(), 0) != threads.end()) settings.clear();
   settings.insert(settings.end(), threads.begin(), threads.end());
   for (int t : settings) {
     auto c = cfg;

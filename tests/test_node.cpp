@@ -1,8 +1,11 @@
-// A node program for the node tests: serves remote_squares, remote_blobs (and remote_tensors) with
-// the examples' flags
+// A node program for the node tests: serves remote_squares, remote_blobs (and remote_tensors, and
+// the training tests' seeded_classifier) with the examples' flags
 // (--serve HOST:PORT --devices LIST [--tls-cert F --tls-key F --tls-ca F]).
 #include "common/cli.hpp"
 #include "remote_jobs.hpp"
+#ifdef TROUPE_WITH_TORCH
+#include "train_jobs.hpp"
+#endif
 
 TROUPE_REGISTER_JOB(remote_squares);
 TROUPE_REGISTER_JOB(remote_folded_squares);
@@ -11,6 +14,7 @@ TROUPE_REGISTER_JOB(remote_blobs);
 TROUPE_REGISTER_JOB(remote_index);
 #ifdef TROUPE_WITH_TORCH
 TROUPE_REGISTER_JOB(remote_tensors);
+TROUPE_REGISTER_JOB(seeded_classifier);  // training replicas whose optimizer cannot travel
 #endif
 
 /// Registered here as int64 -> int64; the node tests register another "mismatched".

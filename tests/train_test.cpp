@@ -38,9 +38,11 @@
 #include "node_process.hpp"
 #include "ring_plane.hpp"
 #include "test_util.hpp"
+#include "train_jobs.hpp"
 #include "wire_attack.hpp"
 
 TROUPE_REGISTER_JOB(example::classifier);  // the name the train example (our node) registers
+TROUPE_REGISTER_JOB(seeded_classifier);    // the test node (TROUPE_TEST_NODE) registers it too
 
 namespace {
 
@@ -123,11 +125,17 @@ at::Tensor trained(const std::vector<troupe::device>& devices,
 /// destructor.
 class node_process : public test_util::node_process {
  public:
-  node_process() : test_util::node_process(TROUPE_TRAIN_EXAMPLE, "cpu") {}
+  node_process() : node_process(TROUPE_TRAIN_EXAMPLE, "127.0.0.1:0") {}
   /// On `serve` ("127.0.0.1:PORT"): a node that comes back on its address.
-  explicit node_process(const std::string& serve)
-      : test_util::node_process(TROUPE_TRAIN_EXAMPLE, "cpu", {}, serve) {}
+  explicit node_process(const std::string& serve) : node_process(TROUPE_TRAIN_EXAMPLE, serve) {}
+  /// `program`: TROUPE_TEST_NODE for seeded_classifier's replicas.
+  node_process(const char* program, const std::string& serve)
+      : test_util::node_process(program, "cpu", {}, serve), program_(program) {}
   std::string device() const { return address() + "/cpu"; }
+  const char* program() const { return program_; }
+
+ private:
+  const char* program_;
 };
 
 /// Sends `sig` to `node` `ms` milliseconds from now, on a thread of its own (join it).
@@ -145,8 +153,9 @@ void restart_killed(std::optional<node_process>& a, const std::string& address) 
     test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
     while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
   }
+  auto program = a->program();
   a.reset();
-  a.emplace(address);
+  a.emplace(program, address);
 }
 
 }  // namespace
@@ -204,33 +213,6 @@ TEST(Train, DeterministicResultsDoNotDependOnTheReplicasOrTheRun) {
   cfg.set("fault.sleep_ms", 1);
   EXPECT_TRUE(same_bits(trained({"cpu", "cpu"}, batches, opts(8, true), cfg), one));
 }
-
-/// A replica written the way PyTorch scripts write one: the constructor seeds torch's global
-/// generator and builds the model from it (no generator of its own).
-struct seeded_classifier {
-  struct replica {
-    replica(const troupe::device&, const troupe::config& cfg) {
-      torch::manual_seed(static_cast<std::uint64_t>(cfg.get_or<std::int64_t>("model.seed", 3)));
-      net = torch::nn::Sequential(torch::nn::Linear(8, 256), torch::nn::ReLU(),
-                                  torch::nn::Linear(256, 256), torch::nn::ReLU(),
-                                  torch::nn::Linear(256, 3));
-      opt = std::make_unique<torch::optim::SGD>(net->parameters(),
-                                                torch::optim::SGDOptions(0.05).momentum(0.9));
-    }
-    std::vector<torch::Tensor> parameters() { return net->parameters(); }
-    double backward(const std::vector<sample>& shard) {
-      auto [x, y] = example::stack(shard, 8);
-      auto loss = torch::nn::functional::cross_entropy(
-          net->forward(x), y,
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-      loss.backward();
-      return loss.item<double>();
-    }
-    void step() { opt->step(); }
-    torch::nn::Sequential net{nullptr};
-    std::unique_ptr<torch::optim::SGD> opt;
-  };
-};
 
 TEST(Train, ReplicasThatSeedTheGlobalGeneratorInTheirConstructorGiveTheSameModelEveryRun) {
   // Local replicas are constructed one at a time, replica 0 first (docs/api.md, "Training"):
@@ -357,6 +339,54 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceAndCounted) {
   EXPECT_NE(warnings[0].find("torch::optim::Optimizer& optimizer()"), std::string::npos)
       << warnings[0];
   EXPECT_FALSE(same_bits(joined, alone)) << "fresh momentum buffers changed nothing?";
+}
+
+TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceOnALiveClusterToo) {
+  // The same replica type on nodes of a live cluster (the test node registers it): a node
+  // added at step 2 (cluster::add) and a SIGKILLed node restarted on its address at step 4
+  // (its rejoin) are two joins whose optimizer starts fresh: counted, and warned about once.
+  std::mutex mtx;
+  std::condition_variable cv;
+  std::vector<std::string> warnings;
+  bool rejoined = false;
+  troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {
+    std::lock_guard<std::mutex> guard{mtx};
+    if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
+      warnings.push_back(line);
+  });
+  auto address = test_util::free_loopback_address();
+  std::optional<node_process> a;
+  a.emplace(TROUPE_TEST_NODE, address);
+  node_process b{TROUPE_TEST_NODE, "127.0.0.1:0"};
+  troupe::cluster_options co;
+  co.reconnect_every = std::chrono::milliseconds{200};
+  co.on_change = [&](const troupe::membership_event& e) {
+    std::lock_guard<std::mutex> guard{mtx};
+    if (e.what == troupe::membership_event::rejoined && e.node == address) rejoined = true;
+    cv.notify_all();
+  };
+  auto cl = troupe::cluster::connect({a->address()}, {}, co);
+  troupe::data_parallel<seeded_classifier> dp{cl, small_cfg(), opts(8, true)};
+  auto batches = make_batches(6, 48);
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    if (i == 2) cl.add(b.address());
+    if (i == 4) {
+      restart_killed(a, address);
+      test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
+      std::unique_lock<std::mutex> lock{mtx};
+      cv.wait(lock, [&] { return rejoined; });
+    }
+    dp.step(batches[i]);
+  }
+  auto joins = dp.stats().fresh_state_joins;
+  auto devices = dp.devices();
+  troupe::set_log_handler(nullptr);
+  EXPECT_EQ(devices.size(), 2u);
+  EXPECT_EQ(joins, 2u) << "the add and the rejoin";
+  std::lock_guard<std::mutex> guard{mtx};
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("torch::optim::Optimizer& optimizer()"), std::string::npos)
+      << warnings[0];
 }
 
 TEST(Train, AddedReplicasTakeTheCurrentStateAndRemovedOnesAreNotMissed) {

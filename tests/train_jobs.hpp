@@ -1,0 +1,39 @@
+// A training job that the training tests and the test node (troupe_test_node, with LibTorch)
+// both register: replicas written the way PyTorch scripts write them, whose optimizer's state
+// cannot travel (neither optimizer() nor save/load).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <troupe/troupe.hpp>
+#include <vector>
+
+#include "common/classifier.hpp"
+
+/// A replica written the way PyTorch scripts write one: the constructor seeds torch's global
+/// generator and builds the model from it (no generator of its own), SGD with momentum.
+struct seeded_classifier {
+  struct replica {
+    replica(const troupe::device&, const troupe::config& cfg) {
+      torch::manual_seed(static_cast<std::uint64_t>(cfg.get_or<std::int64_t>("model.seed", 3)));
+      net = torch::nn::Sequential(torch::nn::Linear(8, 256), torch::nn::ReLU(),
+                                  torch::nn::Linear(256, 256), torch::nn::ReLU(),
+                                  torch::nn::Linear(256, 3));
+      opt = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                torch::optim::SGDOptions(0.05).momentum(0.9));
+    }
+    std::vector<torch::Tensor> parameters() { return net->parameters(); }
+    double backward(const std::vector<example::sample>& shard) {
+      auto [x, y] = example::stack(shard, 8);
+      auto loss = torch::nn::functional::cross_entropy(
+          net->forward(x), y,
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      loss.backward();
+      return loss.item<double>();
+    }
+    void step() { opt->step(); }
+    torch::nn::Sequential net{nullptr};
+    std::unique_ptr<torch::optim::SGD> opt;
+  };
+};
