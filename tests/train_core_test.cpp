@@ -219,6 +219,20 @@ TEST(TrainCore, TheTransportPolicyFallsBackAndPausesLateRings) {
 
 // -- the ring all-reduce's schedule (ring_schedule.hpp), shared by both transports -------------
 
+TEST(TrainCore, TheFirstStepThatReducesAfterLocalStepsStartsFromOneState) {
+  // data_parallel and the simulation both ask the coordinator before each step; the shell then
+  // copies the first live replica's state to the others.
+  tc::train_coordinator c;
+  EXPECT_FALSE(c.sync_before(false));  // nothing stepped apart yet
+  EXPECT_FALSE(c.sync_before(true));   // local steps: each replica on its own
+  EXPECT_FALSE(c.sync_before(true));
+  EXPECT_TRUE(c.sync_before(false));   // the next reducing step: copy first
+  EXPECT_FALSE(c.sync_before(false));  // once
+  EXPECT_FALSE(c.sync_before(true));
+  c.states_equal();  // load() made them equal
+  EXPECT_FALSE(c.sync_before(false));
+}
+
 TEST(TrainCore, TheRingScheduleLeavesEveryMemberWithTheSameSumOfEveryChunk) {
   namespace rp = troupe::detail::ring_plane;
   for (std::uint32_t n = 2; n <= 9; ++n) {

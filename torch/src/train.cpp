@@ -130,20 +130,11 @@ void trainer::average_parameters() {
   auto& p = *impl_;
   auto live = p.alive();
   if (live.empty()) throw node_error("no replica left: every one was lost or removed");
-  auto got = p.get_params(live);
-  std::vector<at::Tensor> mean;
-  for (auto& [who, msg] : got) {  // device order
-    if (mean.empty()) {
-      for (auto& t : msg.tensors) mean.push_back(t.clone());
-    } else {
-      for (std::size_t i = 0; i < mean.size() && i < msg.tensors.size(); ++i)
-        mean[i].add_(msg.tensors[i]);
-    }
-  }
-  for (auto& t : mean) t.div_(static_cast<double>(got.size()));
+  std::vector<std::vector<at::Tensor>> each;
+  for (auto& [who, msg] : p.get_params(live)) each.push_back(std::move(msg.tensors));  // in order
   train_msg set;
   set.code = static_cast<std::uint8_t>(op::set_params);
-  set.tensors = std::move(mean);
+  set.tensors = mean_parameters(each);
   p.everyone(p.alive(), set);
 }
 
@@ -193,7 +184,7 @@ void trainer::load(const std::string& path) {
   set.tensors.push_back(bytes_tensor(bytes));
   // A replica whose load failed may hold the new parameters and its old optimizer state.
   p.everyone(p.alive(), set, /*drop_failed=*/true);
-  p.states_differ = false;
+  if (p.coordinator) p.coordinator->states_equal();
   p.publish();  // replicas whose load failed were dropped
 }
 

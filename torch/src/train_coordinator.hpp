@@ -112,6 +112,22 @@ class train_coordinator {
   train_coordinator() = default;
   explicit train_coordinator(options o) : o_(o) {}
 
+  /// Before a step (`local`: a local_step): whether every live replica must first take the
+  /// first live one's state. Local steps leave the replicas' states apart; the first step that
+  /// reduces after them starts every replica from the first one's. The shell copies, then
+  /// begins the step.
+  [[nodiscard]] bool sync_before(bool local) {
+    if (local) {
+      states_differ_ = true;
+      return false;
+    }
+    bool sync = states_differ_;
+    states_differ_ = false;
+    return sync;
+  }
+  /// The replicas' states were made equal by other means (data_parallel::load).
+  void states_equal() { states_differ_ = false; }
+
   /// Starts a step of `in.samples` samples on `replicas` (indexed as the shell's members).
   void begin(const step_input& in, std::vector<replica_info> replicas, ns now, train_io& io);
   /// An answer to request `id` (`ok`: not an error; `busy`: the replica's time on it). An
@@ -177,6 +193,7 @@ class train_coordinator {
   std::uint64_t lost_before_ = 0;
   ns now_{0}, ring_started_{0}, reduce_started_{0};
   bool plane_ = false;
+  bool states_differ_ = false;  ///< local steps since the replicas' states were last equal
   counts counts_;
   outcome result_;
 };

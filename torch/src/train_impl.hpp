@@ -120,9 +120,6 @@ struct trainer::impl {
   std::optional<train_core::train_coordinator> coordinator;
   /// One step's commands carried to the replicas (train_step.cpp).
   struct step_shell;
-  /// local_step() ran since the replicas' states were last the same: each optimizer stepped on
-  /// its own gradients. The next step() first copies the first replica's state to the others.
-  bool states_differ = false;
   /// A replica type without optimizer() or save/load joined a run: warned about (once).
   bool warned_fresh_state = false;
   /// Counts (and warns about, once) the replicas among `fresh` whose optimizer started fresh.

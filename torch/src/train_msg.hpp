@@ -104,6 +104,23 @@ inline at::Tensor sum_partials(const std::map<std::uint64_t, at::Tensor>& partia
   return total;
 }
 
+/// The mean of the replicas' parameters, one vector per replica in device order: the first
+/// one's plus the others' in that order, divided by their number. data_parallel's and the
+/// simulation's average_parameters(), so that both give the same bits.
+inline std::vector<at::Tensor> mean_parameters(const std::vector<std::vector<at::Tensor>>& each) {
+  std::vector<at::Tensor> mean;
+  for (auto& params : each) {
+    if (mean.empty()) {
+      for (auto& t : params) mean.push_back(t.detach().clone());
+    } else {
+      for (std::size_t k = 0; k < mean.size() && k < params.size(); ++k)
+        mean[k].add_(params[k].detach());
+    }
+  }
+  for (auto& t : mean) t.div_(static_cast<double>(each.size()));
+  return mean;
+}
+
 /// Throws protocol_error unless the ledger counts every shard of the step exactly once.
 inline void require_whole(const train_core::ledger& book) {
   if (auto s = book.incomplete())

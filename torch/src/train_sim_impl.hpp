@@ -73,8 +73,6 @@ struct sim_trainer::impl {
   /// transport policy across steps.
   train_core::train_coordinator coordinator;
   struct shell;
-  /// local_step() ran since the replicas' states were last the same (as data_parallel).
-  bool states_differ = false;
   double step(const batch& samples, bool local);
   void average_parameters();
   void lose_node(const std::string& node, const std::string& why);

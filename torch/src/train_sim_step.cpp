@@ -127,11 +127,12 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     return ids;
   }
 
-  /// The ring's sum on every member, chunk by chunk in ring order (as ring_take and the data
-  /// plane add them), where the real ring leaves it (replica_state::ring).
+  /// The ring's sum on every member, hop by hop as the ring's schedule says (ring_schedule.hpp,
+  /// which ring_take and the data plane follow too), where the real ring leaves it
+  /// (replica_state::ring).
   void reduce_ring() {
     const auto n = static_cast<std::uint32_t>(ring_members.size());
-    std::vector<at::Tensor> parts;
+    std::vector<at::Tensor> parts;  // each member's own buffer, summed in place
     for (auto who : ring_members) {
       auto& st = *s.members[who].st;
       if (st.partial_step != sums.attempt || !st.partial.defined()) {  // no shard came to it
@@ -143,17 +144,26 @@ struct sim_trainer::impl::shell final : train_core::train_io {
     const auto numel = parts[0].numel();
     const auto pieces =
         replica_state::ring_pieces(numel * static_cast<std::int64_t>(parts[0].element_size()), n);
-    auto total = at::empty_like(parts[0]);
+    auto chunk = [&](std::uint32_t pos, std::uint32_t p, std::uint32_t k) {
+      auto [b, e] = ring_plane::chunk_range(numel, pieces, n, p, k);
+      return parts[pos].slice(0, b, e);
+    };
     for (std::uint32_t p = 0; p < pieces; ++p)
-      for (std::uint32_t k = 0; k < n; ++k) {
-        auto [b, e] = ring_plane::chunk_range(numel, pieces, n, p, k);
-        auto sum = parts[k].slice(0, b, e).clone();  // chunk k starts at member k
-        for (std::uint32_t j = 1; j < n; ++j) sum = parts[(k + j) % n].slice(0, b, e).add(sum);
-        total.slice(0, b, e).copy_(sum);
+      for (std::uint32_t h = 0; h < ring_plane::schedule{n, 0}.hops(); ++h) {
+        std::vector<at::Tensor> sent(n);  // every member sends before anything of this hop lands
+        for (std::uint32_t pos = 0; pos < n; ++pos)
+          sent[pos] = chunk(pos, p, ring_plane::schedule{n, pos}.sent(h)).clone();
+        for (std::uint32_t pos = 0; pos < n; ++pos) {
+          const ring_plane::schedule right{n, (pos + 1) % n};
+          auto into = chunk(right.pos, p, right.received(h));
+          if (right.adds(h))
+            into.add_(sent[pos]);
+          else
+            into.copy_(sent[pos]);
+        }
       }
     for (auto who : ring_members) {
       auto& st = *s.members[who].st;
-      st.partial.copy_(total);
       st.ring = replica_state::ring_run{};
       st.ring.buf = st.partial;
       st.ring.n = n;
@@ -245,16 +255,12 @@ struct sim_trainer::impl::shell final : train_core::train_io {
 double sim_trainer::impl::step(const batch& samples, bool local) {
   const std::uint64_t n = samples.size();
   if (n == 0) throw invalid_argument("step() needs a batch with at least one sample");
-  if (local) {
-    states_differ = true;
-  } else if (states_differ) {
-    // After local steps, every replica starts from the first one's state (as data_parallel).
+  if (coordinator.sync_before(local)) {
     auto live = alive();
     if (live.size() > 1) {
       auto state = bytes_tensor(members[live[0]].st->state());
       for (std::size_t k = 1; k < live.size(); ++k) members[live[k]].st->set_state(state);
     }
-    states_differ = false;
   }
   steps += 1;
   shell io{*this, samples};
@@ -334,18 +340,9 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
 void sim_trainer::impl::average_parameters() {
   auto live = alive();
   if (live.empty()) throw node_error("no replica left: every one was lost or removed");
-  // As data_parallel: the first replica's parameters plus the others' in device order, divided.
-  std::vector<at::Tensor> mean;
-  for (auto i : live) {
-    auto& params = members[i].st->params;
-    if (mean.empty()) {
-      for (auto& t : params) mean.push_back(t.detach().clone());
-    } else {
-      for (std::size_t k = 0; k < mean.size() && k < params.size(); ++k)
-        mean[k].add_(params[k].detach());
-    }
-  }
-  for (auto& t : mean) t.div_(static_cast<double>(live.size()));
+  std::vector<std::vector<at::Tensor>> each;
+  for (auto i : live) each.push_back(members[i].st->params);
+  auto mean = mean_parameters(each);
   for (auto i : live) members[i].st->set_params(mean);
   note("parameters averaged over " + std::to_string(live.size()) + " replicas");
 }

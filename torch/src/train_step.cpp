@@ -85,17 +85,14 @@ struct trainer::impl::step_shell final : train_core::train_io {
 
 double trainer::impl::step(const batch& samples, mode m) {
   if (samples.size() == 0) throw invalid_argument("step() needs a batch with at least one sample");
-  if (m == mode::local) {
-    states_differ = true;
-  } else if (states_differ) {
-    auto live = alive();
-    if (live.size() > 1) copy_state(std::vector<std::size_t>(live.begin() + 1, live.end()));
-    states_differ = false;
-  }
   if (!coordinator)
     coordinator.emplace(train_core::train_coordinator::options{
         std::chrono::duration_cast<ns>(o.replica_timeout), o.direct_ring});
   auto& c = *coordinator;
+  if (c.sync_before(m == mode::local)) {
+    auto live = alive();
+    if (live.size() > 1) copy_state(std::vector<std::size_t>(live.begin() + 1, live.end()));
+  }
   auto started = clock::now();
   step_shell shell{*this, samples};
   train_core::train_coordinator::step_input in;
