@@ -1273,38 +1273,39 @@ TEST(SimulatedTraining, ARingOfThreeNodesGivesTheRealRingsBits) {
 }
 
 TEST(SimulatedTraining, ARingMemberKilledMidRingEqualsTheRealRun) {
-  // Two nodes, two shards a step, rings; one node killed in the ring of step 3: the step is
-  // computed again by the survivor alone, and the run goes on with it. The real run: the node
-  // process SIGKILLed during the steps, at several moments.
+  // Three nodes, rings; node c dies in the ring of step 3: the step is computed again by the
+  // survivors, and the run goes on with them. In the real run c's process SIGKILLs itself as
+  // its replica starts its third ring (TROUPE_TEST_DIE_AT_RING), so the loss lands in that ring
+  // every run. Three members: a wrong order of the sums shows in the bits. Each replica computes
+  // one shard or none (3 shards a step, then 2 from step 3 on): a split that no measured speed
+  // changes (3 shards over the 2 survivors would be summed (x0 + x1) + x2 or x0 + (x1 + x2),
+  // whichever the speeds measured in that run say: fast mode's sum is not fixed).
   one_intra_op_thread threads;
-  auto batches = make_batches(6, 48);
+  auto batches = make_batches(2, 48);
+  for (auto& b : make_batches(4, 32, 12)) batches.push_back(b);
   auto cfg = ring_cfg();
   troupe::testing::simulation sim{2};
-  sim.nodes({"a:1", "b:1"}, troupe::cpus(1));
-  sim.at_step(3).in_ring().kill("b:1");
-  auto simulated = sim.data_parallel<example::classifier>(sim.devices(), cfg, opts(24, false));
+  sim.nodes({"a:1", "b:1", "c:1"}, troupe::cpus(1));
+  sim.at_step(3).in_ring().kill("c:1");
+  auto simulated = sim.data_parallel<example::classifier>(sim.devices(), cfg, opts(16, false));
   for (auto& batch : batches) simulated.step(batch);
   auto trace = simulated.trace();
-  EXPECT_NE(trace.find("lose b:1/cpu: killed in the ring all-reduce"), std::string::npos) << trace;
+  EXPECT_NE(trace.find("lose c:1/cpu: killed in the ring all-reduce"), std::string::npos) << trace;
   EXPECT_EQ(simulated.stats().lost_replicas, 1u);
-  EXPECT_EQ(simulated.stats().ring_reductions, 2u);    // steps 1 and 2
-  EXPECT_EQ(simulated.stats().recomputed_shards, 2u);  // step 3, whole, by the survivor
-  EXPECT_EQ(simulated.devices().size(), 1u);
-  for (int delay_ms : {20, 60}) {
-    node_process a, b;
-    dp_t real{{a.device(), b.device()}, cfg, opts(24, false)};
-    real.step(batches[0]);
-    auto killer = signal_after(b, SIGKILL, delay_ms);
-    for (std::size_t i = 1; i + 1 < batches.size(); ++i) real.step(batches[i]);
-    // On an idle machine four steps can end before the kill (2 runs in 6 had no loss): the
-    // last step waits for it, so that the node is lost at the latest there.
-    killer.join();
-    real.step(batches.back());
-    EXPECT_EQ(real.stats().lost_replicas, 1u);
-    EXPECT_GE(real.stats().ring_reductions, 1u);
-    EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())))
-        << "killed " << delay_ms << " ms into step 2";
+  EXPECT_EQ(simulated.devices().size(), 2u);
+  node_process a, b;
+  ::setenv("TROUPE_TEST_DIE_AT_RING", "3", 1);
+  node_process c;  // inherits it
+  ::unsetenv("TROUPE_TEST_DIE_AT_RING");
+  dp_t real{{a.device(), b.device(), c.device()}, cfg, opts(16, false)};
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    real.step(batches[i]);
+    EXPECT_EQ(real.stats().lost_replicas, i < 2 ? 0u : 1u) << "after step " << i + 1;
   }
+  EXPECT_EQ(real.stats().ring_reductions, simulated.stats().ring_reductions);
+  EXPECT_EQ(real.stats().recomputed_shards, simulated.stats().recomputed_shards);
+  EXPECT_GE(real.stats().recomputed_shards, 1u);
+  EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())));
 }
 
 TEST(SimulatedTraining, FaultsPastANodesShardsHappenAfterTheStepAndShortFreezesOnlyDelay) {

@@ -108,6 +108,11 @@ extern std::atomic<int> test_fail_rings;
 /// Takes one of test_fail_rings: true when this ring is to fail.
 bool take_test_failure() noexcept;
 
+/// Tests only: with TROUPE_TEST_DIE_AT_RING=N in its environment (read once), the process
+/// SIGKILLs itself as a replica of it starts its N-th ring: a node that dies in the ring
+/// all-reduce, at a moment a test can name. Unset, the default: never.
+void die_at_test_ring() noexcept;
+
 /// One ring all-reduce (reduce-scatter then all-gather, `pieces` slices pipelined, a fixed
 /// order of messages on each connection, so nothing but the hello travels besides the data),
 /// on a thread of its own. At the end `done(ok, what)` is called on that thread, unless the

@@ -86,6 +86,7 @@ std::optional<chunk_result> replica_state::ring_start(caf::event_based_actor* se
   res.run = o.reply;
   try {
     if (o.n < 2 || o.pos >= o.n || !o.right) throw protocol_error("a malformed ring");
+    ring_plane::die_at_test_ring();
     if (ring_plane::take_test_failure())
       throw protocol_error(std::string{"a ring made to fail by a test ("} +
                            (o.data.empty() ? "through CAF" : "over the data plane") + ")");
