@@ -158,6 +158,34 @@ void restart_killed(std::optional<node_process>& a, const std::string& address) 
   a.emplace(program, address);
 }
 
+/// A live cluster's options that retry lost members every 200 ms and note when the node at
+/// `address` rejoins; wait() waits for that.
+class rejoin_watch {
+ public:
+  explicit rejoin_watch(std::string address) : address_(std::move(address)) {}
+  troupe::cluster_options options() {
+    troupe::cluster_options co;
+    co.reconnect_every = std::chrono::milliseconds{200};
+    co.on_change = [this](const troupe::membership_event& e) {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (e.what == troupe::membership_event::rejoined && e.node == address_) rejoined_ = true;
+      cv_.notify_all();
+    };
+    return co;
+  }
+  void wait() {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
+    std::unique_lock<std::mutex> lock{mtx_};
+    cv_.wait(lock, [&] { return rejoined_; });
+  }
+
+ private:
+  std::string address_;
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  bool rejoined_ = false;
+};
+
 }  // namespace
 
 TEST(Train, ReplicasAreBitIdenticalAfterEveryStep) {
@@ -346,9 +374,7 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceOnALiveCluste
   // added at step 2 (cluster::add) and a SIGKILLed node restarted on its address at step 4
   // (its rejoin) are two joins whose optimizer starts fresh: counted, and warned about once.
   std::mutex mtx;
-  std::condition_variable cv;
   std::vector<std::string> warnings;
-  bool rejoined = false;
   troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {
     std::lock_guard<std::mutex> guard{mtx};
     if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
@@ -358,23 +384,15 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceOnALiveCluste
   std::optional<node_process> a;
   a.emplace(TROUPE_TEST_NODE, address);
   node_process b{TROUPE_TEST_NODE, "127.0.0.1:0"};
-  troupe::cluster_options co;
-  co.reconnect_every = std::chrono::milliseconds{200};
-  co.on_change = [&](const troupe::membership_event& e) {
-    std::lock_guard<std::mutex> guard{mtx};
-    if (e.what == troupe::membership_event::rejoined && e.node == address) rejoined = true;
-    cv.notify_all();
-  };
-  auto cl = troupe::cluster::connect({a->address()}, {}, co);
+  rejoin_watch watch{address};
+  auto cl = troupe::cluster::connect({a->address()}, {}, watch.options());
   troupe::data_parallel<seeded_classifier> dp{cl, small_cfg(), opts(8, true)};
   auto batches = make_batches(6, 48);
   for (std::size_t i = 0; i < batches.size(); ++i) {
     if (i == 2) cl.add(b.address());
     if (i == 4) {
       restart_killed(a, address);
-      test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
-      std::unique_lock<std::mutex> lock{mtx};
-      cv.wait(lock, [&] { return rejoined; });
+      watch.wait();
     }
     dp.step(batches[i]);
   }
@@ -1094,17 +1112,8 @@ TEST_P(TrainOptimizerState, FollowsJoinsRestartsAndDrainsBitForBit) {
   std::optional<node_process> a;
   a.emplace(address);
   node_process b, c;
-  std::mutex mtx;
-  std::condition_variable cv;
-  bool rejoined = false;
-  troupe::cluster_options co;
-  co.reconnect_every = std::chrono::milliseconds{200};
-  co.on_change = [&](const troupe::membership_event& e) {
-    std::lock_guard<std::mutex> guard{mtx};
-    if (e.what == troupe::membership_event::rejoined && e.node == address) rejoined = true;
-    cv.notify_all();
-  };
-  auto cl = troupe::cluster::connect({a->address(), b.address()}, {}, co);
+  rejoin_watch watch{address};
+  auto cl = troupe::cluster::connect({a->address(), b.address()}, {}, watch.options());
   dp_t dp{cl, cfg, opts(8, true)};
   ASSERT_EQ(dp.devices().size(), 2u);
   for (std::size_t i = 0; i < batches.size(); ++i) {
@@ -1118,10 +1127,7 @@ TEST_P(TrainOptimizerState, FollowsJoinsRestartsAndDrainsBitForBit) {
     if (i == 15) {
       // The rejoin must have been taken by now, between two steps (else this run would not
       // have tested it): wait for it here if it has not come yet.
-      test_util::watchdog dog{std::chrono::seconds{60}, "the restarted node's rejoin"};
-      std::unique_lock<std::mutex> lock{mtx};
-      cv.wait(lock, [&] { return rejoined; });
-      lock.unlock();
+      watch.wait();
       cl.remove(b.address());  // between steps: its replica leaves
     }
     dp.step(batches[i]);
