@@ -1309,8 +1309,13 @@ TEST(SimulatedTraining, ARingMemberKilledMidRingEqualsTheRealRun) {
     EXPECT_EQ(real.stats().lost_replicas, i < 2 ? 0u : 1u) << "after step " << i + 1;
   }
   EXPECT_EQ(real.stats().ring_reductions, simulated.stats().ring_reductions);
-  EXPECT_EQ(real.stats().recomputed_shards, simulated.stats().recomputed_shards);
-  EXPECT_GE(real.stats().recomputed_shards, 1u);
+  // Step 3's 2 shards are computed again. When a survivor's broken ring reaches the coordinator
+  // before c's loss does (the order of two messages from two processes), c is still alive for
+  // that recomputation and may get one of them, computed a third time once its loss arrives.
+  auto again = real.stats().recomputed_shards,
+       simulated_again = simulated.stats().recomputed_shards;
+  EXPECT_EQ(simulated_again, 2u);
+  EXPECT_TRUE(again == simulated_again || again == simulated_again + 1) << again;
   EXPECT_TRUE(same_bits(flat(real.parameters()), flat(simulated.parameters())));
 }
 
