@@ -1094,6 +1094,29 @@ TEST(Train, DataParallelFollowsItsClusterAndTheParametersStayBitIdentical) {
   EXPECT_TRUE(same_bits(flat(dp.parameters()), expected));
 }
 
+TEST(Train, DataParallelOnAClusterStartsWithoutAMemberThatLeftAfterTheSnapshot) {
+  // As a runner does: a node killed after the cluster last heard from it (a probe every 30 s
+  // here) is in the starting list, and its replica cannot start. data_parallel starts on the
+  // others instead of failing, and trains.
+  node_process a, b;
+  troupe::cluster_options co;
+  co.heartbeat = std::chrono::seconds{30};
+  co.lost_after = std::chrono::seconds{120};
+  auto cl = troupe::cluster::connect({a.address(), b.address()}, {}, co);
+  ASSERT_EQ(cl.devices().size(), 2u);
+  a.kill(SIGKILL);
+  {
+    test_util::watchdog dog{std::chrono::seconds{60}, "the killed node's exit"};
+    while (!a.ended()) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  }
+  ASSERT_EQ(cl.devices().size(), 2u) << "the cluster noticed the kill: nothing left to test";
+  auto batches = make_batches(3, 48);
+  dp_t dp{cl, small_cfg(), opts(8, true)};
+  EXPECT_EQ(dp.devices(), (std::vector<troupe::device>{troupe::device{b.device()}}));
+  for (auto& batch : batches) dp.step(batch);
+  EXPECT_TRUE(same_bits(flat(dp.parameters()), trained({"cpu"}, batches, opts(8, true))));
+}
+
 /// A PyTorch user's run on a live cluster (docs/api.md, "The optimizer's state follows the
 /// replicas"): replicas that seed torch's global generator in their constructor, with SGD +
 /// momentum, Adam or AdamW reached through optimizer() (no save/load). A node joins at step 5,

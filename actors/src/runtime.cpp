@@ -208,13 +208,9 @@ caf::actor runtime::spawn_remote(const device& d, std::size_t i) {
   }
   // Watched: the node's death ends the wait at once (ask_node.hpp); a failed node is connected
   // anew next time (a node restarted, say).
-  try {
-    return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
-                         spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
-                         anchor, deadlines_);
-  } catch (const node_error& e) {
-    throw node_start_failed(e.what(), d.node());
-  }
+  return spawn_on_node(*sys_, nodes_[d.node()], d.node(), tls_,
+                       spawn_producer{job_, find_job(job_).signature, d.local().str(), cfg_, i},
+                       anchor, deadlines_);
 }
 
 std::vector<caf::actor> runtime::node_actors(const std::vector<device>& ds) {

@@ -106,21 +106,6 @@ bool runtime::only_on(const std::string& node) {
   return any;
 }
 
-namespace {
-
-/// Whether the node at `address` is leaving (it drains) or gone (it does not answer).
-bool leaving_or_gone(const std::string& address, const tls& t, std::chrono::milliseconds wait) {
-  bool leaving = false;
-  try {
-    connect_node(network_system(t), address, t, wait, nullptr, nullptr, &leaving);
-  } catch (const node_error&) {
-    return true;
-  }
-  return leaving;
-}
-
-}  // namespace
-
 runtime_handle::runtime_handle(const cluster& c, config cfg, options opts, std::string job,
                                producer_maker make) {
   auto f = std::make_shared<runtime_follower>();

@@ -27,6 +27,7 @@
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
 #include "troupe/device.hpp"
+#include "troupe/internal/ask_node.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/node.hpp"
 #include "troupe/options.hpp"
@@ -95,19 +96,6 @@ class sim_host {
 };
 
 class runtime_follower;
-
-/// Starting a producer on a node (its spawn or its init) failed because of that node: it died,
-/// or it refused (it drains, say). Thrown by the runtime's start and add_devices; a runner that
-/// follows a cluster starts without a node that left meanwhile (runtime_follow.cpp).
-class node_start_failed : public node_error {
- public:
-  node_start_failed(const std::string& what, std::string node)
-      : node_error(what), node_(std::move(node)) {}
-  [[nodiscard]] const std::string& node() const noexcept { return node_; }
-
- private:
-  std::string node_;
-};
 
 class runtime {
  public:

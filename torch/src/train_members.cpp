@@ -70,9 +70,12 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
     drop_idle(fresh);
     throw;
   }
-  for (auto i : fresh)
-    if (!members[i].alive)
-      throw node_error("replica on " + members[i].d.str() + " was lost while starting");
+  for (auto i : fresh) {
+    if (members[i].alive) continue;
+    auto why = "replica on " + members[i].d.str() + " was lost while starting";
+    if (members[i].d.is_local()) throw node_error(why);
+    throw node_start_failed(why, members[i].d.node());
+  }
   return fresh;
 }
 

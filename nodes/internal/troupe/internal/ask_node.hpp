@@ -70,11 +70,27 @@ std::future<caf::expected<T>> ask_watched(caf::actor_system& sys, const caf::act
   return out;
 }
 
+/// Starting a producer or replica on a node (its spawn or its init) failed because of that
+/// node: it died, or refused (it drains, say). A runner or data_parallel that follows a cluster
+/// starts without a node that left meanwhile (leaving_or_gone); others see a node_error.
+class node_start_failed : public node_error {
+ public:
+  node_start_failed(const std::string& what, std::string node)
+      : node_error(what), node_(std::move(node)) {}
+  [[nodiscard]] const std::string& node() const noexcept { return node_; }
+
+ private:
+  std::string node_;
+};
+
+/// Whether the node at `address` is leaving (it drains) or gone (no answer within `wait`).
+bool leaving_or_gone(const std::string& address, const tls& t, std::chrono::milliseconds wait);
+
 /// Starts `req` for `owner` on the node at `address` (connecting first when `node` is null:
 /// `node` keeps the connection for the next call, and is reset when the node failed, so that
 /// the next call connects anew). Returns the producer's or replica's actor. Throws
-/// device_unavailable, or node_error naming the node and the device: at once when the node dies
-/// meanwhile, at the latest after `d.connect` + `d.spawn`.
+/// device_unavailable, or node_start_failed naming the node and the device: at once when the
+/// node dies meanwhile, at the latest after `d.connect` + `d.spawn`.
 caf::actor spawn_on_node(caf::actor_system& sys, caf::actor& node, const std::string& address,
                          const tls& t, const spawn_producer& req, const caf::actor& owner,
                          const node_deadlines& d, const char* kind = "producer");
