@@ -158,6 +158,29 @@ void restart_killed(std::optional<node_process>& a, const std::string& address) 
   a.emplace(program, address);
 }
 
+/// Collects the warnings about an optimizer that cannot travel while it lives (a log handler).
+class optimizer_warnings {
+ public:
+  optimizer_warnings() {
+    troupe::set_log_handler([this](troupe::log_level level, const std::string& line) {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
+        lines_.push_back(line);
+    });
+  }
+  ~optimizer_warnings() { troupe::set_log_handler(nullptr); }
+  optimizer_warnings(const optimizer_warnings&) = delete;
+  optimizer_warnings& operator=(const optimizer_warnings&) = delete;
+  std::vector<std::string> lines() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return lines_;
+  }
+
+ private:
+  std::mutex mtx_;
+  std::vector<std::string> lines_;
+};
+
 /// A live cluster's options that retry lost members every 200 ms and note when the node at
 /// `address` rejoins; wait() waits for that.
 class rejoin_watch {
@@ -341,13 +364,7 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceAndCounted) {
   // seeded_classifier: SGD with momentum, and neither optimizer() nor save/load. Replicas that
   // join a run start with empty momentum buffers: the run is warned about once, every such join
   // is counted, and (the reason for both) the parameters no longer match one replica's.
-  std::mutex mtx;
-  std::vector<std::string> warnings;
-  troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {
-    std::lock_guard<std::mutex> guard{mtx};
-    if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
-      warnings.push_back(line);
-  });
+  optimizer_warnings caught;
   auto batches = make_batches(6, 48);
   auto train = [&](bool join) {
     troupe::data_parallel<seeded_classifier> dp{troupe::cpus(1), small_cfg(), opts(8, true)};
@@ -359,10 +376,10 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceAndCounted) {
   };
   auto [alone, alone_stats] = train(false);
   EXPECT_EQ(alone_stats.fresh_state_joins, 0u);
-  EXPECT_TRUE(warnings.empty());
+  EXPECT_TRUE(caught.lines().empty());
   auto [joined, joined_stats] = train(true);
-  troupe::set_log_handler(nullptr);
   EXPECT_EQ(joined_stats.fresh_state_joins, 2u);
+  auto warnings = caught.lines();
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("torch::optim::Optimizer& optimizer()"), std::string::npos)
       << warnings[0];
@@ -373,13 +390,7 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceOnALiveCluste
   // The same replica type on nodes of a live cluster (the test node registers it): a node
   // added at step 2 (cluster::add) and a SIGKILLed node restarted on its address at step 4
   // (its rejoin) are two joins whose optimizer starts fresh: counted, and warned about once.
-  std::mutex mtx;
-  std::vector<std::string> warnings;
-  troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {
-    std::lock_guard<std::mutex> guard{mtx};
-    if (level == troupe::log_level::warn && line.find("optimizer()") != std::string::npos)
-      warnings.push_back(line);
-  });
+  optimizer_warnings caught;
   auto address = test_util::free_loopback_address();
   std::optional<node_process> a;
   a.emplace(TROUPE_TEST_NODE, address);
@@ -396,12 +407,9 @@ TEST(Train, AReplicaTypeWhoseOptimizerCannotTravelIsWarnedAboutOnceOnALiveCluste
     }
     dp.step(batches[i]);
   }
-  auto joins = dp.stats().fresh_state_joins;
-  auto devices = dp.devices();
-  troupe::set_log_handler(nullptr);
-  EXPECT_EQ(devices.size(), 2u);
-  EXPECT_EQ(joins, 2u) << "the add and the rejoin";
-  std::lock_guard<std::mutex> guard{mtx};
+  EXPECT_EQ(dp.devices().size(), 2u);
+  EXPECT_EQ(dp.stats().fresh_state_joins, 2u) << "the add and the rejoin";
+  auto warnings = caught.lines();
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("torch::optim::Optimizer& optimizer()"), std::string::npos)
       << warnings[0];

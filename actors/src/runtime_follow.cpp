@@ -3,11 +3,11 @@
 // join or rejoin, drains those that drain and gives up on those that are lost.
 #include <algorithm>
 #include <caf/send.hpp>
-#include <set>
 
 #include "runtime_impl.hpp"
 #include "troupe/detail/cluster_state.hpp"
 #include "troupe/error.hpp"
+#include "troupe/internal/ask_node.hpp"
 #include "troupe/log.hpp"
 #include "troupe/protocol.hpp"
 
@@ -113,26 +113,12 @@ runtime_handle::runtime_handle(const cluster& c, config cfg, options opts, std::
   if (snap.devices.empty())
     throw invalid_argument("the cluster has no member that is up: no device to start on");
   // A member that leaves while the runner starts there (an operator's rolling restart, a node
-  // killed) is started without: the cluster reports its leave, and its next process rejoins
-  // the runner like any member's. Any other refusal (a node without this job, say) is thrown.
-  std::set<std::string> without;
-  for (;;) {
-    std::vector<device> devices;
-    for (auto& d : snap.devices)
-      if (d.is_local() || without.count(d.node()) == 0) devices.push_back(d);
-    try {
-      if (devices.empty())
-        throw node_error("every member of the cluster left while the runner started");
-      impl_ = std::make_unique<runtime>(std::move(devices), cfg, opts, job, make);
-      break;
-    } catch (const node_start_failed& e) {
-      if (!leaving_or_gone(e.node(), snap.settings, connect_timeout(c.state()))) throw;
-      log(log_level::warn, "a runner following its cluster starts without " + e.node() +
-                               ", which left while the runner started there (" + e.what() +
-                               "); its next process joins the runner as a rejoin");
-      without.insert(e.node());
-    }
-  }
+  // killed) is started without; any other refusal (a node without this job, say) is thrown.
+  start_without_leavers(snap.devices, snap.settings, connect_timeout(c.state()), "a runner",
+                        [&](std::vector<device> devices) {
+                          impl_ =
+                              std::make_unique<runtime>(std::move(devices), cfg, opts, job, make);
+                        });
   impl_->follow(c.state(), std::move(f));
 }
 

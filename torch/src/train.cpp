@@ -17,7 +17,6 @@
 #include <caf/event_based_actor.hpp>
 #include <fstream>
 #include <iterator>
-#include <set>
 
 #include "train_impl.hpp"
 #include "troupe/detail/network.hpp"
@@ -105,26 +104,11 @@ trainer::trainer(const cluster& c, config cfg, train_options o, std::string job,
   if (snap.devices.empty())
     throw invalid_argument("the cluster has no member that is up: no device to train on");
   // A member that leaves while the replicas start (drains, or dies before the cluster noticed)
-  // is started without, as a runner does (runtime_follow.cpp): its next process rejoins.
-  std::set<std::string> without;
-  for (;;) {
-    std::vector<device> devices;
-    for (auto& d : snap.devices)
-      if (d.is_local() || without.count(d.node()) == 0) devices.push_back(d);
-    try {
-      if (devices.empty())
-        throw node_error("every member of the cluster left while data_parallel started");
-      *this = trainer(std::move(devices), cfg, o, job, make, signature);
-      break;
-    } catch (const node_start_failed& e) {
-      if (!leaving_or_gone(e.node(), snap.settings, troupe::detail::connect_timeout(c.state())))
-        throw;
-      log(log_level::warn, "data_parallel following its cluster starts without " + e.node() +
-                               ", which left while its replica started (" + e.what() +
-                               "); its next process joins the run as a rejoin");
-      without.insert(e.node());
-    }
-  }
+  // is started without, as a runner does; its next process rejoins.
+  start_without_leavers(snap.devices, snap.settings, troupe::detail::connect_timeout(c.state()),
+                        "data_parallel", [&](std::vector<device> devices) {
+                          *this = trainer(std::move(devices), cfg, o, job, make, signature);
+                        });
   impl_->cluster = c.state();
   impl_->deadlines.connect = impl_->deadlines.spawn = troupe::detail::connect_timeout(c.state());
   impl_->follows = f;

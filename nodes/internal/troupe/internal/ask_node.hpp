@@ -12,12 +12,16 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "troupe/detail/network.hpp"
+#include "troupe/device.hpp"
 #include "troupe/error.hpp"
+#include "troupe/log.hpp"
 #include "troupe/protocol.hpp"
 
 namespace troupe::detail {
@@ -85,6 +89,33 @@ class node_start_failed : public node_error {
 
 /// Whether the node at `address` is leaving (it drains) or gone (no answer within `wait`).
 bool leaving_or_gone(const std::string& address, const tls& t, std::chrono::milliseconds wait);
+
+/// Starts `what` (a runner, data_parallel) that follows a cluster on `devices`, the cluster's
+/// snapshot, with `start(devices)`. When that throws node_start_failed for a node that is
+/// leaving or gone (leaving_or_gone, within `wait`), starts again without that node, with a
+/// warning: the node's next process joins as a rejoin. Any other failure is rethrown;
+/// node_error when no device is left.
+template <class Start>
+void start_without_leavers(const std::vector<device>& devices, const tls& t,
+                           std::chrono::milliseconds wait, const std::string& what, Start start) {
+  std::set<std::string> without;
+  for (;;) {
+    std::vector<device> ds;
+    for (auto& d : devices)
+      if (d.is_local() || without.count(d.node()) == 0) ds.push_back(d);
+    if (ds.empty()) throw node_error("every member of the cluster left while " + what + " started");
+    try {
+      start(std::move(ds));
+      return;
+    } catch (const node_start_failed& e) {
+      if (!leaving_or_gone(e.node(), t, wait)) throw;
+      log(log_level::warn, what + " following its cluster starts without " + e.node() +
+                               ", which left while it started there (" + e.what() +
+                               "); its next process joins as a rejoin");
+      without.insert(e.node());
+    }
+  }
+}
 
 /// Starts `req` for `owner` on the node at `address` (connecting first when `node` is null:
 /// `node` keeps the connection for the next call, and is reset when the node failed, so that
