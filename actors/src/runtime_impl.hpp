@@ -27,7 +27,6 @@
 #include "troupe/detail/runtime.hpp"
 #include "troupe/detail/source.hpp"
 #include "troupe/device.hpp"
-#include "troupe/internal/ask_node.hpp"
 #include "troupe/internal/registry.hpp"
 #include "troupe/node.hpp"
 #include "troupe/options.hpp"
