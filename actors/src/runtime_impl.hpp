@@ -96,6 +96,11 @@ class sim_host {
 
 class runtime_follower;
 
+/// The owner of a runner's producers on nodes (runtime_anchor.cpp): they live as long as it
+/// does. It takes the scheduler (a caf::actor message) and forwards a draining node's
+/// leaving_atom to it, keeping one that comes before the scheduler exists.
+caf::behavior anchor_actor(caf::event_based_actor* self, int);
+
 class runtime {
  public:
   using consumer_spawner =

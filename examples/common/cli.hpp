@@ -103,13 +103,9 @@ struct flags {
       addresses.insert(addresses.end(), found.begin(), found.end());
     }
     if (!addresses.empty()) {
-      if (min_nodes == 0) {
-        out = troupe::cluster::connect(addresses, tls()).devices();
-      } else {  // the nodes that answer now, at least --min-nodes of them
-        troupe::cluster_options o;
-        o.min_nodes = min_nodes;
-        out = troupe::cluster::connect(addresses, tls(), o).devices();
-      }
+      troupe::cluster_options o;
+      o.min_nodes = min_nodes;  // 0: every node must answer; else those that answer now
+      out = troupe::cluster::connect(addresses, tls(), o).devices();
     }
     if (addresses.empty() || devices_given)
       for (auto& spec : split(devices)) out.emplace_back(spec);
