@@ -29,7 +29,8 @@ struct sum_of_squares {
 TROUPE_REGISTER_JOB(sum_of_squares);
 
 template <class Runner>
-std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& progress) {
+std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& progress,
+                     bool verbose) {
   auto watching = progress.watch(runner);  // per-producer shares on the progress bar
   progress.expect(n);                      // the generator's length, for the bar and the ETA
   std::int64_t i = 0;
@@ -38,6 +39,12 @@ std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& p
     return i++;
   }));
   progress.finish();  // the summary line, on stderr
+  if (verbose) {      // what the job cost in decisions (bench/many_nodes.sh: CPU per chunk)
+    auto st = runner.stats();
+    std::uint64_t chunks = 0;
+    for (const auto& p : st.producers) chunks += p.chunks;
+    std::cerr << "chunks: " << chunks << " answered whole, " << st.split_chunks << " split\n";
+  }
   return sum;
 }
 
@@ -55,10 +62,10 @@ int main(int argc, char** argv) {
     // With --nodes alone, the runner follows the cluster: nodes restarted under the job rejoin.
     if (f.ordered) {
       auto runner = f.runner<troupe::ordered_runner<sum_of_squares>>(cfg, f.options(progress));
-      result = run_all(runner, f.items, progress);
+      result = run_all(runner, f.items, progress, f.verbose);
     } else {
       auto runner = f.runner<troupe::unordered_runner<sum_of_squares>>(cfg, f.options(progress));
-      result = run_all(runner, f.items, progress);
+      result = run_all(runner, f.items, progress, f.verbose);
     }
     std::cout << "result: " << result << "\n";
   });

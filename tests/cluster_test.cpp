@@ -327,6 +327,36 @@ TEST(Cluster, ANodeKilledAndRestartedOnItsAddressRejoinsTheRunningJob) {
   EXPECT_NE(c.members()[0].incarnation, first) << "a restart is a new incarnation";
 }
 
+TEST(Cluster, AKilledOrFrozenMemberIsLostWhenItsConnectionEndsNotAfterLostAfter) {
+  // At many members a member's probes are seconds apart and lost_after tens of seconds
+  // (probes_per_second); the watcher's monitor of each member's node actor makes a process
+  // that ends (a reset connection) or freezes (CAF closes its connection after this process's
+  // limits::idle_timeout, 1.5 s) lost at once. lost_after here is ten minutes: without the
+  // monitor neither would be lost within the watchdogs' 30 s.
+  node_process a{"cpu"}, b{"cpu", {"--idle-timeout-ms", "60000"}}, c3{"cpu"};
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.lost_after = std::chrono::minutes{10};
+  o.reconnect = false;
+  auto c = troupe::cluster::connect({a.address(), b.address(), c3.address()}, {}, o);
+  running_job run{c, 200};
+  a.kill(SIGKILL);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the killed node lost"};
+    ev.wait_for(troupe::membership_event::lost, a.address());
+  }
+  b.kill(SIGSTOP);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the frozen node lost"};
+    ev.wait_for(troupe::membership_event::lost, b.address());
+  }
+  b.kill(SIGCONT);
+  EXPECT_EQ(c.nodes(), std::vector<std::string>{c3.address()});
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, c3.address()), 0u);
+  run.finish();  // exact, on the one left
+}
+
 TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
   // CAF would give up on the frozen node's connection only after a minute: the job can end
   // while it is frozen only because the cluster gave up on it (lost_after) and fenced it.

@@ -76,8 +76,12 @@ TEST(Membership, ManyMembersAreProbedWithinTheProbeBudgetAndLostAfterAsManyMisse
   // At 200 ms per member, a thousand members cost the coordinator 10,000 messages a second
   // (about 40 % of a core here, BENCHMARKS.md): probes are bounded by probes_per_second, and a
   // member is lost after as many probes missed as with few members.
-  troupe::cluster_options o;  // heartbeat 200 ms, lost_after 1,500 ms, 1,000 probes a second
+  troupe::cluster_options o;  // heartbeat 200 ms, lost_after 1,500 ms, 100 probes a second
   EXPECT_EQ(troupe::detail::probe_period(o, 3), ms{200});
+  EXPECT_EQ(troupe::detail::probe_period(o, 20), ms{200});
+  EXPECT_EQ(troupe::detail::probe_period(o, 1000), ms{10000});
+  EXPECT_EQ(troupe::detail::scaled_lost_after(o, ms{10000}), ms{75000});
+  o.probes_per_second = 1000;
   EXPECT_EQ(troupe::detail::probe_period(o, 200), ms{200});
   EXPECT_EQ(troupe::detail::probe_period(o, 1000), ms{1000});
   EXPECT_EQ(troupe::detail::probe_period(o, 1001), ms{1001});
@@ -93,6 +97,30 @@ TEST(Membership, ManyMembersAreProbedWithinTheProbeBudgetAndLostAfterAsManyMisse
   EXPECT_TRUE(m.tick(t0 + ms{2000}).empty());
   EXPECT_EQ(kinds(m.tick(t0 + ms{7600})),
             (std::vector<membership_event::kind>{membership_event::lost}));
+}
+
+TEST(Membership, AMemberWhoseProcessIsGoneIsLostAtOnceOrDrainedWhenItSaidItWouldLeave) {
+  // Its node actor went down (the process ended, or CAF closed its silent connection): no
+  // waiting for lost_after, which many members stretch to tens of seconds.
+  membership m{ms{75000}};
+  auto t0 = clock_type::now();
+  m.answered(A, 1, devs(A), t0, true);
+  m.answered(B, 2, devs(B), t0, true);
+  auto lost = m.gone(A);
+  ASSERT_TRUE(lost);
+  EXPECT_EQ(lost->what, membership_event::lost);
+  EXPECT_TRUE(m.fenced(A, 1));
+  EXPECT_FALSE(m.gone(A));  // once
+  EXPECT_EQ(m.lost(), (std::vector<std::string>{A}));
+  // One that said it drains (SIGTERM), then exited: drained, never lost (a rolling restart).
+  m.answered(B, 2, devs(B), t0 + ms{100}, false, true);
+  auto drained = m.gone(B);
+  ASSERT_TRUE(drained);
+  EXPECT_EQ(drained->what, membership_event::drained);
+  EXPECT_FALSE(m.gone("127.0.0.1:9"));  // never a member
+  // Its next process rejoins.
+  EXPECT_EQ(kinds(m.answered(A, 3, devs(A), t0 + ms{200}, false)),
+            (std::vector<membership_event::kind>{membership_event::rejoined}));
 }
 
 TEST(Membership, ANodeThatDrainsItselfIsDrainedNotLostAndItsNextProcessRejoins) {
@@ -163,8 +191,10 @@ namespace {
 enum class planted { none, no_fence_check, no_requeue_on_loss };
 
 struct coverage {
-  std::size_t losses = 0, rejoins = 0, self_drains = 0, removes = 0, fenced = 0, late_dropped = 0;
+  std::size_t losses = 0, rejoins = 0, self_drains = 0, removes = 0, fenced = 0, late_dropped = 0,
+              downs = 0;
   void add(const coverage& o) {
+    downs += o.downs;
     losses += o.losses;
     rejoins += o.rejoins;
     self_drains += o.self_drains;
@@ -307,6 +337,19 @@ class schedule {
     for (auto& a : addrs_) join(a, false);
   }
 
+  /// The process `inc` at `a` is gone and its node actor's down reached the watcher: acted on
+  /// when it is the member's current process (the watcher matches node ids).
+  void down(const std::string& a, std::uint64_t inc) {
+    for (auto& mem : m_.members())
+      if (mem.address == a && mem.incarnation == inc)
+        if (auto e = m_.gone(a)) {
+          trace_ << "down " << a << " #" << inc << "\n";
+          cov.downs += 1;
+          act({*e});
+          return;
+        }
+  }
+
   void dispatch() {
     if (pending_.empty()) return;
     std::vector<std::string> up;
@@ -378,7 +421,9 @@ class schedule {
       case 1:  // SIGKILL
         if (it != procs_.end()) {
           trace_ << "kill " << a << "\n";
+          auto inc = it->second.incarnation;
           procs_.erase(it);
+          if (rng_() % 2 == 0) down(a, inc);  // else only its silence tells (a lost down)
         }
         break;
       case 2:  // SIGSTOP / SIGCONT
@@ -396,7 +441,10 @@ class schedule {
         if (it != procs_.end() && it->second.leaving && it->second.held.empty() &&
             rng_() % 2 == 0) {
           trace_ << "exit " << a << "\n";
+          auto inc = it->second.incarnation;
+          join(a, false);  // its leaving notice comes first, on the same connection
           procs_.erase(it);
+          down(a, inc);
         }
         break;
       case 4:  // cluster::remove
@@ -474,11 +522,12 @@ TEST(MembershipProperties, NothingLostOrTwiceNoFencedAnswerUsedEveryDrainEnds) {
                   << "): " << f->second;
   if (std::getenv("TROUPE_MEMBERSHIP_SEED")) return;
   // Not vacuous: every kind of change happened, many times.
-  for (auto n : {c.losses, c.rejoins, c.self_drains, c.removes, c.fenced, c.late_dropped})
+  for (auto n : {c.losses, c.rejoins, c.self_drains, c.removes, c.fenced, c.late_dropped, c.downs})
     EXPECT_GE(n, 100u);
   std::cout << "losses " << c.losses << ", rejoins " << c.rejoins << ", self drains "
             << c.self_drains << ", removes " << c.removes << ", fenced answers " << c.fenced
-            << ", late answers dropped " << c.late_dropped << "\n";
+            << ", late answers dropped " << c.late_dropped << ", downs acted on " << c.downs
+            << "\n";
 }
 
 TEST(MembershipProperties, APlantedMistakeIsCaught) {

@@ -39,7 +39,7 @@ struct flags {
   std::int64_t drain_timeout_ms = 30'000;  ///< --drain-timeout-ms: a node's drain on SIGTERM
   std::string discover;                    ///< --discover NAME:PORT: troupe::dns_discovery
   std::size_t min_nodes = 0;               ///< --min-nodes: cluster_options::min_nodes
-  std::size_t probes_per_second = 1000;    ///< --probes-per-second: cluster_options::...
+  std::size_t probes_per_second = 100;     ///< --probes-per-second: cluster_options::...
 
   /// Runner options from the flags.
   troupe::options options() const {
@@ -150,7 +150,7 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "programs that follow a cluster the others join when they answer");
   app.add_option("--probes-per-second", f.probes_per_second,
                  "with --nodes/--discover: ask the members for a sign of life at most this often "
-                 "in all (default 1000; 0: every member every 200 ms)");
+                 "in all (default 100; 0: every member every 200 ms)");
   app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");

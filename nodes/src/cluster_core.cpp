@@ -17,7 +17,19 @@ namespace troupe::detail {
 namespace {
 
 caf::behavior leaving_listener(caf::event_based_actor* self, std::shared_ptr<leaving_sink> sink) {
+  // A member's node actor that goes down: its process ended (a connection reset at once) or
+  // CAF closed its silent connection (limits::idle_timeout). The watcher acts on it without
+  // waiting for its probes (probes_per_second: at many members they are seconds apart).
+  self->set_down_handler([sink](caf::down_msg& dm) {
+    std::lock_guard<std::mutex> guard{sink->mtx};
+    if (sink->gone.size() < 65536) sink->gone.push_back(dm.source.node());
+  });
   return {
+      [self](watch_atom, const caf::actor& node) {
+        if (!node) return;
+        self->monitor(node);
+        self->send(node, watch_atom::value);  // its drain notice comes here
+      },
       [self, sink](leaving_atom, std::uint64_t incarnation) {
         auto sender = self->current_sender();
         if (!sender) return;

@@ -31,6 +31,9 @@ std::vector<device> devices_at(const std::string& address, const std::vector<std
 struct leaving_sink {
   std::mutex mtx;
   std::vector<std::pair<caf::node_id, std::uint64_t>> notices;  ///< node, incarnation
+  /// Members' node actors that went down (the listener monitors them): the process ended, or
+  /// CAF closed its connection (limits::idle_timeout: a frozen process). Read by the watcher.
+  std::vector<caf::node_id> gone;
 };
 
 /// The notifier thread (on_change and the followers run there): cluster::add and remove,
@@ -128,14 +131,19 @@ class cluster_core {
   void guarded(const char* name, void (cluster_core::*loop)(), std::chrono::milliseconds again);
   void watch_loop();
   void reconnect_loop();
-  /// Under mtx_: the leaving notices received so far, applied (draining events).
+  /// Under mtx_: the leaving notices received so far, applied (draining events), then the
+  /// members whose node actor went down (lost at once, or drained when they said they would
+  /// leave), whatever the probe period.
   std::vector<membership_event> take_notices_locked(clock::time_point now);
+  /// The watcher's wait for its next round: false when stopping. A member's down is acted on
+  /// within a tenth of a second meanwhile (at many members a round is seconds long).
+  bool pause_watching(std::chrono::milliseconds d);
   /// The reconnector found `address` answering as an incarnation given up on: asks it to start
   /// over as a new one (given_up_atom; rate-limited by reconnect_every like any retry). True
   /// then (nothing of that answer is used).
   bool ask_to_start_over(const std::string& address, const caf::actor& handle,
                          std::uint64_t incarnation);
-  /// Asks the node to tell the listener when it drains itself.
+  /// Asks the node to tell the listener when it drains itself, and the listener to monitor it.
   void watch(const caf::actor& node);
   bool stopping();
 

@@ -86,7 +86,7 @@ void cluster_core::watch_loop() {
     }
     if (b) cv_.notify_all();
     auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
-    if (spent < every && !pause(every - spent)) return;
+    if (spent < every && !pause_watching(every - spent)) return;
   }
 }
 
@@ -178,9 +178,11 @@ bool cluster_core::ask_to_start_over(const std::string& address, const caf::acto
 
 std::vector<membership_event> cluster_core::take_notices_locked(clock::time_point now) {
   std::vector<std::pair<caf::node_id, std::uint64_t>> notices;
+  std::vector<caf::node_id> gone;
   {
     std::lock_guard<std::mutex> guard{sink_->mtx};
     notices.swap(sink_->notices);
+    gone.swap(sink_->gone);
   }
   std::vector<membership_event> events;
   for (auto& [where, incarnation] : notices)
@@ -189,11 +191,42 @@ std::vector<membership_event> cluster_core::take_notices_locked(clock::time_poin
         auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
         events.insert(events.end(), more.begin(), more.end());
       }
+  // After the notices: a node that said it drains, then exited, is drained, not lost. Only the
+  // member's current process counts (a restarted one has another node id).
+  for (auto& where : gone)
+    for (auto& [address, handle] : handles_)
+      if (handle.node() == where)
+        if (auto e = core_.gone(address)) events.push_back(*e);
   return events;
 }
 
+bool cluster_core::pause_watching(std::chrono::milliseconds d) {
+  constexpr std::chrono::milliseconds slice{100};
+  auto until = clock::now() + d;
+  for (auto now = clock::now(); now < until; now = clock::now()) {
+    if (!pause(std::min<std::chrono::milliseconds>(
+            slice, std::chrono::duration_cast<std::chrono::milliseconds>(until - now) +
+                       std::chrono::milliseconds{1})))
+      return false;
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> guard{sink_->mtx};
+      any = !sink_->gone.empty();
+    }
+    if (!any) continue;
+    std::shared_ptr<batch> b;
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (auto events = take_notices_locked(clock::now()); !events.empty())
+        b = enqueue(std::move(events));
+    }
+    if (b) cv_.notify_all();
+  }
+  return !stopping();
+}
+
 void cluster_core::watch(const caf::actor& node) {
-  if (listener_) caf::send_as(listener_, node, watch_atom::value);
+  if (listener_) caf::anon_send(listener_, watch_atom::value, node);
 }
 
 bool cluster_core::stopping() {

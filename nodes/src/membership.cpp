@@ -179,15 +179,25 @@ std::vector<membership_event> membership::tick(time_point now) {
     auto& m = members_[i];
     if (m.what != member::state::up && m.what != member::state::draining) continue;
     if (now - last_seen_[i] <= lost_after_) continue;
-    if (m.what == member::state::draining && self_drained_.count(m.address) != 0) {
-      fenced_.insert({m.address, m.incarnation});  // gone: nothing of it is used again
-      m.what = member::state::drained;             // it left as it said it would: not a loss
-      out.push_back(event(membership_event::drained, m));
-      continue;
-    }
-    out.push_back(lose(m));
+    out.push_back(leave(m));
   }
   return out;
+}
+
+std::optional<membership_event> membership::gone(const std::string& address) {
+  auto* m = find(address);
+  if (m == nullptr || (m->what != member::state::up && m->what != member::state::draining))
+    return std::nullopt;
+  return leave(*m);
+}
+
+membership_event membership::leave(member& m) {
+  if (m.what == member::state::draining && self_drained_.count(m.address) != 0) {
+    fenced_.insert({m.address, m.incarnation});  // gone: nothing of it is used again
+    m.what = member::state::drained;             // it left as it said it would: not a loss
+    return event(membership_event::drained, m);
+  }
+  return lose(m);
 }
 
 membership_event membership::begin_drain(const std::string& address) {

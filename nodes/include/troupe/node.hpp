@@ -171,14 +171,17 @@ struct cluster_options {
   std::chrono::milliseconds connect_timeout{5000};
   /// Every member is asked for a sign of life this often; one silent for lost_after is lost:
   /// its incarnation is given up on (fenced: its producers' late answers are dropped, and it
-  /// never becomes a member again; its restart does). Independent of limits::idle_timeout, after
-  /// which CAF closes a silent connection.
+  /// never becomes a member again; its restart does). A member whose process ends, or whose
+  /// connection CAF closes (silent for limits::idle_timeout: frozen), is lost at once (within
+  /// a tenth of a second), whatever the probes' period; one that said it drains is drained.
   std::chrono::milliseconds heartbeat{200}, lost_after{1500};
   /// At most this many probes a second in all (0: no bound). With more members than heartbeat
   /// allows within it, each member is asked every members / probes_per_second instead, and
-  /// lost_after grows in the same proportion (1,000 members: every second, lost after 7.5 s).
-  /// Each probe and its answer cost the coordinator tens of microseconds of CPU.
-  std::size_t probes_per_second = 1000;
+  /// lost_after grows in the same proportion (1,000 members: every 10 s, lost after 75 s, when
+  /// its connection stays open; an ended or frozen one is lost as above). Each probe and its
+  /// answer cost the coordinator tens of microseconds of CPU (BENCHMARKS.md, "Heartbeats at
+  /// many members").
+  std::size_t probes_per_second = 100;
   /// Called on a thread of the cluster's, in order, after runners following the cluster have
   /// acted on the change (producers started, drained or given up on). Must not throw.
   std::function<void(const membership_event&)> on_change;

@@ -77,6 +77,10 @@ class membership {
   bool retire(const std::string& address);
   /// Members that have been silent for lost_after are lost (their incarnations fenced).
   std::vector<membership_event> tick(time_point now);
+  /// The member at `address`'s process is gone (its node actor went down: it ended, or its
+  /// connection was closed): lost now, as by tick(), or drained when it said it would leave.
+  /// nullopt when it was not up or draining.
+  std::optional<membership_event> gone(const std::string& address);
   /// cluster::remove began: the member must be up (invalid_argument otherwise).
   membership_event begin_drain(const std::string& address);
   /// The runners have drained it: draining -> drained (nullopt when it was lost meanwhile).
@@ -112,6 +116,8 @@ class membership {
   member* find(const std::string& address);
   [[nodiscard]] const member* find(const std::string& address) const;
   membership_event lose(member& m);
+  /// An up or draining member is gone: drained when it drains on its own word, else lost.
+  membership_event leave(member& m);
   /// The member is up again as `incarnation` (a join or a rejoin), seen now.
   static void up_again(member& m, time_point& seen, std::uint64_t incarnation,
                        const std::vector<device>& devices, time_point now);
