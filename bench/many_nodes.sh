@@ -97,6 +97,8 @@ print(f"{n} nodes, {items} items of {work_ms} ms: {wall:.2f} s (connect and star
 PY
 job=$(sed -n 's/^[0-9.]* done: [0-9]* items in \([0-9.]*\) s.*/\1/p' "$dir/log")
 [ -n "$job" ] && python3 -c "import sys; j, i = float(sys.argv[1]), $items * $work_ms / 1000 / $n; print(f'the job alone: {j:.2f} s, efficiency {i / j:.2f}')" "$job"
+chunks=$(sed -n 's/^[0-9.]* chunks: \([0-9]*\) answered whole, \([0-9]*\) split.*/\1 \2/p' "$dir/log")
+[ -n "$chunks" ] && python3 -c "import sys; w, s = map(int, sys.argv[2:4]); u, k = map(float, sys.argv[1].split()); print(f'chunks: {w} answered whole + {s} split; coordinator CPU {(u + k) / (w + s) * 1e6:.0f} us per chunk (start-up and connect included)')" "$(cat "$dir/cpu")" $chunks
 echo "runner started after $(sed -n 's/^\([0-9.]*\) .*runner started.*/\1/p' "$dir/log") s (connect included)"
 if [ -n "${ROLLING:-}" ]; then
   [ -f "$dir/rolled" ] || echo "the job ended before the rolling restart did: more items, or a larger ROLLING"

@@ -169,6 +169,10 @@ int main(int argc, char** argv) {
   app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-cost or batch");
   app.add_option("--node-processes", nodes, "slow-patch and lognormal on this many node processes");
   app.add_flag("--no-split", no_split, "options::split_late_chunks off");
+  long target_us = 0;
+  std::string trace;
+  app.add_option("--target-chunk-us", target_us, "options::target_chunk_time (default 2,000)");
+  app.add_option("--trace-file", trace, "options::trace_file of the measured runners");
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
   std::vector<std::unique_ptr<child_node>> children;
@@ -192,6 +196,8 @@ int main(int argc, char** argv) {
                      std::size_t before_items) {
     troupe::options o;
     o.split_late_chunks = !no_split;
+    if (target_us > 0) o.target_chunk_time = std::chrono::microseconds{target_us};
+    o.trace_file = trace;
     troupe::unordered_runner<costed> r{
         cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
