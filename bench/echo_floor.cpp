@@ -9,12 +9,7 @@
 // way costs the coordinator on this machine (BENCHMARKS.md, "The floor under a node chunk").
 //
 //   build/bench/troupe_echo_floor --servers 128 --round-trips 8000 --work-us 16000 --bytes 128
-#include <CLI/CLI.hpp>
 #include <arpa/inet.h>
-#include <csignal>
-#include <cstdio>
-#include <cstring>
-#include <ctime>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
@@ -22,6 +17,12 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <vector>
 
 namespace {

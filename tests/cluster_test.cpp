@@ -145,6 +145,13 @@ std::size_t entries(const char* dir) {
 
 /// A live cluster's options for the freeze tests: events to `ev`, a heartbeat every 100 ms, lost
 /// after 1 s of silence.
+/// Waits for `ev`'s event `k` of `address`; a watchdog ends the test after 30 s (`what`).
+void expect_event(recorder& ev, troupe::membership_event::kind k, const std::string& address,
+                  const char* what) {
+  test_util::watchdog dog{std::chrono::seconds{30}, what};
+  ev.wait_for(k, address);
+}
+
 troupe::cluster_options watched_closely(recorder& ev) {
   troupe::cluster_options o;
   o.on_change = ev.callback();
@@ -342,15 +349,9 @@ TEST(Cluster, AKilledOrFrozenMemberIsLostWhenItsConnectionEndsNotAfterLostAfter)
   auto c = troupe::cluster::connect({a.address(), b.address(), c3.address()}, {}, o);
   running_job run{c, 200};
   a.kill(SIGKILL);
-  {
-    test_util::watchdog dog{std::chrono::seconds{30}, "the killed node lost"};
-    ev.wait_for(troupe::membership_event::lost, a.address());
-  }
+  expect_event(ev, troupe::membership_event::lost, a.address(), "the killed node lost");
   b.kill(SIGSTOP);
-  {
-    test_util::watchdog dog{std::chrono::seconds{30}, "the frozen node lost"};
-    ev.wait_for(troupe::membership_event::lost, b.address());
-  }
+  expect_event(ev, troupe::membership_event::lost, b.address(), "the frozen node lost");
   b.kill(SIGCONT);
   EXPECT_EQ(c.nodes(), std::vector<std::string>{c3.address()});
   EXPECT_EQ(ev.count(troupe::membership_event::lost, c3.address()), 0u);
@@ -434,15 +435,9 @@ TEST(Cluster, ANodeFrozenPastLostAfterThenThawedRejoinsByItselfAndTakesWorkInThe
   running_job run{c, 200};
   auto given_up = c.members()[0].incarnation;
   a.kill(SIGSTOP);
-  {
-    test_util::watchdog dog{std::chrono::seconds{30}, "node a lost"};
-    ev.wait_for(troupe::membership_event::lost, a.address());
-  }
+  expect_event(ev, troupe::membership_event::lost, a.address(), "node a lost");
   a.kill(SIGCONT);
-  {
-    test_util::watchdog dog{std::chrono::seconds{30}, "node a rejoined"};
-    ev.wait_for(troupe::membership_event::rejoined, a.address());
-  }
+  expect_event(ev, troupe::membership_event::rejoined, a.address(), "node a rejoined");
   EXPECT_NE(c.members()[0].incarnation, given_up);
   EXPECT_EQ(c.members()[0].what, troupe::member::state::up);
   // Its new producer takes items of the job under way.
