@@ -179,8 +179,8 @@ struct cluster_options {
   /// allows within it, each member is asked every members / probes_per_second instead, and
   /// lost_after grows in the same proportion (1,000 members: every 10 s, lost after 75 s, when
   /// its connection stays open; an ended or frozen one is lost as above). Each probe and its
-  /// answer cost the coordinator tens of microseconds of CPU (BENCHMARKS.md, "Heartbeats at
-  /// many members").
+  /// answer cost the coordinator tens of microseconds of CPU (BENCHMARKS.md, "Liveness at a
+  /// thousand members").
   std::size_t probes_per_second = 100;
   /// Called on a thread of the cluster's, in order, after runners following the cluster have
   /// acted on the change (producers started, drained or given up on). Must not throw.
