@@ -358,6 +358,25 @@ TEST(Cluster, AKilledOrFrozenMemberIsLostWhenItsConnectionEndsNotAfterLostAfter)
   run.finish();  // exact, on the one left
 }
 
+TEST(Cluster, OfTwoNodesServedByOneProcessTheOneThatStopsIsTheOnlyOneLost) {
+  // Both share the process's CAF node id (a process id and host hashes): a down is matched to
+  // its member by the node actor, not by the node id, else one stop loses them both.
+  auto a = troupe::node::serve("127.0.0.1:0", {"cpu"});
+  auto b = troupe::node::serve("127.0.0.1:0", {"cpu"});
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.lost_after = std::chrono::minutes{10};
+  o.reconnect = false;
+  auto c = troupe::cluster::connect({a.address(), b.address()}, {}, o);
+  auto stopped = a.address(), other = b.address();  // (a stopped node has no address)
+  a.stop();
+  expect_event(ev, troupe::membership_event::lost, stopped, "the stopped node lost");
+  // The same down, matched by node id, would have lost b in the same batch as a.
+  EXPECT_EQ(c.nodes(), std::vector<std::string>{other});
+  EXPECT_EQ(ev.count(troupe::membership_event::lost, other), 0u);
+}
+
 TEST(Cluster, AnAnswerOfAFrozenNodeGivenUpOnIsDroppedAndCounted) {
   // CAF would give up on the frozen node's connection only after a minute: the job can end
   // while it is frozen only because the cluster gave up on it (lost_after) and fenced it.

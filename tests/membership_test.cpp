@@ -430,6 +430,9 @@ class schedule {
         if (it != procs_.end()) {
           it->second.frozen = !it->second.frozen;
           trace_ << (it->second.frozen ? "freeze " : "thaw ") << a << "\n";
+          // Frozen past CAF's idle timeout: its connection is closed, its node actor's down
+          // comes while the process lives on (thawed, it answers as a fenced incarnation).
+          if (it->second.frozen && rng_() % 2 == 0) down(a, it->second.incarnation);
         }
         break;
       case 12:

@@ -58,6 +58,10 @@ class cluster_state {
       watcher_ = std::thread{[c = core, every = opts.heartbeat] {
         c->guarded("cluster watcher", &cluster_core::watch_loop, every);
       }};
+    if (core->watching())
+      downs_ = std::thread{[c = core] {
+        c->guarded("cluster downs", &cluster_core::downs_loop, std::chrono::milliseconds{100});
+      }};
     if (core->reconnecting())
       reconnector_ = std::thread{[c = core, every = opts.reconnect_every] {
         c->guarded("cluster reconnector", &cluster_core::reconnect_loop, every);
@@ -71,7 +75,7 @@ class cluster_state {
   cluster_state& operator=(const cluster_state&) = delete;
   ~cluster_state() {
     core->stop();
-    for (auto* t : {&discoverer_, &watcher_, &reconnector_, &notifier_}) {
+    for (auto* t : {&discoverer_, &downs_, &watcher_, &reconnector_, &notifier_}) {
       if (!t->joinable()) continue;
       if (t->get_id() == std::this_thread::get_id())
         t->detach();  // the last copy ended in on_change: the notifier ends by itself
@@ -83,7 +87,7 @@ class cluster_state {
   const std::shared_ptr<cluster_core> core;
 
  private:
-  std::thread notifier_, watcher_, reconnector_, discoverer_;
+  std::thread notifier_, watcher_, downs_, reconnector_, discoverer_;
 };
 
 std::vector<cluster_view> cluster_views() {

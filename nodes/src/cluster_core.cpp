@@ -6,6 +6,7 @@
 #include <caf/event_based_actor.hpp>
 #include <caf/send.hpp>
 #include <future>
+#include <unordered_set>
 
 #include "troupe/detail/network.hpp"
 #include "troupe/error.hpp"
@@ -20,21 +21,24 @@ caf::behavior leaving_listener(caf::event_based_actor* self, std::shared_ptr<lea
   // A member's node actor that goes down: its process ended (a connection reset at once) or
   // CAF closed its silent connection (limits::idle_timeout). The watcher acts on it without
   // waiting for its probes (probes_per_second: at many members they are seconds apart).
-  self->set_down_handler([sink](caf::down_msg& dm) {
+  // Each node actor monitored once (a member is watched again at each reconnect).
+  auto monitored = std::make_shared<std::unordered_set<caf::actor_addr>>();
+  self->set_down_handler([sink, monitored](caf::down_msg& dm) {
+    monitored->erase(dm.source);
     std::lock_guard<std::mutex> guard{sink->mtx};
-    if (sink->gone.size() < 65536) sink->gone.push_back(dm.source.node());
+    if (sink->gone.size() < 65536) sink->gone.push_back(dm.source);
   });
   return {
-      [self](watch_atom, const caf::actor& node) {
+      [self, monitored](watch_atom, const caf::actor& node) {
         if (!node) return;
-        self->monitor(node);
+        if (monitored->insert(node.address()).second) self->monitor(node);
         self->send(node, watch_atom::value);  // its drain notice comes here
       },
       [self, sink](leaving_atom, std::uint64_t incarnation) {
-        auto sender = self->current_sender();
+        auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
         if (!sender) return;
         std::lock_guard<std::mutex> guard{sink->mtx};
-        if (sink->notices.size() < 4096) sink->notices.emplace_back(sender->node(), incarnation);
+        if (sink->notices.size() < 4096) sink->notices.emplace_back(sender, incarnation);
       },
   };
 }

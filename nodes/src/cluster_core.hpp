@@ -30,10 +30,12 @@ std::vector<device> devices_at(const std::string& address, const std::vector<std
 /// a loss. Filled by the listener actor, read by the watcher.
 struct leaving_sink {
   std::mutex mtx;
-  std::vector<std::pair<caf::node_id, std::uint64_t>> notices;  ///< node, incarnation
+  /// The node actor that said it drains, and its incarnation. By actor, not by CAF node id:
+  /// several nodes may serve in one process, and a node id is a process id and host hashes.
+  std::vector<std::pair<caf::actor_addr, std::uint64_t>> notices;
   /// Members' node actors that went down (the listener monitors them): the process ended, or
-  /// CAF closed its connection (limits::idle_timeout: a frozen process). Read by the watcher.
-  std::vector<caf::node_id> gone;
+  /// CAF closed its connection (limits::idle_timeout: a frozen process). Read by the downs loop.
+  std::vector<caf::actor_addr> gone;
 };
 
 /// The notifier thread (on_change and the followers run there): cluster::add and remove,
@@ -135,9 +137,10 @@ class cluster_core {
   /// members whose node actor went down (lost at once, or drained when they said they would
   /// leave), whatever the probe period.
   std::vector<membership_event> take_notices_locked(clock::time_point now);
-  /// The watcher's wait for its next round: false when stopping. A member's down is acted on
-  /// within a tenth of a second meanwhile (at many members a round is seconds long).
-  bool pause_watching(std::chrono::milliseconds d);
+  /// Acts on the members' downs (and drain notices) every tenth of a second, on a thread of its
+  /// own: a probe round waits up to a probe period (seconds at many members) for a silent
+  /// member, and a loss must not wait behind it.
+  void downs_loop();
   /// The reconnector found `address` answering as an incarnation given up on: asks it to start
   /// over as a new one (given_up_atom; rate-limited by reconnect_every like any retry). True
   /// then (nothing of that answer is used).

@@ -86,7 +86,7 @@ void cluster_core::watch_loop() {
     }
     if (b) cv_.notify_all();
     auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
-    if (spent < every && !pause_watching(every - spent)) return;
+    if (spent < every && !pause(every - spent)) return;
   }
 }
 
@@ -177,8 +177,8 @@ bool cluster_core::ask_to_start_over(const std::string& address, const caf::acto
 }
 
 std::vector<membership_event> cluster_core::take_notices_locked(clock::time_point now) {
-  std::vector<std::pair<caf::node_id, std::uint64_t>> notices;
-  std::vector<caf::node_id> gone;
+  std::vector<std::pair<caf::actor_addr, std::uint64_t>> notices;
+  std::vector<caf::actor_addr> gone;
   {
     std::lock_guard<std::mutex> guard{sink_->mtx};
     notices.swap(sink_->notices);
@@ -187,33 +187,26 @@ std::vector<membership_event> cluster_core::take_notices_locked(clock::time_poin
   std::vector<membership_event> events;
   for (auto& [where, incarnation] : notices)
     for (auto& m : core_.members())
-      if (auto i = handles_.find(m.address); i != handles_.end() && i->second.node() == where) {
+      if (auto i = handles_.find(m.address); i != handles_.end() && i->second.address() == where) {
         auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
         events.insert(events.end(), more.begin(), more.end());
       }
   // After the notices: a node that said it drains, then exited, is drained, not lost. Only the
-  // member's current process counts (a restarted one has another node id).
+  // member's current node actor counts (a restarted process, or another node served by the
+  // same process, is another actor).
   for (auto& where : gone)
     for (auto& [address, handle] : handles_)
-      if (handle.node() == where)
+      if (handle.address() == where)
         if (auto e = core_.gone(address)) events.push_back(*e);
   return events;
 }
 
-bool cluster_core::pause_watching(std::chrono::milliseconds d) {
-  constexpr std::chrono::milliseconds slice{100};
-  auto until = clock::now() + d;
-  for (auto now = clock::now(); now < until; now = clock::now()) {
-    if (!pause(std::min<std::chrono::milliseconds>(
-            slice, std::chrono::duration_cast<std::chrono::milliseconds>(until - now) +
-                       std::chrono::milliseconds{1})))
-      return false;
-    bool any = false;
+void cluster_core::downs_loop() {
+  while (pause(std::chrono::milliseconds{100})) {
     {
       std::lock_guard<std::mutex> guard{sink_->mtx};
-      any = !sink_->gone.empty();
+      if (sink_->gone.empty()) continue;
     }
-    if (!any) continue;
     std::shared_ptr<batch> b;
     {
       std::lock_guard<std::mutex> guard{mtx_};
@@ -222,7 +215,6 @@ bool cluster_core::pause_watching(std::chrono::milliseconds d) {
     }
     if (b) cv_.notify_all();
   }
-  return !stopping();
 }
 
 void cluster_core::watch(const caf::actor& node) {
