@@ -19,9 +19,9 @@ namespace {
 
 caf::behavior leaving_listener(caf::event_based_actor* self, std::shared_ptr<leaving_sink> sink) {
   // A member's node actor that goes down: its process ended (a connection reset at once) or
-  // CAF closed its silent connection (limits::idle_timeout). The watcher acts on it without
-  // waiting for its probes (probes_per_second: at many members they are seconds apart).
-  // Each node actor monitored once (a member is watched again at each reconnect).
+  // CAF closed its silent connection (limits::idle_timeout). The downs loop acts on it without
+  // waiting for the probes (probes_per_second: at many members they are seconds apart). Each
+  // node actor is monitored once (a member is watched again at each reconnect).
   auto monitored = std::make_shared<std::unordered_set<caf::actor_addr>>();
   self->set_down_handler([sink, monitored](caf::down_msg& dm) {
     monitored->erase(dm.source);

@@ -184,20 +184,25 @@ std::vector<membership_event> cluster_core::take_notices_locked(clock::time_poin
     notices.swap(sink_->notices);
     gone.swap(sink_->gone);
   }
+  // The member whose current node actor is `a` (a restarted process, or another node served by
+  // the same process, is another actor), if any.
+  auto member_of = [this](const caf::actor_addr& a) -> const std::string* {
+    for (auto& [address, handle] : handles_)
+      if (handle.address() == a) return &address;
+    return nullptr;
+  };
   std::vector<membership_event> events;
   for (auto& [where, incarnation] : notices)
-    for (auto& m : core_.members())
-      if (auto i = handles_.find(m.address); i != handles_.end() && i->second.address() == where) {
-        auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
-        events.insert(events.end(), more.begin(), more.end());
-      }
-  // After the notices: a node that said it drains, then exited, is drained, not lost. Only the
-  // member's current node actor counts (a restarted process, or another node served by the
-  // same process, is another actor).
+    if (auto* address = member_of(where))
+      for (auto& m : core_.members())
+        if (m.address == *address) {
+          auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
+          events.insert(events.end(), more.begin(), more.end());
+        }
+  // After the notices: a node that said it drains, then exited, is drained, not lost.
   for (auto& where : gone)
-    for (auto& [address, handle] : handles_)
-      if (handle.address() == where)
-        if (auto e = core_.gone(address)) events.push_back(*e);
+    if (auto* address = member_of(where))
+      if (auto e = core_.gone(*address)) events.push_back(*e);
   return events;
 }
 
