@@ -5,7 +5,9 @@
 // items go to the others, exactly once) and, from 10 nodes on, a tenth of them joining while
 // the job runs (runner::add_devices after submit(): they take work in it). The simulation runs
 // on this thread: its CPU time per item is the scheduler's cost per decision plus the
-// simulation's own bookkeeping. The result is checked.
+// simulation's own bookkeeping; the time spent in the scheduler actor alone
+// (simulation::scheduler_time(), steady clock around each of its runs) is printed too. The
+// result is checked.
 // --join-storm N: a job on one node instead, and N - 1 nodes joining it at once (one
 // add_devices() of (N - 1) x 8 producers while it runs): the CPU of that call, and the items
 // the joined producers took.
@@ -122,8 +124,8 @@ int main(int argc, char** argv) {
   }
   // One job on n simulated nodes (seed: the simulation's): its CPU, and what the joined took.
   struct outcome {
-    double cpu = 0;
-    std::uint64_t by_joined = 0, chunks = 0;
+    double cpu = 0, sched = 0;  ///< the whole simulation's CPU; the schedulers' own time
+    std::uint64_t by_joined = 0, chunks = 0, runs = 0;
     bool exact = false;
   };
   // From 10 nodes on, a tenth of them killed and a tenth joining.
@@ -143,6 +145,7 @@ int main(int argc, char** argv) {
     auto items = static_cast<std::int64_t>(8 * n * per_producer);
     auto [xs, expected] = numbers(items);
     auto c0 = cpu_seconds();
+    auto s0 = sim.scheduler_time();
     auto job = r.submit(xs);
     if (!later.empty()) {  // they join the running job
       sim.nodes(later, troupe::cpus(8));
@@ -154,6 +157,9 @@ int main(int argc, char** argv) {
     auto got = job.get();
     outcome o;
     o.cpu = cpu_seconds() - c0;
+    auto s1 = sim.scheduler_time();
+    o.sched = std::chrono::duration<double>(s1.time - s0.time).count();
+    o.runs = s1.activations - s0.activations;
     o.exact = got == expected;
     for (auto& p : r.stats().producers) {
       o.chunks += p.chunks;
@@ -171,6 +177,8 @@ int main(int argc, char** argv) {
     for (std::size_t k = 0; k < reps; ++k) {
       auto o = one(n, 7 + k);
       sum.cpu += o.cpu;
+      sum.sched += o.sched;
+      sum.runs += o.runs;
       sum.by_joined += o.by_joined;
       sum.chunks += o.chunks;
       sum.exact = sum.exact && o.exact;
@@ -186,7 +194,12 @@ int main(int argc, char** argv) {
               << " us per item, " << sum.cpu / static_cast<double>(sum.chunks) * 1e6
               << " us per chunk ("
               << static_cast<double>(items * reps) / static_cast<double>(sum.chunks)
-              << " items each)" << (sum.exact ? ", exact" : ", WRONG RESULT") << std::endl;
+              << " items each); the scheduler itself " << std::setprecision(2)
+              << sum.sched / static_cast<double>(sum.chunks) * 1e6 << " us per chunk ("
+              << sum.sched / static_cast<double>(sum.runs) * 1e6 << " us per activation, "
+              << std::setprecision(1)
+              << static_cast<double>(sum.runs) / static_cast<double>(sum.chunks)
+              << " per chunk)" << (sum.exact ? ", exact" : ", WRONG RESULT") << std::endl;
     if (!sum.exact) return 1;
     if (joining > 0 && sum.by_joined == 0) {
       std::cerr << "the nodes that joined took no work" << std::endl;

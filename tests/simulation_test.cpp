@@ -632,3 +632,39 @@ TEST(Simulation, ADrainedNodesProducersAreRemovedNotLostAndTheResultIsExact) {
   for (auto& e : *events) EXPECT_NE(e.what, troupe::producer_event::kind::lost);
   EXPECT_EQ(r.run(iota(100)), sum_of_squares(100)) << "the others go on";
 }
+
+namespace {
+
+/// A producer whose every item costs real time on the simulation's thread: 1 ms of spinning.
+struct spins {
+  struct producer {
+    std::int64_t work(std::int64_t x) {
+      auto until = std::chrono::steady_clock::now() + 1ms;
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      return x * x;
+    }
+  };
+  using consumer = squares::consumer;
+};
+
+}  // namespace
+
+TEST(Simulation, SchedulerTimeCountsTheSchedulersRunsAndNotTheProducersWork) {
+  simulation sim{3};
+  sim.nodes({"a:1", "b:1"}, troupe::cpus(2));
+  auto r = sim.unordered_runner<spins>(sim.devices());
+  auto before = sim.scheduler_time();
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(r.run(iota(40)), sum_of_squares(40));
+  auto wall = std::chrono::steady_clock::now() - t0;
+  auto after = sim.scheduler_time();
+  std::uint64_t chunks = 0;
+  for (auto& p : r.stats().producers) chunks += p.chunks;
+  ASSERT_GT(chunks, 0u);
+  // Every chunk is sent by a run of the scheduler and its answer taken by another.
+  EXPECT_GE(after.activations - before.activations, chunks);
+  EXPECT_GT(after.time, before.time);
+  // The producers spun 40 ms on this thread: none of it is the scheduler's.
+  EXPECT_LE(after.time - before.time, wall - 40ms);
+}

@@ -17,7 +17,19 @@ torch_prefix=$("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_pref
 # The wheel's TorchConfig looks for libc10 in the system paths first: a Debian libtorch-dev
 # there would be mixed in. Search the wheel's own lib folder first.
 torch_libs=${torch_prefix:+$(dirname "$(dirname "$torch_prefix")")/lib}
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} \
+# ccache (tools/setup.sh installs it) keeps compiled objects outside the clone, in
+# $TROUPE_CCACHE_DIR (default /opt/troupe-ccache), as the torch environment and CAF are kept: a
+# fresh clone on a machine that built troupe before compiles only what changed. Paths are
+# hashed relative to the clone (base_dir) and not by its directory (hash_dir), so another
+# clone's objects are reused. TROUPE_CCACHE=0 builds without it.
+launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER= -DCMAKE_C_COMPILER_LAUNCHER=)
+if [ "${TROUPE_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null; then
+  # In the launcher itself, so that a later `cmake --build` of this folder uses the same cache.
+  cc="env;CCACHE_DIR=${TROUPE_CCACHE_DIR:-/opt/troupe-ccache};CCACHE_BASEDIR=$PWD;CCACHE_NOHASHDIR=1"
+  cc="$cc;CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-8G};ccache"
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER="$cc" -DCMAKE_C_COMPILER_LAUNCHER="$cc")
+fi
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} "${launcher[@]}" \
   -DTROUPE_CAF_PREFIX="$caf_prefix" \
   ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_LIBRARY_PATH="$torch_libs"} \
   "$@" > "$BUILD_DIR.configure.log" 2>&1 ||

@@ -15,7 +15,7 @@ K8S_VENV=${TROUPE_K8S_VENV:-/opt/troupe-k8s-venv}
 # and dpkg-dev for apt-get source).
 packages=(build-essential cmake git python3 python3-venv dpkg-dev libcli11-dev libgtest-dev
           libgmock-dev libbenchmark-dev libtbb-dev libssl-dev openssl iproute2 prometheus-cpp-dev
-          pkg-config libboost1.81-dev systemd chromium python3-jsonschema tmux python3-dev)
+          pkg-config libboost1.81-dev systemd chromium python3-jsonschema tmux python3-dev ccache)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -127,7 +127,12 @@ class sim_state final : public sim_host {
 
   caf::actor_system& system() override { return sys_; }
 
-  void own(caf::actor a) override { owned_.push_back(std::move(a)); }
+  void own(caf::actor a) override {
+    // The scheduler as the test coordinator sees it: timed when it runs (drive()).
+    if (auto* r = dynamic_cast<caf::resumable*>(caf::actor_cast<caf::abstract_actor*>(a)))
+      schedulers_.push_back(r);
+    owned_.push_back(std::move(a));
+  }
   std::shared_ptr<std::atomic<bool>> halted() override { return halted_; }
 
   caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
@@ -175,7 +180,15 @@ class sim_state final : public sim_host {
           auto k = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng_);
           std::swap(sched_.jobs.front(), sched_.jobs[k]);
         }
-        sched_.run_once();
+        auto* next = sched_.jobs.front();
+        if (std::find(schedulers_.begin(), schedulers_.end(), next) != schedulers_.end()) {
+          auto t0 = std::chrono::steady_clock::now();
+          sched_.run_once();
+          scheduler_time_ += std::chrono::steady_clock::now() - t0;
+          scheduler_runs_ += 1;
+        } else {
+          sched_.run_once();
+        }
         clear_internal_thread();  // the job's code ran on this thread; the caller's waits may
         continue;                 // run the simulation again
       }
@@ -224,6 +237,10 @@ class sim_state final : public sim_host {
   }
 
   // -- the public side --------------------------------------------------------------------
+
+  [[nodiscard]] testing::simulation::scheduler_cost scheduler_time() const {
+    return {scheduler_time_, scheduler_runs_};
+  }
 
   std::weak_ptr<sim_state> self_;
   std::vector<device> devices_;
@@ -384,6 +401,9 @@ class sim_state final : public sim_host {
   std::size_t prune_at_ = 64;
   std::size_t live_ = 0;           ///< jobs submitted and not ended
   std::vector<caf::actor> owned_;  ///< the runners' schedulers
+  std::vector<const caf::resumable*> schedulers_;  ///< the same, as the coordinator runs them
+  std::chrono::nanoseconds scheduler_time_{0};     ///< spent running them (simulation.hpp)
+  std::uint64_t scheduler_runs_ = 0;
   std::shared_ptr<std::atomic<bool>> halted_ = std::make_shared<std::atomic<bool>>(false);
   std::string trace_;
   /// A simulation that keeps running events without its clock advancing is livelocked: stopped,

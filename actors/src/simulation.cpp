@@ -190,6 +190,10 @@ std::chrono::nanoseconds simulation::now() const {
   return sim_of(host_).elapsed();
 }
 
+simulation::scheduler_cost simulation::scheduler_time() const {
+  return sim_of(host_).scheduler_time();
+}
+
 void simulation::draw(const explore_options& eo) {
   auto& s = sim_of(host_);
   if (eo.nodes == 0 || eo.producers_per_node == 0)

@@ -218,6 +218,15 @@ class simulation {
   [[nodiscard]] std::string trace() const;
   /// Virtual time since the simulation began.
   [[nodiscard]] std::chrono::nanoseconds now() const;
+  /// Real time this thread spent running the runners' schedulers (their decisions, the
+  /// messages they sent), not the simulated producers, consumers or the loop: the scheduler's
+  /// own cost, for benchmarks (bench/sim_scale.cpp). `activations`: how many times a scheduler
+  /// ran (one or more messages each).
+  struct scheduler_cost {
+    std::chrono::nanoseconds time{0};
+    std::uint64_t activations = 0;
+  };
+  [[nodiscard]] scheduler_cost scheduler_time() const;
 
   /// explore(): nodes, costs and random faults for `seed` (ones the runtime promises to
   /// survive: losses and freezes leave at least one node, slow nodes and links).
