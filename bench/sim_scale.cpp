@@ -198,8 +198,8 @@ int main(int argc, char** argv) {
               << sum.sched / static_cast<double>(sum.chunks) * 1e6 << " us per chunk ("
               << sum.sched / static_cast<double>(sum.runs) * 1e6 << " us per activation, "
               << std::setprecision(1)
-              << static_cast<double>(sum.runs) / static_cast<double>(sum.chunks)
-              << " per chunk)" << (sum.exact ? ", exact" : ", WRONG RESULT") << std::endl;
+              << static_cast<double>(sum.runs) / static_cast<double>(sum.chunks) << " per chunk)"
+              << (sum.exact ? ", exact" : ", WRONG RESULT") << std::endl;
     if (!sum.exact) return 1;
     if (joining > 0 && sum.by_joined == 0) {
       std::cerr << "the nodes that joined took no work" << std::endl;

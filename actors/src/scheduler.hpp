@@ -399,7 +399,8 @@ class scheduler {
   /// The producers with room by load (producer_model::load, then slot): a pass reads the ones
   /// with room in order instead of sorting every producer, so that an event costs what the
   /// producers it changed do, not O(P log P). room_key_: each slot's key in room_, if there.
-  std::set<std::tuple<double, std::size_t, std::size_t>> room_;
+  using room_key = std::tuple<double, std::size_t, std::size_t>;
+  std::set<room_key, std::less<room_key>, pool_allocator<room_key>> room_;  ///< (node_pool.hpp)
   std::vector<std::optional<std::pair<double, std::size_t>>> room_key_;
   std::vector<std::size_t> room_dirty_;
   bool in_pass_ = false;     ///< pump() is reading room_

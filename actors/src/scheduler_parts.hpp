@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "node_pool.hpp"
+
 namespace troupe {
 class batch;
 }
@@ -175,7 +177,9 @@ class basic_inflight_table {
   [[nodiscard]] std::size_t queued() const noexcept { return queue_.size(); }
 
  private:
-  std::unordered_map<std::uint64_t, piece> pieces_;
+  std::unordered_map<std::uint64_t, piece, std::hash<std::uint64_t>, std::equal_to<std::uint64_t>,
+                     pool_allocator<std::pair<const std::uint64_t, piece>>>
+      pieces_;
   std::set<std::pair<std::uint64_t, std::uint64_t>> queue_;  ///< (first index, id)
   std::uint64_t next_id_ = 0;
 };

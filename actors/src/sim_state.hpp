@@ -399,8 +399,8 @@ class sim_state final : public sim_host {
   std::map<std::string, sim_node> nodes_;
   std::vector<std::weak_ptr<job_core>> jobs_;
   std::size_t prune_at_ = 64;
-  std::size_t live_ = 0;           ///< jobs submitted and not ended
-  std::vector<caf::actor> owned_;  ///< the runners' schedulers
+  std::size_t live_ = 0;                           ///< jobs submitted and not ended
+  std::vector<caf::actor> owned_;                  ///< the runners' schedulers
   std::vector<const caf::resumable*> schedulers_;  ///< the same, as the coordinator runs them
   std::chrono::nanoseconds scheduler_time_{0};     ///< spent running them (simulation.hpp)
   std::uint64_t scheduler_runs_ = 0;
