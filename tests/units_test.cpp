@@ -1027,3 +1027,50 @@ TEST(SplitPolicy, TheOnlyItemOfAChunkNotBegunStaysWhereItIs) {
   ASSERT_TRUE(s);
   EXPECT_FALSE(s->all);
 }
+
+// -- the node pool of the scheduler's indexes (node_pool.hpp) -------------------------------------
+
+#include <algorithm>
+#include <tuple>
+
+#include "node_pool.hpp"
+
+TEST(NodePool, ASetOnItsPoolMatchesAPlainSetThroughInsertsErasesCopiesMovesAndSwaps) {
+  using key = std::tuple<double, std::size_t, std::size_t>;
+  using pooled = std::set<key, std::less<key>, troupe::detail::pool_allocator<key>>;
+  std::mt19937_64 rng{42};
+  pooled a;
+  std::set<key> want;
+  for (int i = 0; i < 20000; ++i) {
+    key k{static_cast<double>(rng() % 8) / 4, rng() % 100, rng() % 500};
+    if (rng() % 3 == 0 && !want.empty()) {  // erase one that is there, by iterator
+      auto w = want.lower_bound(k);
+      if (w == want.end()) w = want.begin();
+      auto it = a.find(*w);
+      ASSERT_NE(it, a.end());
+      a.erase(it);
+      want.erase(w);
+    } else {
+      a.insert(k);
+      want.insert(k);
+    }
+  }
+  ASSERT_TRUE(std::equal(a.begin(), a.end(), want.begin(), want.end()));
+  pooled copy = a;  // nodes of its own
+#if !defined(__SANITIZE_ADDRESS__)
+  EXPECT_NE(copy.get_allocator(), a.get_allocator()) << "a copy must not share the pool";
+#endif
+  copy.clear();
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), want.begin(), want.end()));
+  pooled moved = std::move(a);  // takes the nodes and their pool
+  EXPECT_TRUE(std::equal(moved.begin(), moved.end(), want.begin(), want.end()));
+  pooled other;
+  other.insert({1.0, 2, 3});
+  std::swap(moved, other);
+  EXPECT_EQ(moved.size(), 1u);
+  EXPECT_TRUE(std::equal(other.begin(), other.end(), want.begin(), want.end()));
+  other = moved;  // a copy assigned: the target keeps its own pool
+  EXPECT_EQ(other.size(), 1u);
+  moved.clear();
+  EXPECT_EQ(other.count({1.0, 2, 3}), 1u);
+}

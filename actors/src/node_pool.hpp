@@ -73,11 +73,16 @@ template <class T>
 class pool_allocator {
  public:
   using value_type = T;
-  // A container's nodes belong to its pool: assigning or swapping containers takes the pool along.
-  using propagate_on_container_copy_assignment = std::true_type;
+  // A container's nodes belong to its pool: a move or a swap takes the pool along with them; a
+  // copy (constructed or assigned) gets nodes of its own, in the pool it has or a new one, so
+  // that two containers never share one (a pool is not thread-safe).
+  using propagate_on_container_copy_assignment = std::false_type;
   using propagate_on_container_move_assignment = std::true_type;
   using propagate_on_container_swap = std::true_type;
   pool_allocator() : pool_(std::make_shared<node_pool>()) {}
+  [[nodiscard]] pool_allocator select_on_container_copy_construction() const {
+    return pool_allocator{};
+  }
   template <class U>
   pool_allocator(const pool_allocator<U>& other) noexcept : pool_(other.pool_) {}  // NOLINT
 
