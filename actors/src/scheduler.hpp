@@ -398,13 +398,10 @@ class scheduler {
   std::vector<std::uint64_t> touched_;
   /// The producers with room by load (producer_model::load, then slot): a pass reads the ones
   /// with room in order instead of sorting every producer, so that an event costs what the
-  /// producers it changed do, not O(P log P). room_key_: each slot's key in room_, if there.
+  /// producers it changed do, not O(P log P). room_at_: each slot's key in room_, if there.
   using room_key = std::tuple<double, std::size_t, std::size_t>;
-  using room_set = std::set<room_key, std::less<room_key>, pool_allocator<room_key>>;
-  room_set room_;  ///< (node_pool.hpp)
-  std::vector<std::optional<std::pair<double, std::size_t>>> room_key_;
-  /// Where slot p's key is in room_ (while room_key_[p] is set): erased without a search.
-  std::vector<room_set::iterator> room_at_;
+  std::set<room_key, std::less<room_key>, pool_allocator<room_key>> room_;  ///< node_pool.hpp
+  std::vector<std::optional<decltype(room_)::iterator>> room_at_;
   std::vector<std::size_t> room_dirty_;
   bool in_pass_ = false;     ///< pump() is reading room_
   bool pass_again_ = false;  ///< pump() was called during a pass: one more pass after it
