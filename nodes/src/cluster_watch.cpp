@@ -192,9 +192,12 @@ std::vector<membership_event> cluster_core::take_notices_locked(clock::time_poin
     return nullptr;
   };
   std::vector<membership_event> events;
+  // The members' devices, copied once (not once per notice: a rolling drain of a fleet sends one
+  // per node); a notice changes only its own member.
+  auto members = notices.empty() ? decltype(core_.members()){} : core_.members();
   for (auto& [where, incarnation] : notices)
     if (auto* address = member_of(where))
-      for (auto& m : core_.members())
+      for (auto& m : members)
         if (m.address == *address) {
           auto more = core_.answered(m.address, incarnation, m.devices, now, false, true);
           events.insert(events.end(), more.begin(), more.end());
