@@ -48,6 +48,7 @@ chunk_result answer(const fake_state& st, const work_chunk& w) {
   chunk_result r;
   r.run = w.run;
   r.first = w.first;
+  r.tag = w.tag;  // where the answer goes in the scheduler (the protocol: every producer does)
   r.busy_ns = 1000;
   std::vector<std::int64_t> out;
   auto* in = w.items.as<std::int64_t>();

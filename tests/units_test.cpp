@@ -7,6 +7,7 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
+#include <map>
 #include <random>
 #include <set>
 #include <thread>
@@ -439,6 +440,75 @@ TEST(SchedulerParts, InflightTableRetriesAvoidTheFailedProducerAndWaitForTheBack
   EXPECT_EQ(t.take_queued(1, later, false), id);
 }
 
+// The table keeps its pieces in a ring indexed by id, and moves a piece left far behind (a chunk
+// stuck while thousands pass) to a map of its own. Against a std::map through random adds,
+// take-outs, drops and requeues: every piece is found where the map has it, taken out once, and
+// the ring stays within a few times the pieces alive however long one piece stays.
+TEST(SchedulerParts, InflightTableFindsEveryPieceThroughRandomAddsAndTakeOutsAndKeepsItsRingSmall) {
+  using troupe::detail::piece;
+  troupe::detail::inflight_table t;
+  std::map<std::uint64_t, std::uint64_t> model;  // id -> first
+  std::mt19937_64 rng{7};
+  auto now = troupe::detail::clock_type::now();
+  std::uint64_t next_first = 0;
+  std::optional<std::uint64_t> stuck;  // one piece kept for a long while
+  std::size_t most_slots = 0;
+  for (int step = 0; step < 60000; ++step) {
+    auto r = rng() % 100;
+    if (model.empty() || r < (model.size() < 24 ? 60u : 40u)) {
+      piece x;
+      x.first = next_first;
+      x.items = ints({static_cast<std::int64_t>(next_first)});
+      x.holders = {static_cast<std::size_t>(rng() % 8)};
+      next_first += 1;
+      auto id = t.add(std::move(x));
+      ASSERT_EQ(model.count(id), 0u);
+      model[id] = next_first - 1;
+      if (!stuck && step > 1000) stuck = id;
+    } else if (r < 96) {
+      // Mostly the oldest few (answers come about in order), sometimes any; the stuck one only
+      // near the end.
+      auto it = model.begin();
+      auto skip = rng() % (r < 90 ? 4 : model.size());
+      for (std::uint64_t k = 0; k < skip && std::next(it) != model.end(); ++k) ++it;
+      if (stuck && it->first == *stuck && step < 50000) {
+        if (std::next(it) == model.end()) continue;
+        ++it;
+      }
+      auto x = t.take_out(it->first);
+      ASSERT_TRUE(x);
+      EXPECT_EQ(x->first, it->second);
+      EXPECT_FALSE(t.take_out(it->first));  // once
+      model.erase(it);
+    } else {
+      // A producer lost: its piece is queued again, then taken by another.
+      auto it = std::next(model.begin(), static_cast<long>(rng() % model.size()));
+      auto* x = t.find(it->first);
+      ASSERT_NE(x, nullptr);
+      auto holder = x->holders.empty() ? std::size_t{0} : x->holders[0];
+      if (t.drop_holder(it->first, holder)) {
+        auto id = t.take_queued(99, now, true);
+        ASSERT_TRUE(id);
+        t.find(*id)->holders = {99};
+      }
+    }
+    ASSERT_EQ(t.size(), model.size());
+    most_slots = std::max(most_slots, t.ring_slots());
+    if (step % 997 == 0)
+      for (auto& [id, first] : model) {
+        auto* x = t.find(id);
+        ASSERT_NE(x, nullptr) << "piece " << id << " at step " << step;
+        EXPECT_EQ(x->first, first);
+      }
+  }
+  for (auto& [id, first] : model) EXPECT_TRUE(t.take_out(id));
+  EXPECT_TRUE(t.empty());
+  EXPECT_FALSE(t.find(0));
+  // The stuck piece stayed for ~49,000 steps while ~24,000 pieces passed; about 20 are alive at
+  // once: the ring did not grow with the pieces that passed it.
+  EXPECT_LE(most_slots, 512u);
+}
+
 #include "producer_model.hpp"
 
 namespace {
@@ -864,6 +934,7 @@ TEST(FairShare, PickPassesOverJobsWithoutWorkForThisProducerAndDropsStaleOnes) {
 
 // -- chunk_cut and the split policy (options::split_late_chunks) ---------------------------------
 
+#include <map>
 #include <random>
 #include <thread>
 

@@ -30,8 +30,8 @@ class node_pool {
       return p;
     }
     if (left_ == 0) {
-      // Slabs double from a few nodes: a job's table of pieces with one chunk in flight must not
-      // hold 256 nodes (~48 kB) while thousands of jobs run.
+      // Slabs double from a few nodes: a small container must not hold 256 nodes while
+      // thousands of them live (the pool was once each job's table of pieces).
       auto n = slabs_.size() < 6 ? std::size_t{4} << slabs_.size() : max_slab;
       slabs_.push_back(std::make_unique<std::byte[]>(size_ * n));
       next_ = slabs_.back().get();

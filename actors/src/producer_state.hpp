@@ -157,6 +157,7 @@ struct producer_state {
 
   chunk_result work(const work_chunk& w) {
     chunk_result r;
+    r.tag = w.tag;
     auto joined = prepare(w, r);
     if (!joined) return r;
     auto start = std::chrono::steady_clock::now();
@@ -185,6 +186,7 @@ struct producer_state {
   /// batching.
   std::vector<chunk_result> work_group(const std::vector<work_chunk>& ws) {
     std::vector<chunk_result> rs(ws.size());
+    for (std::size_t i = 0; i < ws.size(); ++i) rs[i].tag = ws[i].tag;
     bool together = !serialize && producer != nullptr;
     for (auto& w : ws) together = together && !w.fold;
     if (!together) {

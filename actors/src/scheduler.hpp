@@ -42,6 +42,7 @@
 
 #include "fair_share.hpp"
 #include "fault_points.hpp"
+#include "node_pool.hpp"
 #include "producer_model.hpp"
 #include "scheduler_io.hpp"
 #include "scheduler_parts.hpp"

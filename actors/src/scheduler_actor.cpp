@@ -35,6 +35,9 @@ class scheduler_shell final : public scheduler_io {
         core_(*this, std::move(devices), std::move(opts), std::move(stats)) {
     // CAF 0.17 never fails a request to a dead node: monitors (and heartbeats) tell us.
     for (std::size_t p = 0; p < handles_.size(); ++p) watch(p);
+    // An error as a message (not a response) is CAF's answer to a chunk whose producer failed
+    // it (send_chunk): by default CAF would end this actor.
+    self_->set_error_handler([this](caf::error& err) { answered(err); });
     self_->set_down_handler([this](caf::down_msg& dm) {
       // By address, not by a scan of every slot: a node lost with its producers at 8,000
       // producers was a scan per producer (BENCHMARKS, "the scheduler's cost as the pool grows").
@@ -120,29 +123,54 @@ class scheduler_shell final : public scheduler_io {
   clock_type::time_point now() override { return self_->home_system().clock().now(); }
 
   void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) override {
-    auto job = msg.run;
+    msg.tag = chunk_tag{p, gen, id};
     // A large chunk for a remote producer travels as fragments, then a small reference.
     msg.items = bulk::split_for(self_, handles_[p], msg.items);
+    if (handles_[p]) {
+      // A plain message (chunk_tag): the producer's answer comes back as one, to answered().
+      gens_.resize(handles_.size());
+      gens_[p] = gen;
+      self_->send(handles_[p], std::move(msg));
+      return;
+    }
+    // A slot let go of (forget_producer): a request to an empty handle fails at once.
     self_->request(handles_[p], caf::infinite, std::move(msg))
-        .then(
-            [this, p, gen, id, job](chunk_result& r) {
-              // Joined first, even for an answer the core drops, so that its fragments are
-              // released.
-              try {
-                r.outputs = bulk::resolve(r.outputs);
-              } catch (const std::exception& e) {
-                r.outputs = {};
-                if (r.ok()) {
-                  r.code = errc::protocol_error;
-                  r.what = e.what();
-                }
-              }
-              if (auto* c = core()) c->on_result(p, gen, job, id, r);
-            },
-            [this, p, gen](caf::error& err) {
-              if (auto* c = core())
-                c->producer_failed(p, gen, error_text(err), err == caf::exit_reason::unreachable);
-            });
+        .then([](chunk_result&) {},
+              [this, p, gen](caf::error& err) {
+                if (auto* c = core()) c->producer_failed(p, gen, error_text(err), false);
+              });
+  }
+
+  /// A producer's answer to send_chunk. From an actor other than the one its slot holds now (a
+  /// producer replaced or let go of, or a tag that is not its own) it goes to the core as an
+  /// answer of no generation: dropped there as a late one.
+  void answered(chunk_result& r) {
+    // Joined first, even for an answer the core drops, so that its fragments are released.
+    try {
+      r.outputs = bulk::resolve(r.outputs);
+    } catch (const std::exception& e) {
+      r.outputs = {};
+      if (r.ok()) {
+        r.code = errc::protocol_error;
+        r.what = e.what();
+      }
+    }
+    auto p = r.tag.slot;
+    if (p >= handles_.size()) return;
+    auto gen = r.tag.gen;
+    if (!handles_[p] || handles_[p].address() != self_->current_sender()) gen = ~gen;
+    if (auto* c = core()) c->on_result(static_cast<std::size_t>(p), gen, r.run, r.tag.id, r);
+  }
+
+  /// An error in answer to a chunk (a producer that has no handler for it, or one that quit on
+  /// it): that producer is given up on, as a request's error was. Errors from anyone else are
+  /// dropped.
+  void answered(caf::error& err) {
+    auto it = slot_of_.find(caf::actor_cast<caf::actor_addr>(self_->current_sender()));
+    if (it == slot_of_.end()) return;
+    auto p = it->second;
+    if (auto* c = core(); c && p < gens_.size())
+      c->producer_failed(p, gens_[p], error_text(err), err == caf::exit_reason::unreachable);
   }
 
   void end_producer(std::size_t p) override {
@@ -258,6 +286,7 @@ class scheduler_shell final : public scheduler_io {
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
   std::unordered_map<caf::actor_addr, std::size_t> slot_of_;  ///< live handles_, by address
+  std::vector<std::uint64_t> gens_;  ///< the generation of each slot's last chunk sent
   /// Producers whose node drained before add() brought them (leaving): the newest few.
   static constexpr std::size_t max_leaving_soon = 1024;
   std::vector<caf::actor_addr> leaving_soon_;
@@ -329,6 +358,7 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
         [st](close_timeout_atom) {
           if (auto* c = st->core()) c->timer_fired(scheduler_io::timer::close_timeout, 0);
         },
+        [st](chunk_result& r) { st->answered(r); },
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };

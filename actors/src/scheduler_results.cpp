@@ -7,6 +7,12 @@ namespace troupe::detail {
 void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, std::uint64_t id,
                           chunk_result& r) {
   auto& s = producers_[p];
+  // At 8,000 producers an answer's slot, its piece, its outputs and the slot's records are each
+  // a cache miss: asked for together, they overlap.
+  prefetch_bytes(&s, sizeof(s));
+  auto ji = jobs_.find(job);  // (nothing below ends a job before its answer is taken)
+  if (ji != jobs_.end()) ji->second->pieces.prefetch(id);
+  __builtin_prefetch(r.outputs.get());
   // An answer from a handle given up on (the chunk went elsewhere): dropped, so that every
   // output is delivered exactly once.
   if (s.gen != gen) {
@@ -18,8 +24,9 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     auto t = s.find(job, id);
     if (t != s.outstanding.end() && t->cut_id != 0) apply_trim(p, *t, r.kept);
   }
+  __builtin_prefetch(s.outstanding.data());
+  __builtin_prefetch(s.rates.data());
   auto now = clock_now();
-  auto ji = jobs_.find(job);  // (nothing below ends a job before its answer is taken)
   auto rec = s.find(job, id);
   if (rec != s.outstanding.end()) {
     if (trace_)

@@ -95,6 +95,7 @@ caf::behavior sim_producer(caf::event_based_actor* self, std::shared_ptr<sim_pro
         // A node's producer gets its chunks over the network: it never folds (work_chunk::fold
         // does not travel), so a simulated one does not either.
         auto r = st->real.work(work_chunk{w.run, w.first, w.items, w.keep_going, nullptr});
+        r.tag = w.tag;
         // Its time is virtual: the chunk's cost, from when the producer could start it.
         auto& n = sim.node_of(*st);
         auto now = sim.clock_now();

@@ -77,6 +77,17 @@ using timer_atom = caf::atom_constant<caf::atom("tr_timer")>;
 using release_atom = caf::atom_constant<caf::atom("tr_release")>;
 
 /// A contiguous run of items: `items[i]` is item number `first + i` of run `run`.
+/// Where a chunk's answer goes in the scheduler that sent it: set on the chunk, copied to its
+/// answer by every producer. Chunks go out as plain messages, not requests: a request costs its
+/// sender an entry in CAF's table of awaited responses, a handler on the heap and a search of
+/// the table per answer, three cache misses each way with thousands of chunks in flight
+/// (BENCHMARKS.md, "the scheduler alone").
+struct chunk_tag {
+  std::uint64_t slot = 0;  ///< the producer's slot
+  std::uint64_t gen = 0;   ///< the slot's generation when it was sent
+  std::uint64_t id = 0;    ///< the piece's id in its job's table
+};
+
 struct work_chunk {
   std::uint64_t run = 0;  ///< the job's id
   std::uint64_t first = 0;
@@ -101,6 +112,7 @@ struct work_chunk {
   /// To a producer in another process, options::split_late_chunks: the chunk's number for
   /// trim_atom (growing in the order its coordinator sends that producer chunks); 0: not cut.
   std::uint64_t cut_id = 0;
+  chunk_tag tag{};
 };
 
 /// A producer's answer to a work_chunk: all outputs, or the first failure.
@@ -122,6 +134,7 @@ struct chunk_result {
   /// A chunk with a cut_id trimmed on its node: the items it answers, [0, kept) (-1: all). Its
   /// coordinator may see this answer before the trim's own answer.
   std::int64_t kept = -1;
+  chunk_tag tag{};  ///< its chunk's
 
   [[nodiscard]] bool ok() const noexcept { return code == errc::none; }
 };
@@ -150,9 +163,14 @@ struct init_done {
 };
 
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, chunk_tag& x) {
+  return f(caf::meta::type_name("troupe.chunk_tag"), x.slot, x.gen, x.id);
+}
+
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, work_chunk& x) {
   return f(caf::meta::type_name("troupe.work_chunk"), x.run, x.first, x.items, x.keep_going,
-           x.cut_id);
+           x.cut_id, x.tag);
 }
 
 template <class Inspector>
@@ -163,7 +181,7 @@ typename Inspector::result_type inspect(Inspector& f, item_error& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_result& x) {
   return f(caf::meta::type_name("troupe.chunk_result"), x.run, x.first, x.outputs, x.busy_ns,
-           x.idle_ns, x.code, x.failed_index, x.what, x.failures, x.extra_calls, x.kept);
+           x.idle_ns, x.code, x.failed_index, x.what, x.failures, x.extra_calls, x.kept, x.tag);
 }
 
 template <class Inspector>
