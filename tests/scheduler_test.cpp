@@ -12,6 +12,7 @@
 #include <caf/send.hpp>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <thread>
 #include <troupe/job_options.hpp>
@@ -37,6 +38,8 @@ struct fake_state {
   std::function<bool(std::int64_t)> fails;
   /// Chunks after which it stops answering: 0 = answers every chunk.
   std::size_t stall_after = 0;
+  /// Answers every chunk as the producer of this slot (a tag not its own), outputs negated.
+  std::optional<std::uint64_t> poses_as;
   /// Chunks after which it quits (vanishes) without answering the next: 0 = never.
   std::size_t vanish_after = 0;
   std::vector<std::uint64_t> firsts;        ///< the first item of every chunk it received
@@ -64,9 +67,10 @@ chunk_result answer(const fake_state& st, const work_chunk& w) {
       r.failures.push_back(troupe::item_error{index, "fake failure"});
       continue;
     }
-    out.push_back(in->items[i]);
+    out.push_back(st.poses_as ? -in->items[i] : in->items[i]);
   }
   r.outputs = batch::of(std::move(out));
+  if (st.poses_as) r.tag.slot = *st.poses_as;
   return r;
 }
 
@@ -253,6 +257,29 @@ TEST_F(SchedulerTest, AProducerThatVanishesMidJobHasItsChunksRedispatchedInOrder
   EXPECT_TRUE(stats_->value.producers[1].alive);  // a lost local producer is replaced
   EXPECT_EQ(stats_->value.producers[1].restarts, 1u);
   ASSERT_EQ(replacements_.size(), 1u);
+}
+
+TEST_F(SchedulerTest, AnAnswerThatPosesAsAnotherProducersIsDroppedNotDelivered) {
+  // Producer 1 answers every chunk with producer 0's slot in its tag and wrong outputs. A chunk
+  // goes out as a plain message and its answer finds its slot by its tag: an answer from an
+  // actor other than the slot's must not be delivered (it would be, by producer 0's slot, with
+  // the piece's id), so producer 1 looks stalled, is given up on, and its chunks go elsewhere.
+  auto liar = answering();
+  liar->poses_as = 0;
+  auto opts = small_chunks();
+  opts.work_timeout = 20ms;
+  opts.speculative = false;
+  start({answering(), liar}, opts, /*remote=*/{1});
+  auto job = submit(100, {});
+  sched_.run();
+  ASSERT_FALSE(job->done());  // the ordered window waits for producer 1's first chunk
+  std::this_thread::sleep_for(40ms);
+  while (!job->done() && sched_.trigger_timeout()) sched_.run();
+  ASSERT_TRUE(job->done());
+  EXPECT_EQ(job->error(), nullptr);
+  EXPECT_EQ(*seen_, test_util::iota(100));  // no negated item
+  EXPECT_GE(stats_->value.late_answers, 1u);
+  EXPECT_FALSE(stats_->value.producers[1].alive);
 }
 
 TEST_F(SchedulerTest, AStalledProducerIsGivenUpOnAndItsLateAnswersAreDropped) {
