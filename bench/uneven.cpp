@@ -5,7 +5,8 @@
 //   slow-after-fast  5 jobs of 200,000 trivial items, then one job of 3,000 items of 200 us
 //   slow-patch       100,000 trivial items with 1,500 items of 400 us in the middle
 //   lognormal        20,000 items whose cost is drawn from a lognormal (median 50 us, sigma 1.5),
-//                    as plain numbers and as items with troupe_cost (lognormal-cost)
+//                    as plain numbers, with a consumer that merges (lognormal-merge: folded on
+//                    the producers) and as items with troupe_cost (lognormal-cost)
 //   batch            a batch producer of 2 ms per call + 10 us per item, a plain run() of 5,000
 //                    items, against fixed chunk sizes (a sweep)
 // For each: the makespan, the ideal (total work / producers, or the longest item when longer),
@@ -66,6 +67,21 @@ struct costed {
   };
 };
 
+template <class Job>
+struct job_tag {
+  using type = Job;
+};
+
+/// The same work, with a consumer that can merge another (docs/api.md, "Folding on the
+/// producers"): local producers fold their chunks' outputs, so no chunk's outputs travel to the
+/// consumer one by one.
+struct costed_merged {
+  using producer = costed::producer;
+  struct consumer : costed::consumer {
+    void merge(consumer&& other) { total += other.total; }
+  };
+};
+
 /// An item whose cost its user states (docs/api.md, "Item costs: troupe_cost"): microseconds.
 struct stated {
   std::int64_t us = 0;
@@ -113,6 +129,7 @@ struct batched {
 }  // namespace
 
 TROUPE_REGISTER_JOB(costed);
+TROUPE_REGISTER_JOB(costed_merged);
 
 namespace {
 
@@ -166,7 +183,7 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
   app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
-  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-cost or batch");
+  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-merge, lognormal-cost or batch");
   app.add_option("--node-processes", nodes, "slow-patch and lognormal on this many node processes");
   app.add_flag("--no-split", no_split, "options::split_late_chunks off");
   long target_us = 0;
@@ -193,13 +210,13 @@ int main(int argc, char** argv) {
   // Times one job of `us` on a runner that ran `before` (jobs of trivial items) first, against
   // TBB over the same items.
   auto measure = [&](const char* name, const std::vector<std::int64_t>& us, int before,
-                     std::size_t before_items) {
+                     std::size_t before_items, auto job) {
+    using Job = typename decltype(job)::type;
     troupe::options o;
     o.split_late_chunks = !no_split;
     if (target_us > 0) o.target_chunk_time = std::chrono::microseconds{target_us};
     o.trace_file = trace;
-    troupe::unordered_runner<costed> r{
-        cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
+    troupe::unordered_runner<Job> r{cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
     auto s0 = r.stats();
     auto t0 = clock_type::now();
@@ -218,18 +235,21 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (want("slow-after-fast"))
-    measure("slow-after-fast", std::vector<std::int64_t>(3'000, 200), 5, 200'000);
+    measure("slow-after-fast", std::vector<std::int64_t>(3'000, 200), 5, 200'000,
+            job_tag<costed>{});
   if (want("slow-patch")) {
     std::vector<std::int64_t> us(100'000, 0);
     for (std::size_t i = 49'250; i < 50'750; ++i) us[i] = 400;
-    measure("slow-patch", us, 1, 1'000);
+    measure("slow-patch", us, 1, 1'000, job_tag<costed>{});
   }
-  if (want("lognormal")) {
+  if (want("lognormal") || want("lognormal-merge")) {
     std::mt19937_64 rng{7};
     std::lognormal_distribution<double> cost{std::log(50.0), 1.5};
     std::vector<std::int64_t> us(20'000);
     for (auto& x : us) x = static_cast<std::int64_t>(std::min(50'000.0, cost(rng)));
-    measure("lognormal", us, 1, 1'000);
+    if (want("lognormal")) measure("lognormal", us, 1, 1'000, job_tag<costed>{});
+    if (want("lognormal-merge") && !cluster)
+      measure("lognormal-merge", us, 1, 1'000, job_tag<costed_merged>{});
   }
   if (want("lognormal-cost")) {  // the same items, their cost stated (troupe_cost)
     std::mt19937_64 rng{7};

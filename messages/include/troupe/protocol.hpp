@@ -6,7 +6,8 @@
 //
 // A job (the job's id is `run` in these messages):
 //   runner ──init_atom──▶ producer ──init_done──▶ runner              (producer's constructor)
-//   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler
+//   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler (plain messages, not a
+//                                      request: the answer finds its slot by its chunk_tag)
 //   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler  (the consumer's
 //                                      constructor runs with its first message)
 //   scheduler ──consume_chunk (last)──▶ consumer (work, then end()) ──consume_ack──▶ scheduler
@@ -223,8 +224,9 @@ namespace troupe {
 /// The version of troupe's node protocol; peers with another version are refused.
 // 2: idle_ns; 3: keep_going, failures; 4: index; 5: chunk_result::extra_calls, leaving_atom;
 // 6: node_hello::incarnation, leaving; 7: work_chunk::cut_id, chunk_result::kept, trim_atom;
-// 8: a training replica answers init with an init_reply (its fields left train_msg)
-constexpr std::uint32_t node_protocol_version = 8;
+// 8: a training replica answers init with an init_reply (its fields left train_msg);
+// 9: work_chunk::tag, chunk_result::tag (chunks go out as plain messages)
+constexpr std::uint32_t node_protocol_version = 9;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 /// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
