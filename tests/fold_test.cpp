@@ -70,12 +70,16 @@ TEST(Fold, AnOrderedRunnerMergesEveryChunkInInputOrder) {
   keeps_order::reset();
   auto h = runner.submit(troupe::lend(xs));  // read in place, in blocks under its lease
   EXPECT_EQ(h.get(), tripled(100'000));
-  EXPECT_EQ(keeps_order::merges, 100) << "one merge per chunk of 1000";
-  EXPECT_EQ(keeps_order::made, 101) << "the job's consumer and one per chunk";
+  // One merge per chunk of 1000, and one more for each late chunk split for an idle producer at
+  // the job's end (its items not started went to another producer, folded there).
+  EXPECT_GE(keeps_order::merges, 100) << "one merge per chunk of 1000";
+  EXPECT_EQ(keeps_order::made, keeps_order::merges + 1) << "the job's consumer and one per part";
+  EXPECT_EQ(keeps_order::merged_items, 100'000u);
   EXPECT_EQ(h.report().delivered, 100'000u);
   keeps_order::reset();
   EXPECT_EQ(runner.run(iota(100'000)), tripled(100'000));  // an rvalue: not lent
-  EXPECT_EQ(keeps_order::merges, 100);
+  EXPECT_GE(keeps_order::merges, 100);
+  EXPECT_EQ(keeps_order::merged_items, 100'000u);
   keeps_order::reset();
   std::int64_t next = 0;
   auto gen = troupe::generate([&]() -> std::optional<std::int64_t> {
@@ -83,7 +87,8 @@ TEST(Fold, AnOrderedRunnerMergesEveryChunkInInputOrder) {
     return next++;
   });
   EXPECT_EQ(runner.run(gen), tripled(5000));
-  EXPECT_EQ(keeps_order::merges, 5);
+  EXPECT_GE(keeps_order::merges, 5);
+  EXPECT_EQ(keeps_order::merged_items, 5000u);
 }
 
 TEST(Fold, AnUnorderedRunnerMergesEveryOutputOnce) {
@@ -94,7 +99,8 @@ TEST(Fold, AnUnorderedRunnerMergesEveryOutputOnce) {
   auto ys = runner.run(xs);
   std::sort(ys.begin(), ys.end());
   EXPECT_EQ(ys, tripled(100'000));
-  EXPECT_EQ(keeps_order::merges, 100);
+  EXPECT_GE(keeps_order::merges, 100);  // and one more for each late chunk split
+  EXPECT_EQ(keeps_order::merged_items, 100'000u);
   std::uint64_t done = 0;
   for (auto& p : runner.stats().producers) done += p.items;
   EXPECT_EQ(done, 100'000u);
@@ -139,7 +145,7 @@ TEST(Fold, ItemsThatAreNotNumbersFoldInOrderToo) {
   }
   joins_words::merges = 0;
   EXPECT_EQ(runner.run(words), want);
-  EXPECT_EQ(joins_words::merges, 8);
+  EXPECT_GE(joins_words::merges, 8);  // a chunk of 700 each, and a part for each split
 }
 
 /// Throws from the member `where` names (config "throw_in") at the value 3 * 5000.
@@ -424,7 +430,8 @@ TEST(Fold, AConsumerDestructorThatThrowsOnAProducerIsIgnored) {
 }
 
 /// A speculative copy that loses: producer 0 is held in its first item 500 until the job's
-/// get() has returned (another producer took a copy of the late chunk), then goes on.
+/// get() has returned (another producer took the late chunk's unclaimed items, and a copy of
+/// the claimed ones), then goes on.
 struct held_once {
   static inline std::atomic<bool> held{false};
   static inline std::atomic<std::uint64_t> calls{0};
@@ -455,7 +462,12 @@ TEST(Fold, ASpeculativeCopyThatLostStopsFolding) {
   troupe::unordered_runner<held_once> runner{2, {}, fixed_chunks(1000)};
   std::vector<std::int64_t> xs = iota(4000);
   EXPECT_EQ(runner.run(std::vector<std::int64_t>(xs)), 7'998'000);  // not lent: no lease to stop it
-  EXPECT_GE(runner.stats().duplicated_items, 1000u);
+  // The held chunk is cut like any other: the items its producer had not claimed go to the other
+  // producer (split), only the ones it had are copied. Before folded chunks were cut, the whole
+  // chunk of 1000 was copied.
+  EXPECT_GE(runner.stats().split_chunks, 1u);
+  EXPECT_GE(runner.stats().duplicated_items, 1u);
+  EXPECT_LT(runner.stats().duplicated_items, 1000u);
   auto at_return = held_once::calls.load();
   release.set_value();
   runner.close();

@@ -340,10 +340,9 @@ void scheduler::send(std::size_t p, job_state& j, std::uint64_t id,
   rec.sent = clock_now();
   rec.behind = s.outstanding.size();
   rec.bytes = x.items.get() ? x.items.get()->flat_bytes().value_or(opts_.max_chunk_bytes) : 0;
-  // A chunk an idle producer may take items of (not one folded on its producer, nor a part of
-  // a batched call). A node's producer never folds (consumer::merge is for local ones).
-  if (s.cuts && group_ == nullptr && (!j.fold || !s.local) && rec.items > 0 &&
-      rec.items <= chunk_cut::max_items) {
+  // A chunk an idle producer may take items of (not a part of a batched call; a folded one
+  // too: its producer claims items before it folds them).
+  if (s.cuts && group_ == nullptr && rec.items > 0 && rec.items <= chunk_cut::max_items) {
     if (s.local)
       rec.cut = std::make_shared<chunk_cut>(rec.items);
     else

@@ -203,6 +203,8 @@ class folded_chunk final : public batch_base {
     }
   }
   [[nodiscard]] std::size_t size() const noexcept override { return n_; }
+  /// The chunk was cut short (chunk_cut): it holds the outputs of its first `n` items only.
+  void cut_to(std::size_t n) noexcept { n_ = n; }
   [[nodiscard]] const std::type_info& item_type() const noexcept override {
     return typeid(folded_chunk<C>);
   }
@@ -363,9 +365,8 @@ class typed_producer final : public producer_ops {
     auto* lease = chunk.lease();  // only ever for numbers: a caller's contiguous range
     if constexpr (traits::folds) {
       if (fold != nullptr && !keep_going) {
-        // A folded chunk is not cut (the scheduler gives none): were one given, every item
-        // is claimed first, so that none is both folded here and taken back.
-        n = claims_.allow_all(0, n);
+        // A folded chunk is cut as any other: items are claimed before they are folded, so
+        // that none is both folded here and taken back for an idle producer.
         work_folded(*fold, lease, x, n, first, r);
         return;
       }
@@ -511,6 +512,9 @@ class typed_producer final : public producer_ops {
       r.revoked = true;
       return;
     }
+    // Cut before its first item (the scheduler took it all for an idle producer): no consumer
+    // is made for it, and its answer (no outputs) is dropped.
+    if (n > 0 && claims_.allow(0, 1) == 0) return;
     std::shared_ptr<folded_chunk<consumer_type>> folded;
     try {
       folded = std::make_shared<folded_chunk<consumer_type>>(make_with<consumer_type>(cfg_), n);
@@ -541,7 +545,14 @@ class typed_producer final : public producer_ops {
           r.revoked = true;
           return;
         }
-        k = std::min(step, m - b);
+        // The items that may start now (all of them without a cut); none: the scheduler took
+        // the rest of the chunk for an idle producer, and it ends here.
+        k = claims_.allow(at + b, std::min(step, m - b));
+        if (k == 0) {
+          folded->cut_to(at + b);
+          n = at + b;
+          break;
+        }
         std::size_t j = 0;
         bool consuming = false;  // which of the two threw
         try {
