@@ -183,7 +183,9 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
   app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
-  app.add_option("--only", only, "slow-after-fast, slow-patch, lognormal, lognormal-merge, lognormal-cost or batch");
+  app.add_option(
+      "--only", only,
+      "slow-after-fast, slow-patch, lognormal, lognormal-merge, lognormal-cost or batch");
   app.add_option("--node-processes", nodes, "slow-patch and lognormal on this many node processes");
   app.add_flag("--no-split", no_split, "options::split_late_chunks off");
   long target_us = 0;

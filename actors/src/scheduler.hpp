@@ -20,10 +20,10 @@
 // payloads at its edge, and turns CAF's answers and errors into the core's events. The class is
 // defined in four files, one per concern: scheduler_dispatch.cpp (which chunk goes to which
 // producer, speculation, timers), scheduler_split.cpp (late chunks split for idle producers),
-// scheduler_results.cpp (answers, error policies, producer
-// health: give-up, restart, quarantine) and scheduler_jobs.cpp (jobs arriving and ending, a
-// job's consumer, its progress, close). Its smaller parts, producer_model.hpp, fair_share.hpp,
-// split_policy.hpp and scheduler_parts.hpp, are unit-tested on their own.
+// scheduler_results.cpp (answers, error policies, producer health: give-up, restart,
+// quarantine) and scheduler_jobs.cpp (jobs arriving and ending, a job's consumer, its progress,
+// close). Its smaller parts, producer_model.hpp, fair_share.hpp, split_policy.hpp and
+// scheduler_parts.hpp, are unit-tested on their own.
 #pragma once
 
 #include <algorithm>
@@ -143,6 +143,7 @@ class scheduler {
                  chunk_result& r);
   /// A chunk could not reach producer `p` of generation `gen`, or its actor or node is gone.
   void producer_failed(std::size_t p, std::uint64_t gen, const std::string& why, bool unreachable);
+  std::uint64_t generation(std::size_t p) const { return producers_[p].gen; }  ///< slot p's now
   /// Producer `p`'s actor or node is gone (a monitor's message).
   void producer_down(std::size_t p, const std::string& why, bool unreachable);
   /// trim_remote's answer: chunk `id` of `job` on `p` now ends at `kept` (-1: nothing taken).
@@ -358,7 +359,6 @@ class scheduler {
 
   /// Whether every output of `j` is through the producers and the reorder window.
   static bool all_through(const job_state& j);
-
   void flush_consumer(job_state& j);
 
   /// The job's last outputs go to its consumer with consumer::end(): what get() shows once it
@@ -368,7 +368,6 @@ class scheduler {
   void conclude(job_state& j);
 
   void publish_report(job_state& j);
-
   void report_progress(job_state& j, bool final);
 
   // -- the end of a job ----------------------------------------------------------------------

@@ -128,8 +128,6 @@ class scheduler_shell final : public scheduler_io {
     msg.items = bulk::split_for(self_, handles_[p], msg.items);
     if (handles_[p]) {
       // A plain message (chunk_tag): the producer's answer comes back as one, to answered().
-      gens_.resize(handles_.size());
-      gens_[p] = gen;
       self_->send(handles_[p], std::move(msg));
       return;
     }
@@ -163,14 +161,15 @@ class scheduler_shell final : public scheduler_io {
   }
 
   /// An error in answer to a chunk (a producer that has no handler for it, or one that quit on
-  /// it): that producer is given up on, as a request's error was. Errors from anyone else are
-  /// dropped.
+  /// it): that producer, the actor its slot holds now, is given up on, as a request's error
+  /// was. Errors from anyone else are dropped.
   void answered(caf::error& err) {
     auto it = slot_of_.find(caf::actor_cast<caf::actor_addr>(self_->current_sender()));
     if (it == slot_of_.end()) return;
     auto p = it->second;
-    if (auto* c = core(); c && p < gens_.size())
-      c->producer_failed(p, gens_[p], error_text(err), err == caf::exit_reason::unreachable);
+    if (auto* c = core())
+      c->producer_failed(p, c->generation(p), error_text(err),
+                         err == caf::exit_reason::unreachable);
   }
 
   void end_producer(std::size_t p) override {
@@ -286,7 +285,6 @@ class scheduler_shell final : public scheduler_io {
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
   std::unordered_map<caf::actor_addr, std::size_t> slot_of_;  ///< live handles_, by address
-  std::vector<std::uint64_t> gens_;  ///< the generation of each slot's last chunk sent
   /// Producers whose node drained before add() brought them (leaving): the newest few.
   static constexpr std::size_t max_leaving_soon = 1024;
   std::vector<caf::actor_addr> leaving_soon_;

@@ -8,9 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <map>
-#include <memory>
 #include <optional>
 #include <set>
 #include <stdexcept>
