@@ -101,13 +101,17 @@ caf::behavior fake_producer(caf::event_based_actor* self, std::shared_ptr<fake_s
 }
 
 /// Records every output in the order received.
+// Counts each chunk in the job's gate, as a consumer does (job_gate::chunk_done), and
+// acknowledges every one (more than the scheduler asks for: harmless).
 caf::behavior fake_consumer(caf::event_based_actor*,
-                            std::shared_ptr<std::vector<std::int64_t>> seen) {
+                            std::shared_ptr<std::vector<std::int64_t>> seen,
+                            std::shared_ptr<troupe::detail::job_gate> gate) {
   return {
       [](troupe::init_atom) { return consume_ack{}; },
-      [seen](troupe::consume_chunk& c) {
+      [seen, gate](troupe::consume_chunk& c) {
         if (auto* xs = c.items.as<std::int64_t>())
           seen->insert(seen->end(), xs->items.begin(), xs->items.end());
+        gate->chunk_done(c.items.size());
         return consume_ack{c.run};
       },
       [](const troupe::end_of_input& e) { return consume_ack{e.run}; },
@@ -153,9 +157,9 @@ class SchedulerTest : public ::testing::Test {
 
   /// Submits a job of items 0..n-1 (ordered) and returns its core; outputs go to seen_.
   std::shared_ptr<troupe::detail::job_core> submit(std::int64_t n, troupe::job_options o) {
-    auto consumer = sys_.spawn(fake_consumer, seen_);
     auto spec = std::make_shared<troupe::detail::job_spec>();
     spec->core = std::make_shared<troupe::detail::job_core>(next_id_++, scheduler_);
+    auto consumer = sys_.spawn(fake_consumer, seen_, spec->core->gate());
     spec->core->set_consumer(consumer);
     spec->source = troupe::detail::make_job_source<std::int64_t>(test_util::iota(n));
     spec->consumer = consumer;

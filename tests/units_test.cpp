@@ -246,6 +246,55 @@ TEST(Testing, ConsumerProbe) {
   EXPECT_THROW(failing.end(), troupe::consumer_error);
 }
 
+// The scheduler sends a consumer its chunks as plain messages: each is counted in the job's
+// gate, and acknowledged with a message only when the scheduler waits for one (its backlog is
+// full, or the job has nothing left but its consumer's chunks) and for the last, so that a chunk
+// does not wake the scheduler's thread a second time.
+TEST(Consumer, AcknowledgesAPlainChunkOnlyWhenTheSchedulerWaitsForItAndTheLast) {
+  troupe::testing::test_system ts;
+  caf::scoped_actor self{ts.get()};
+  auto slot = std::make_shared<std::optional<std::int64_t>>();
+  auto gate = std::make_shared<troupe::detail::job_gate>();
+  auto consumer = troupe::detail::spawn_consumer_actor(
+      ts.get(), troupe::detail::make_consumer_maker<test_jobs::squares>(slot), {}, gate);
+  auto chunk = [](std::vector<std::int64_t> v, bool last = false) {
+    return troupe::consume_chunk{7, troupe::batch::of(std::move(v)), last};
+  };
+  auto acks = [&] {  // the acknowledgements in this actor's mailbox now
+    int n = 0;
+    bool more = true;
+    while (more)
+      self->receive([&](const troupe::consume_ack& a) { n += a.run == 7 ? 1 : 100; },
+                    caf::after(std::chrono::seconds{0}) >> [&] { more = false; });
+    return n;
+  };
+  auto taken = [&](std::uint64_t chunks) {  // waits until the consumer has taken `chunks`
+    while (gate->chunks_done() < chunks) std::this_thread::yield();
+  };
+  self->send(consumer, chunk({1, 2}));
+  self->send(consumer, chunk({3}));
+  self->send(consumer, chunk({4, 5, 6}));
+  taken(3);
+  EXPECT_EQ(gate->items_done(), 6u);
+  // Another message after them, answered: the three chunks' answers, had there been any, came
+  // before it.
+  self->request(consumer, caf::infinite, chunk({})).receive([](const troupe::consume_ack&) {},
+                                                            [](caf::error&) { FAIL(); });
+  EXPECT_EQ(acks(), 0) << "a chunk the scheduler did not wait for was acknowledged";
+  gate->want_ack(true);
+  self->send(consumer, chunk({7}));
+  taken(5);
+  self->request(consumer, caf::infinite, chunk({})).receive([](const troupe::consume_ack&) {},
+                                                            [](caf::error&) { FAIL(); });
+  EXPECT_EQ(acks(), 1);
+  gate->want_ack(false);
+  self->send(consumer, chunk({8}, true));
+  self->receive([](const troupe::consume_ack& a) { EXPECT_EQ(a.run, 7u); });
+  EXPECT_EQ(gate->chunks_done(), 7u);
+  EXPECT_EQ(gate->items_done(), 8u);
+  EXPECT_EQ(*slot, std::optional<std::int64_t>{1 + 2 + 3 + 4 + 5 + 6 + 7 + 8});
+}
+
 TEST(Messages, TruncatedOrLyingBatchesFailToLoad) {
   caf::actor_system_config sys_cfg;
   caf::actor_system sys{sys_cfg};

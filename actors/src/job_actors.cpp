@@ -149,7 +149,8 @@ struct consumer_state {
     return consume_ack{};
   }
 
-  caf::result<consume_ack> work(consume_chunk& c) {
+  /// consumer::work on a chunk's outputs, then consumer::end() after the job's last chunk.
+  caf::error work(consume_chunk& c) {
     if (auto err = start()) return err;
     if (!consumer) return make_error(errc::consumer_error, failure);
     try {
@@ -158,13 +159,19 @@ struct consumer_state {
     } catch (...) {
       return fail(consumer->member());
     }
-    if (!c.last) return consume_ack{c.run};
-    auto r = end(c.run);
-    if (failure.empty() && gate->succeeded) gate->succeeded();  // the caller need not wait for
-    return r;                                                   // the scheduler to hear of it
+    if (!c.last) return {};
+    if (auto err = finish()) return err;
+    if (gate->succeeded) gate->succeeded();  // the caller need not wait for the scheduler
+    return {};
   }
 
   caf::result<consume_ack> end(std::uint64_t run) {
+    if (auto err = finish()) return err;
+    return consume_ack{run};
+  }
+
+  /// consumer::end().
+  caf::error finish() {
     if (auto err = start()) return err;
     if (!consumer) return make_error(errc::consumer_error, failure);
     // A cancel or deadline that came first wins: end() does not start. Once it has started,
@@ -177,12 +184,22 @@ struct consumer_state {
     try {
       consumer->end();
       dispose();
-      return consume_ack{run};
+      return {};
     } catch (...) {
       return fail("end");
     }
   }
 };
+
+/// The answer to a chunk of `n` outputs that the consumer has taken: counted in the job's gate
+/// and, for the scheduler's plain messages, sent only when the scheduler waits for room in the
+/// consumer's backlog or for the job's last chunk (job_gate::chunk_done); a request (a
+/// troupe::testing probe's) is always answered.
+caf::result<consume_ack> taken(job_gate& gate, bool request, std::uint64_t run, std::size_t n,
+                               bool last) {
+  if (gate.chunk_done(n) || last || request) return consume_ack{run};
+  return caf::delegated<consume_ack>{};
+}
 
 // Consumers are event-based actors on the actor system's shared threads: a job costs no thread
 // of its own, and nothing once it has ended. An actor handles one message at a time, so the
@@ -196,11 +213,14 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
       },
       // After consumer::end() nothing is left to do: the actor ends itself
       // once it has answered, and nobody needs to end it.
-      [self, st](consume_chunk& c) {
+      [self, st](consume_chunk& c) -> caf::result<consume_ack> {
         mark_internal_thread();
-        auto r = st->work(c);
+        bool request = self->current_message_id().is_request();
+        auto n = c.items.size();
+        auto err = st->work(c);
         if (c.last) self->quit();
-        return r;
+        if (err) return err;
+        return taken(*st->gate, request, c.run, n, c.last);
       },
       [self, st](const end_of_input& e) {
         mark_internal_thread();
@@ -221,7 +241,12 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
 struct stream_state {
   std::shared_ptr<stream_buffer> buf;
   std::shared_ptr<job_gate> gate;
-  std::deque<caf::response_promise> held;  ///< acknowledgements held back while it is full
+  struct held_chunk {
+    caf::response_promise promise;
+    std::uint64_t run = 0;
+    std::size_t items = 0;
+  };
+  std::deque<held_chunk> held;  ///< acknowledgements held back while it is full
 };
 
 // Never blocks: a chunk beyond the buffer's capacity is kept, and its acknowledgement waits
@@ -235,17 +260,21 @@ caf::behavior stream_consumer_actor(caf::event_based_actor* self,
   return {
       [](init_atom) { return consume_ack{}; },
       [self, st](consume_chunk& c) -> caf::result<consume_ack> {
-        if (st->gate->stopped()) return consume_ack{c.run};
+        bool request = self->current_message_id().is_request();
         auto n = c.items.size();
+        if (st->gate->stopped()) return taken(*st->gate, request, c.run, n, c.last);
         bool room = st->buf->push(std::move(c.items));
         st->gate->add_delivered(n);
-        if (room) return consume_ack{c.run};
-        st->held.push_back(self->make_response_promise());
-        return st->held.back();
+        if (room) return taken(*st->gate, request, c.run, n, c.last);
+        // Taken once the reader makes room: answered then, whatever the scheduler waits for.
+        st->held.push_back({self->make_response_promise(), c.run, n});
+        return st->held.back().promise;
       },
       [st](room_atom) {
         while (!st->held.empty() && st->buf->has_room()) {
-          st->held.front().deliver(consume_ack{});
+          auto& h = st->held.front();
+          st->gate->chunk_done(h.items);
+          h.promise.deliver(consume_ack{h.run});
           st->held.pop_front();
         }
       },

@@ -45,6 +45,7 @@
 #include "node_pool.hpp"
 #include "producer_model.hpp"
 #include "scheduler_io.hpp"
+#include "scheduler_job.hpp"
 #include "scheduler_parts.hpp"
 #include "split_policy.hpp"
 #include "stats_box.hpp"
@@ -88,37 +89,6 @@ inline model_settings settings_of(const options& o) {
   return s;
 }
 
-/// One job, from submit() until it ends. Dropped as a whole when it ends.
-struct job_state {
-  std::uint64_t id = 0;
-  std::shared_ptr<job_core> core;
-  std::shared_ptr<input_source> source;
-  bool ordered = false;
-  job_options opts;
-  bool fold = false;              ///< work_chunk::fold for its chunks
-  std::uint64_t queued_left = 0;  ///< its items still counted in stats_box::queued
-  std::uint64_t next_item = 0;    ///< index of the next item to pull
-  /// Items with troupe_cost: the cost of one unit of the job's cost model (the mean cost of the
-  /// items of its first chunk, then fixed: units stay comparable from chunk to chunk); 0: none
-  /// pulled yet.
-  double cost_unit = 0;
-  std::uint64_t consumed = 0;
-  bool exhausted = false;
-  bool ending = false;        ///< its last outputs (or end_of_input) sent: consumer::end() next
-  std::size_t backlog = 0;    ///< chunks sent to the consumer, not yet acknowledged
-  std::deque<batch> pending;  ///< outputs held back while backlog is at consumer_backlog
-  std::shared_ptr<job_gate> gate;      ///< shared with the consumer and the handle
-  std::uint64_t sent_to_consumer = 0;  ///< outputs sent to the consumer
-  /// Its last outputs are on their way with consumer::end(): its report, progress and stats are
-  /// final already, and the consumer finishes the job itself once end() has returned.
-  bool concluded = false;
-  inflight_table pieces;
-  reorder_window reorder;
-  job_report report;
-  clock_type::time_point started;
-  clock_type::time_point last_progress;
-};
-
 class scheduler {
  public:
   scheduler(scheduler_io& io, std::vector<device> devices, options opts,
@@ -151,7 +121,11 @@ class scheduler {
                std::int64_t kept);
   void replaced(std::size_t p, std::uint64_t gen);
   void replace_failed(std::size_t p, std::uint64_t gen, const std::string& why);
+  /// The consumer has taken a chunk (one acknowledgement per chunk: the core tests' fakes).
   void consumed(std::uint64_t job, std::size_t n, bool last);
+  /// The consumer's acknowledgement: what it has taken is read from the job's gate
+  /// (job_gate::chunk_done); it is sent for the last chunk and while the job waits for room.
+  void consumer_acked(std::uint64_t job);
   void input_ended(std::uint64_t job);
   void consumer_failed(std::uint64_t job, const std::string& why);
   /// A producer has run producer::end() (or failed to: `why`), at close().
@@ -360,6 +334,9 @@ class scheduler {
   /// Whether every output of `j` is through the producers and the reorder window.
   static bool all_through(const job_state& j);
   void flush_consumer(job_state& j);
+  /// Reads what the consumer has taken since the last look (its gate's counts): room in its
+  /// backlog, progress, stats. Whether it took anything.
+  bool read_consumer(job_state& j);
 
   /// The job's last outputs go to its consumer with consumer::end(): what get() shows once it
   /// returns (report, progress, stats) is made final now, so that the consumer can finish the

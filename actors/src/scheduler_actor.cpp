@@ -164,8 +164,17 @@ class scheduler_shell final : public scheduler_io {
   /// it): that producer, the actor its slot holds now, is given up on, as a request's error
   /// was. Errors from anyone else are dropped.
   void answered(caf::error& err) {
-    auto it = slot_of_.find(caf::actor_cast<caf::actor_addr>(self_->current_sender()));
-    if (it == slot_of_.end()) return;
+    auto from = caf::actor_cast<caf::actor_addr>(self_->current_sender());
+    auto it = slot_of_.find(from);
+    if (it == slot_of_.end()) {
+      // A consumer that failed a chunk (consume): its job fails.
+      for (auto& [job, a] : consumers_) {
+        if (a.address() != from) continue;
+        if (auto* c = core()) c->consumer_failed(job, error_text(err));
+        return;
+      }
+      return;
+    }
     auto p = it->second;
     if (auto* c = core())
       c->producer_failed(p, c->generation(p), error_text(err),
@@ -221,6 +230,12 @@ class scheduler_shell final : public scheduler_io {
   void consume(consume_chunk msg, std::size_t n) override {
     auto job = msg.run;
     auto last = msg.last;
+    if (auto& to = consumers_[job]) {
+      // A plain message: the consumer counts it in the job's gate and acknowledges it only
+      // when the core waits for it (consumer_acked); its error comes back as a message too.
+      self_->send(to, std::move(msg));
+      return;
+    }
     self_->request(consumers_[job], caf::infinite, std::move(msg))
         .then(
             [this, job, n, last](const consume_ack&) {
@@ -357,6 +372,10 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
           if (auto* c = st->core()) c->timer_fired(scheduler_io::timer::close_timeout, 0);
         },
         [st](chunk_result& r) { st->answered(r); },
+        // A consumer's acknowledgement of the scheduler's plain consume_chunk messages.
+        [st](const consume_ack& a) {
+          if (auto* c = st->core()) c->consumer_acked(a.run);
+        },
         [](const bulk::fragment&) {},  // joined while it was deserialized
     };
   };

@@ -9,7 +9,9 @@ bool scheduler::all_through(const job_state& j) {
 }
 
 void scheduler::flush_consumer(job_state& j) {
-  while (!j.pending.empty() && j.backlog < opts_.consumer_backlog) {
+  while (!j.pending.empty()) {
+    if (j.backlog >= opts_.consumer_backlog && !(read_consumer(j) && j.backlog < opts_.consumer_backlog))
+      break;
     auto outputs = std::move(j.pending.front());
     j.pending.pop_front();
     // The job's final outputs carry consumer::end() with them (no end_of_input round trip).
@@ -18,11 +20,53 @@ void scheduler::flush_consumer(job_state& j) {
     j.sent_to_consumer += n;
     if (last) {
       j.ending = true;
+      j.last_sent = true;
       conclude(j);
     }
     j.backlog += 1;
+    j.chunks_to_consumer += 1;
     io_.consume(consume_chunk{j.id, std::move(outputs), last}, n);
   }
+  // The job waits for its consumer (at its backlog's limit, or with nothing left but to end
+  // once the consumer has taken what it has): the consumer acknowledges its next chunk with a
+  // message. Told after it, the gate is read again (the consumer may have taken one in between
+  // without seeing the wish), and the job looked at once more if it had.
+  bool waits = j.backlog >= opts_.consumer_backlog ||
+               (j.backlog > 0 && !j.ending && j.pending.empty() && all_through(j));
+  if (waits == j.ack_wanted) return;
+  j.ack_wanted = waits;
+  j.gate->want_ack(waits);
+  if (waits && read_consumer(j)) touch(j);
+}
+
+bool scheduler::read_consumer(job_state& j) {
+  auto chunks = j.gate->chunks_done();
+  if (chunks == j.chunks_read) return false;
+  auto items = j.gate->items_done();
+  auto n = items - j.items_read;
+  j.backlog -= static_cast<std::size_t>(chunks - j.chunks_read);
+  j.chunks_read = chunks;
+  j.items_read = items;
+  j.consumed += n;
+  if (!j.concluded) {
+    std::lock_guard<std::mutex> guard{stats_->mtx};
+    stats_->value.items += n;
+  }
+  return true;
+}
+
+void scheduler::consumer_acked(std::uint64_t job) {
+  auto ji = jobs_.find(job);
+  if (ji == jobs_.end()) return;
+  auto& j = *ji->second;
+  read_consumer(j);
+  if (j.last_sent && j.chunks_read == j.chunks_to_consumer) {
+    end_job(job, nullptr);
+  } else {
+    report_progress(j, false);
+    touch(j);
+  }
+  pump();
 }
 
 void scheduler::consumed(std::uint64_t job, std::size_t n, bool last) {

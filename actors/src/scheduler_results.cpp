@@ -87,7 +87,11 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
         deliver(j, x->first, x->items.size(), std::move(r.outputs));
       else
         handle_failures(j, p, std::move(*x), r);
-      if (auto again = jobs_.find(job); again != jobs_.end()) touch(*again->second);
+      if (auto again = jobs_.find(job); again != jobs_.end()) {
+        auto& k = *again->second;
+        if (read_consumer(k)) report_progress(k, false);  // what its consumer took meanwhile
+        touch(k);
+      }
     }
   }
   if (!x && ji != jobs_.end() && r.ok() && r.failures.empty() &&

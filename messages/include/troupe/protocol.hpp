@@ -8,8 +8,10 @@
 //   runner ──init_atom──▶ producer ──init_done──▶ runner              (producer's constructor)
 //   scheduler ──work_chunk──▶ producer ──chunk_result──▶ scheduler (plain messages, not a
 //                                      request: the answer finds its slot by its chunk_tag)
-//   scheduler ──consume_chunk──▶ consumer ──consume_ack──▶ scheduler  (the consumer's
-//                                      constructor runs with its first message)
+//   scheduler ──consume_chunk──▶ consumer ··consume_ack··▶ scheduler  (plain messages; the
+//                                      consumer counts each chunk in the job's gate and answers
+//                                      only while the scheduler waits for it: job_gate::
+//                                      chunk_done; its constructor runs with its first message)
 //   scheduler ──consume_chunk (last)──▶ consumer (work, then end()) ──consume_ack──▶ scheduler
 //   scheduler ──end_of_input──▶ consumer ──consume_ack──▶ scheduler (a job without outputs)
 //   runner ──end_atom──▶ producer (producer::end()) ──consume_ack──▶ runner
