@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <ctime>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -44,12 +45,35 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
+/// CPU time of the calling thread, or of the whole process.
+std::int64_t cpu_ns(clockid_t which) {
+  timespec t{};
+  clock_gettime(which, &t);
+  return static_cast<std::int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+/// CPU time spent inside items (spin_us), by every thread: the process's CPU time beyond it is
+/// what troupe (or oneTBB) itself cost.
+std::atomic<std::int64_t> item_cpu_ns{0};
+
 /// Busy for `us` microseconds (0: nothing).
 void spin_us(std::int64_t us) {
   if (us <= 0) return;
+  auto c0 = cpu_ns(CLOCK_THREAD_CPUTIME_ID);
   auto until = clock_type::now() + std::chrono::microseconds{us};
   while (clock_type::now() < until) {
   }
+  item_cpu_ns.fetch_add(cpu_ns(CLOCK_THREAD_CPUTIME_ID) - c0, std::memory_order_relaxed);
+}
+
+/// The process's CPU time outside items while `f` runs, in ms.
+template <class F>
+double own_cpu_ms(F&& f) {
+  auto p0 = cpu_ns(CLOCK_PROCESS_CPUTIME_ID);
+  auto i0 = item_cpu_ns.load();
+  f();
+  return static_cast<double>(cpu_ns(CLOCK_PROCESS_CPUTIME_ID) - p0 - (item_cpu_ns.load() - i0)) *
+         1e-6;
 }
 
 /// An item: its cost in microseconds.
@@ -147,15 +171,20 @@ double ideal_of(const std::vector<std::int64_t>& us, std::size_t producers) {
   return std::max(total / static_cast<double>(producers), static_cast<double>(longest)) * 1e-6;
 }
 
+/// oneTBB's CPU outside items in its last run (ms).
+double tbb_own_ms = 0;
+
 double tbb_makespan(tbb::task_arena& arena, const std::vector<std::int64_t>& us) {
   auto t0 = clock_type::now();
-  arena.execute([&] {
-    tbb::parallel_for(
-        tbb::blocked_range<std::size_t>(0, us.size()),
-        [&](const tbb::blocked_range<std::size_t>& r) {
-          for (auto i = r.begin(); i != r.end(); ++i) spin_us(us[i]);
-        },
-        tbb::auto_partitioner{});
+  tbb_own_ms = own_cpu_ms([&] {
+    arena.execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<std::size_t>(0, us.size()),
+          [&](const tbb::blocked_range<std::size_t>& r) {
+            for (auto i = r.begin(); i != r.end(); ++i) spin_us(us[i]);
+          },
+          tbb::auto_partitioner{});
+    });
   });
   return seconds_since(t0);
 }
@@ -191,6 +220,8 @@ int main(int argc, char** argv) {
   long target_us = 0;
   std::string trace;
   app.add_option("--target-chunk-us", target_us, "options::target_chunk_time (default 2,000)");
+  std::size_t backlog = 0;
+  app.add_option("--consumer-backlog", backlog, "options::consumer_backlog (default 4)");
   app.add_option("--trace-file", trace, "options::trace_file of the measured runners");
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;  // --serve: a node
@@ -217,16 +248,25 @@ int main(int argc, char** argv) {
     troupe::options o;
     o.split_late_chunks = !no_split;
     if (target_us > 0) o.target_chunk_time = std::chrono::microseconds{target_us};
+    if (backlog > 0) o.consumer_backlog = backlog;
     o.trace_file = trace;
     troupe::unordered_runner<Job> r{cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
     auto s0 = r.stats();
     auto t0 = clock_type::now();
-    r.run(us);
+    auto own = own_cpu_ms([&] { r.run(us); });
     auto secs = seconds_since(t0);
     auto s1 = r.stats();
     report(name, secs, ideal_of(us, producers), s1.duplicated_items - s0.duplicated_items,
            us.size(), tbb_makespan(arena, us));
+    std::uint64_t chunks = 0;
+    for (std::size_t p = 0; p < s1.producers.size(); ++p)
+      chunks += s1.producers[p].chunks - (p < s0.producers.size() ? s0.producers[p].chunks : 0);
+    chunks += s1.split_chunks - s0.split_chunks;
+    std::cout << "  CPU outside the items: troupe " << std::setprecision(1) << own << " ms ("
+              << chunks << " chunks, " << std::setprecision(1)
+              << own * 1e3 / static_cast<double>(std::max<std::uint64_t>(1, chunks))
+              << " us per chunk), oneTBB " << tbb_own_ms << " ms\n";
     if (cluster)
       std::cout << "  on " << nodes << " nodes: " << s1.trims_sent - s0.trims_sent
                 << " trims sent, " << s1.split_chunks - s0.split_chunks << " chunks split, "

@@ -278,14 +278,14 @@ TEST(Consumer, AcknowledgesAPlainChunkOnlyWhenTheSchedulerWaitsForItAndTheLast) 
   EXPECT_EQ(gate->items_done(), 6u);
   // Another message after them, answered: the three chunks' answers, had there been any, came
   // before it.
-  self->request(consumer, caf::infinite, chunk({})).receive([](const troupe::consume_ack&) {},
-                                                            [](caf::error&) { FAIL(); });
+  self->request(consumer, caf::infinite, chunk({}))
+      .receive([](const troupe::consume_ack&) {}, [](caf::error&) { FAIL(); });
   EXPECT_EQ(acks(), 0) << "a chunk the scheduler did not wait for was acknowledged";
   gate->want_ack(true);
   self->send(consumer, chunk({7}));
   taken(5);
-  self->request(consumer, caf::infinite, chunk({})).receive([](const troupe::consume_ack&) {},
-                                                            [](caf::error&) { FAIL(); });
+  self->request(consumer, caf::infinite, chunk({}))
+      .receive([](const troupe::consume_ack&) {}, [](caf::error&) { FAIL(); });
   EXPECT_EQ(acks(), 1);
   gate->want_ack(false);
   self->send(consumer, chunk({8}, true));

@@ -337,6 +337,11 @@ class scheduler {
   /// Reads what the consumer has taken since the last look (its gate's counts): room in its
   /// backlog, progress, stats. Whether it took anything.
   bool read_consumer(job_state& j);
+  /// Every 100 ms while a consumer has chunks not yet read: what it took reaches progress and
+  /// stats() although no answer comes (a producer held in a long item, say).
+  void read_consumers();
+  static constexpr std::chrono::milliseconds consumer_read_period{100};
+  bool read_timer_ = false;  ///< a consumer_read timer is on its way
 
   /// The job's last outputs go to its consumer with consumer::end(): what get() shows once it
   /// returns (report, progress, stats) is made final now, so that the consumer can finish the

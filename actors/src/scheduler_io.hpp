@@ -14,7 +14,8 @@ namespace troupe::detail {
 /// The commands the scheduler gives. Each answer comes back as the event named beside it.
 class scheduler_io {
  public:
-  enum class timer { deadline, wakeup, stall_check, close_timeout, drain_end };
+  /// consumer_read: what consumers took while nothing else happened (scheduler::read_consumers).
+  enum class timer { deadline, wakeup, stall_check, close_timeout, drain_end, consumer_read };
   virtual ~scheduler_io() = default;
   /// Now: steady_clock in a runner, virtual time in a simulation.
   virtual clock_type::time_point now() = 0;

@@ -10,7 +10,8 @@ bool scheduler::all_through(const job_state& j) {
 
 void scheduler::flush_consumer(job_state& j) {
   while (!j.pending.empty()) {
-    if (j.backlog >= opts_.consumer_backlog && !(read_consumer(j) && j.backlog < opts_.consumer_backlog))
+    if (j.backlog >= opts_.consumer_backlog &&
+        !(read_consumer(j) && j.backlog < opts_.consumer_backlog))
       break;
     auto outputs = std::move(j.pending.front());
     j.pending.pop_front();
@@ -26,6 +27,10 @@ void scheduler::flush_consumer(job_state& j) {
     j.backlog += 1;
     j.chunks_to_consumer += 1;
     io_.consume(consume_chunk{j.id, std::move(outputs), last}, n);
+    if (!last && !read_timer_) {
+      read_timer_ = true;
+      io_.set_timer(consumer_read_period, scheduler_io::timer::consumer_read, 0);
+    }
   }
   // The job waits for its consumer (at its backlog's limit, or with nothing left but to end
   // once the consumer has taken what it has): the consumer acknowledges its next chunk with a
@@ -53,6 +58,24 @@ bool scheduler::read_consumer(job_state& j) {
     stats_->value.items += n;
   }
   return true;
+}
+
+void scheduler::read_consumers() {
+  read_timer_ = false;
+  bool unread = false;
+  for (auto& [id, j] : jobs_) {
+    if (j->backlog == 0 || j->ending) continue;
+    if (read_consumer(*j)) {
+      report_progress(*j, false);
+      touch(*j);
+    }
+    unread = unread || j->backlog > 0;
+  }
+  if (unread) {
+    read_timer_ = true;
+    io_.set_timer(consumer_read_period, scheduler_io::timer::consumer_read, 0);
+  }
+  pump();
 }
 
 void scheduler::consumer_acked(std::uint64_t job) {

@@ -76,6 +76,9 @@ void scheduler::timer_fired(scheduler_io::timer t, std::uint64_t id) {
     case scheduler_io::timer::close_timeout:
       close_timed_out();
       return;
+    case scheduler_io::timer::consumer_read:
+      read_consumers();
+      return;
     case scheduler_io::timer::drain_end:
       for (std::size_t p = 0; p < producers_.size(); ++p) {
         auto& s = producers_[p];
