@@ -31,7 +31,8 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
   if (rec != s.outstanding.end()) {
     if (trace_)
       trace_->chunk(p, flow_id(job, id), job, r.first, rec->items, rec->bytes,
-                    std::chrono::nanoseconds{r.busy_ns}, rec->sent, now, r.ok());
+                    std::chrono::nanoseconds{r.busy_ns}, std::chrono::nanoseconds{r.idle_ns},
+                    rec->sent, now, r.ok());
     // Not from a job that has ended: its cost model is forgotten (and its chunks may have
     // been cut short at its end, which would read as fast items).
     if (rec->items > 0 && ji != jobs_.end()) s.learn(*rec, r.busy_ns, r.idle_ns, r.ok(), settings_);

@@ -82,7 +82,8 @@ void trace_writer::dispatch(std::size_t p, std::uint64_t flow, time_point t) {
 
 void trace_writer::chunk(std::size_t p, std::uint64_t flow, std::uint64_t job, std::uint64_t first,
                          std::size_t items, std::size_t bytes, std::chrono::nanoseconds busy,
-                         time_point sent, time_point answered, bool ok) {
+                         std::chrono::nanoseconds idle, time_point sent, time_point answered,
+                         bool ok) {
   // The producer worked FIFO and answered at about `answered`: its slice ends there, lasts
   // what it measured, and never overlaps the previous slice on its lane (nor starts before
   // the chunk was sent).
@@ -99,6 +100,7 @@ void trace_writer::chunk(std::size_t p, std::uint64_t flow, std::uint64_t job, s
         tid + R"(,"ts":)" + std::to_string(start) + R"(,"dur":)" + std::to_string(dur) +
         R"(,"args":{"job":)" + std::to_string(job) + R"(,"first":)" + std::to_string(first) +
         R"(,"items":)" + std::to_string(items) + R"(,"bytes":)" + std::to_string(bytes) +
+        R"(,"idle_us":)" + std::to_string(std::chrono::duration<double, std::micro>(idle).count()) +
         R"(,"ok":)" + (ok ? "true" : "false") + "}}");
   write(R"({"ph":"f","bp":"e","name":"chunk","cat":"chunk","id":)" + std::to_string(flow) +
         R"(,"pid":)" + pid + R"(,"tid":)" + tid + R"(,"ts":)" + std::to_string(start) + "}");

@@ -29,9 +29,10 @@ class trace_writer {
   /// The scheduler sent chunk `flow` to producer `p` (a flow arrow starts).
   void dispatch(std::size_t p, std::uint64_t flow, time_point t);
   /// Producer `p` worked on a chunk for `busy` up to about `answered` (when its answer came).
+  /// `idle`: how long the producer waited before it (chunk_result::idle_ns), in its args.
   void chunk(std::size_t p, std::uint64_t flow, std::uint64_t job, std::uint64_t first,
-             std::size_t items, std::size_t bytes, std::chrono::nanoseconds busy, time_point sent,
-             time_point answered, bool ok);
+             std::size_t items, std::size_t bytes, std::chrono::nanoseconds busy,
+             std::chrono::nanoseconds idle, time_point sent, time_point answered, bool ok);
   /// A moment on producer `p`'s lane (or the scheduler's: p == scheduler_lane).
   void instant(std::size_t p, const std::string& name, const std::string& detail, time_point t);
   static constexpr std::size_t scheduler_lane = static_cast<std::size_t>(-1);
