@@ -122,7 +122,16 @@ struct core_fixture {
     auto job = std::make_shared<troupe::detail::job_core>(id, caf::actor{});
     core->start(job, troupe::detail::make_job_source<std::int64_t>(test_util::iota(n)), ordered,
                 std::move(o));
+    jobs[id] = job;
     return job;
+  }
+
+  /// The consumer takes `msg` (`n` outputs) as a real one does: counted in its job's gate, then
+  /// acknowledged (more often than the scheduler asks: harmless).
+  void take(const troupe::consume_chunk& msg, std::size_t n, troupe::detail::job_gate& gate) {
+    gate.add_delivered(n);
+    gate.chunk_done();
+    core->consumer_acked(msg.run);
   }
 
   /// Answers chunk `s` as a producer that echoes its inputs.
@@ -159,7 +168,7 @@ struct core_fixture {
       io.to_consumer.pop_front();
       if (auto* xs = msg.items.as<std::int64_t>())
         out.insert(out.end(), xs->items.begin(), xs->items.end());
-      core->consumed(msg.run, n, msg.last);
+      take(msg, n, *jobs.at(msg.run)->gate());
     }
     return out;
   }
@@ -167,6 +176,7 @@ struct core_fixture {
   fake_io io;
   std::shared_ptr<troupe::detail::stats_box> stats;
   std::unique_ptr<scheduler> core;
+  std::map<std::uint64_t, std::shared_ptr<troupe::detail::job_core>> jobs;  ///< by id (submit)
 };
 
 TEST(SchedulerCore, AnOrderedJobAnsweredBackwardsReachesItsConsumerInOrder) {
@@ -430,7 +440,7 @@ TEST(SchedulerCore, ItemsWithTroupeCostAreCutIntoChunksOfAboutEqualCost) {
     while (!f.io.to_consumer.empty()) {
       auto [msg, n] = std::move(f.io.to_consumer.front());
       f.io.to_consumer.pop_front();
-      f.core->consumed(msg.run, n, msg.last);
+      f.take(msg, n, *job->gate());
     }
     for (auto id : std::exchange(f.io.inputs_ended, {})) f.core->input_ended(id);
     if (f.io.chunks.empty()) continue;

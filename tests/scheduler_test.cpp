@@ -111,7 +111,8 @@ caf::behavior fake_consumer(caf::event_based_actor*,
       [seen, gate](troupe::consume_chunk& c) {
         if (auto* xs = c.items.as<std::int64_t>())
           seen->insert(seen->end(), xs->items.begin(), xs->items.end());
-        gate->chunk_done(c.items.size());
+        gate->add_delivered(c.items.size());
+        gate->chunk_done();
         return consume_ack{c.run};
       },
       [](const troupe::end_of_input& e) { return consume_ack{e.run}; },

@@ -275,7 +275,7 @@ TEST(Consumer, AcknowledgesAPlainChunkOnlyWhenTheSchedulerWaitsForItAndTheLast) 
   self->send(consumer, chunk({3}));
   self->send(consumer, chunk({4, 5, 6}));
   taken(3);
-  EXPECT_EQ(gate->items_done(), 6u);
+  EXPECT_EQ(gate->delivered(), 6u);
   // Another message after them, answered: the three chunks' answers, had there been any, came
   // before it.
   self->request(consumer, caf::infinite, chunk({}))
@@ -291,7 +291,7 @@ TEST(Consumer, AcknowledgesAPlainChunkOnlyWhenTheSchedulerWaitsForItAndTheLast) 
   self->send(consumer, chunk({8}, true));
   self->receive([](const troupe::consume_ack& a) { EXPECT_EQ(a.run, 7u); });
   EXPECT_EQ(gate->chunks_done(), 7u);
-  EXPECT_EQ(gate->items_done(), 8u);
+  EXPECT_EQ(gate->delivered(), 8u);
   EXPECT_EQ(*slot, std::optional<std::int64_t>{1 + 2 + 3 + 4 + 5 + 6 + 7 + 8});
 }
 

@@ -191,13 +191,11 @@ struct consumer_state {
   }
 };
 
-/// The answer to a chunk of `n` outputs that the consumer has taken: counted in the job's gate
-/// and, for the scheduler's plain messages, sent only when the scheduler waits for room in the
-/// consumer's backlog or for the job's last chunk (job_gate::chunk_done); a request (a
-/// troupe::testing probe's) is always answered.
-caf::result<consume_ack> taken(job_gate& gate, bool request, std::uint64_t run, std::size_t n,
-                               bool last) {
-  if (gate.chunk_done(n) || last || request) return consume_ack{run};
+/// The answer to a chunk the consumer has taken: counted in the job's gate and, for the
+/// scheduler's plain messages, sent only when the scheduler waits for it or for the job's last
+/// chunk (job_gate::chunk_done); a request (a troupe::testing probe's) is always answered.
+caf::result<consume_ack> taken(job_gate& gate, bool request, std::uint64_t run, bool last) {
+  if (gate.chunk_done() || last || request) return consume_ack{run};
   return caf::delegated<consume_ack>{};
 }
 
@@ -216,11 +214,10 @@ caf::behavior consumer_actor(caf::event_based_actor* self, std::shared_ptr<consu
       [self, st](consume_chunk& c) -> caf::result<consume_ack> {
         mark_internal_thread();
         bool request = self->current_message_id().is_request();
-        auto n = c.items.size();
         auto err = st->work(c);
         if (c.last) self->quit();
         if (err) return err;
-        return taken(*st->gate, request, c.run, n, c.last);
+        return taken(*st->gate, request, c.run, c.last);
       },
       [self, st](const end_of_input& e) {
         mark_internal_thread();
@@ -244,7 +241,6 @@ struct stream_state {
   struct held_chunk {
     caf::response_promise promise;
     std::uint64_t run = 0;
-    std::size_t items = 0;
   };
   std::deque<held_chunk> held;  ///< acknowledgements held back while it is full
 };
@@ -262,18 +258,18 @@ caf::behavior stream_consumer_actor(caf::event_based_actor* self,
       [self, st](consume_chunk& c) -> caf::result<consume_ack> {
         bool request = self->current_message_id().is_request();
         auto n = c.items.size();
-        if (st->gate->stopped()) return taken(*st->gate, request, c.run, n, c.last);
+        if (st->gate->stopped()) return taken(*st->gate, request, c.run, c.last);
         bool room = st->buf->push(std::move(c.items));
         st->gate->add_delivered(n);
-        if (room) return taken(*st->gate, request, c.run, n, c.last);
+        if (room) return taken(*st->gate, request, c.run, c.last);
         // Taken once the reader makes room: answered then, whatever the scheduler waits for.
-        st->held.push_back({self->make_response_promise(), c.run, n});
+        st->held.push_back({self->make_response_promise(), c.run});
         return st->held.back().promise;
       },
       [st](room_atom) {
         while (!st->held.empty() && st->buf->has_room()) {
           auto& h = st->held.front();
-          st->gate->chunk_done(h.items);
+          st->gate->chunk_done();
           h.promise.deliver(consume_ack{h.run});
           st->held.pop_front();
         }

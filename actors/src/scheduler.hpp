@@ -121,10 +121,9 @@ class scheduler {
                std::int64_t kept);
   void replaced(std::size_t p, std::uint64_t gen);
   void replace_failed(std::size_t p, std::uint64_t gen, const std::string& why);
-  /// The consumer has taken a chunk (one acknowledgement per chunk: the core tests' fakes).
-  void consumed(std::uint64_t job, std::size_t n, bool last);
   /// The consumer's acknowledgement: what it has taken is read from the job's gate
-  /// (job_gate::chunk_done); it is sent for the last chunk and while the job waits for room.
+  /// (job_gate::chunk_done, delivered); it is sent for the last chunk and while the job waits
+  /// for it.
   void consumer_acked(std::uint64_t job);
   void input_ended(std::uint64_t job);
   void consumer_failed(std::uint64_t job, const std::string& why);

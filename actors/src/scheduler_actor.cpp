@@ -227,19 +227,19 @@ class scheduler_shell final : public scheduler_io {
             });
   }
 
-  void consume(consume_chunk msg, std::size_t n) override {
+  void consume(consume_chunk msg, std::size_t) override {
     auto job = msg.run;
-    auto last = msg.last;
     if (auto& to = consumers_[job]) {
       // A plain message: the consumer counts it in the job's gate and acknowledges it only
       // when the core waits for it (consumer_acked); its error comes back as a message too.
       self_->send(to, std::move(msg));
       return;
     }
+    // No consumer (the job's is gone): a request to an empty handle fails at once.
     self_->request(consumers_[job], caf::infinite, std::move(msg))
         .then(
-            [this, job, n, last](const consume_ack&) {
-              if (auto* c = core()) c->consumed(job, n, last);
+            [this, job](const consume_ack&) {
+              if (auto* c = core()) c->consumer_acked(job);
             },
             [this, job](caf::error& err) {
               if (auto* c = core()) c->consumer_failed(job, error_text(err));

@@ -7,7 +7,7 @@
 namespace troupe::detail {
 
 bool scheduler::consumer_has_room(const job_state& j) const {
-  return j.pending.empty() && j.backlog < opts_.consumer_backlog;
+  return j.pending.empty() && j.backlog() < opts_.consumer_backlog;
 }
 
 bool scheduler::window_open(const job_state& j) const {

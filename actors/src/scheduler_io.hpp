@@ -32,8 +32,9 @@ class scheduler_io {
   /// A fresh producer on `p`'s device, generation `gen`: replaced(p, gen) once constructed, or
   /// replace_failed(p, gen, why). Throws std::exception when none can be started.
   virtual void replace_producer(std::size_t p, std::uint64_t gen) = 0;
-  /// Outputs to the job's consumer (`n` of them): consumed(job, n, last) or
-  /// consumer_failed(job, why).
+  /// Outputs to the job's consumer (`n` of them): the consumer counts them in the job's gate
+  /// (job_gate::chunk_done) and answers consumer_acked(job) when the gate asks, and for the last;
+  /// or consumer_failed(job, why).
   virtual void consume(consume_chunk msg, std::size_t n) = 0;
   /// The job's input is complete (consumer::end()): input_ended(job) or consumer_failed(job,
   /// why).

@@ -30,16 +30,17 @@ struct job_state {
   double cost_unit = 0;
   std::uint64_t consumed = 0;
   bool exhausted = false;
-  bool ending = false;      ///< its last outputs (or end_of_input) sent: consumer::end() next
-  std::size_t backlog = 0;  ///< chunks sent to the consumer, not yet acknowledged
-  /// What of the consumer's gate counts (job_gate::chunk_done) the scheduler has read.
-  std::uint64_t chunks_read = 0, items_read = 0;
+  bool ending = false;  ///< its last outputs (or end_of_input) sent: consumer::end() next
   std::uint64_t chunks_to_consumer = 0;  ///< consume_chunk messages sent
-  bool last_sent = false;                ///< the chunk with consumer::end() has gone
-  bool ack_wanted = false;               ///< as told to the gate (job_gate::want_ack)
-  std::deque<batch> pending;             ///< outputs held back while backlog is at consumer_backlog
-  std::shared_ptr<job_gate> gate;        ///< shared with the consumer and the handle
-  std::uint64_t sent_to_consumer = 0;    ///< outputs sent to the consumer
+  /// What of the consumer's gate (job_gate::chunk_done, delivered) the scheduler has read.
+  std::uint64_t chunks_read = 0, items_read = 0;
+  /// Chunks sent to the consumer and not yet read as taken.
+  [[nodiscard]] std::uint64_t backlog() const { return chunks_to_consumer - chunks_read; }
+  bool last_sent = false;              ///< the chunk with consumer::end() has gone
+  bool ack_wanted = false;             ///< as told to the gate (job_gate::want_ack)
+  std::deque<batch> pending;           ///< outputs held back while backlog is at consumer_backlog
+  std::shared_ptr<job_gate> gate;      ///< shared with the consumer and the handle
+  std::uint64_t sent_to_consumer = 0;  ///< outputs sent to the consumer
   /// Its last outputs are on their way with consumer::end(): its report, progress and stats are
   /// final already, and the consumer finishes the job itself once end() has returned.
   bool concluded = false;

@@ -10,8 +10,8 @@ bool scheduler::all_through(const job_state& j) {
 
 void scheduler::flush_consumer(job_state& j) {
   while (!j.pending.empty()) {
-    if (j.backlog >= opts_.consumer_backlog &&
-        !(read_consumer(j) && j.backlog < opts_.consumer_backlog))
+    if (j.backlog() >= opts_.consumer_backlog &&
+        !(read_consumer(j) && j.backlog() < opts_.consumer_backlog))
       break;
     auto outputs = std::move(j.pending.front());
     j.pending.pop_front();
@@ -24,7 +24,6 @@ void scheduler::flush_consumer(job_state& j) {
       j.last_sent = true;
       conclude(j);
     }
-    j.backlog += 1;
     j.chunks_to_consumer += 1;
     io_.consume(consume_chunk{j.id, std::move(outputs), last}, n);
     if (!last && !read_timer_) {
@@ -36,8 +35,8 @@ void scheduler::flush_consumer(job_state& j) {
   // once the consumer has taken what it has): the consumer acknowledges its next chunk with a
   // message. Told after it, the gate is read again (the consumer may have taken one in between
   // without seeing the wish), and the job looked at once more if it had.
-  bool waits = j.backlog >= opts_.consumer_backlog ||
-               (j.backlog > 0 && !j.ending && j.pending.empty() && all_through(j));
+  bool waits = j.backlog() >= opts_.consumer_backlog ||
+               (j.backlog() > 0 && !j.ending && j.pending.empty() && all_through(j));
   if (waits == j.ack_wanted) return;
   j.ack_wanted = waits;
   j.gate->want_ack(waits);
@@ -47,9 +46,8 @@ void scheduler::flush_consumer(job_state& j) {
 bool scheduler::read_consumer(job_state& j) {
   auto chunks = j.gate->chunks_done();
   if (chunks == j.chunks_read) return false;
-  auto items = j.gate->items_done();
+  auto items = j.gate->delivered();
   auto n = items - j.items_read;
-  j.backlog -= static_cast<std::size_t>(chunks - j.chunks_read);
   j.chunks_read = chunks;
   j.items_read = items;
   j.consumed += n;
@@ -64,12 +62,12 @@ void scheduler::read_consumers() {
   read_timer_ = false;
   bool unread = false;
   for (auto& [id, j] : jobs_) {
-    if (j->backlog == 0 || j->ending) continue;
+    if (j->backlog() == 0 || j->ending) continue;
     if (read_consumer(*j)) {
       report_progress(*j, false);
       touch(*j);
     }
-    unread = unread || j->backlog > 0;
+    unread = unread || j->backlog() > 0;
   }
   if (unread) {
     read_timer_ = true;
@@ -84,25 +82,6 @@ void scheduler::consumer_acked(std::uint64_t job) {
   auto& j = *ji->second;
   read_consumer(j);
   if (j.last_sent && j.chunks_read == j.chunks_to_consumer) {
-    end_job(job, nullptr);
-  } else {
-    report_progress(j, false);
-    touch(j);
-  }
-  pump();
-}
-
-void scheduler::consumed(std::uint64_t job, std::size_t n, bool last) {
-  auto ji = jobs_.find(job);
-  if (ji == jobs_.end()) return;
-  auto& j = *ji->second;
-  j.backlog -= 1;
-  j.consumed += n;
-  if (!j.concluded) {
-    std::lock_guard<std::mutex> guard{stats_->mtx};
-    stats_->value.items += n;
-  }
-  if (last) {
     end_job(job, nullptr);
   } else {
     report_progress(j, false);
@@ -169,7 +148,7 @@ void scheduler::maybe_finish(std::uint64_t id) {
   auto ji = jobs_.find(id);
   if (ji == jobs_.end()) return;
   auto& j = *ji->second;
-  if (j.ending || !all_through(j) || !j.pending.empty() || j.backlog > 0) return;
+  if (j.ending || !all_through(j) || !j.pending.empty() || j.backlog() > 0) return;
   j.ending = true;
   io_.end_input(id);
 }

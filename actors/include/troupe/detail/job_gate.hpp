@@ -50,22 +50,19 @@ class job_gate {
   [[nodiscard]] std::uint64_t delivered() const noexcept {
     return delivered_.load(std::memory_order_relaxed);
   }
-  /// The consumer has taken a chunk of `items` outputs (the job's last chunk: once
-  /// consumer::end() has returned). It acknowledges a chunk with a message only when this says
-  /// so (the scheduler waits for room in its backlog), for the last chunk, and now and then for
-  /// progress: the scheduler reads these counts (chunks_done, items_done) at its next event, so
-  /// that a chunk costs no wake-up of the scheduler's thread. Sequentially consistent with
-  /// want_ack: either the consumer sees the wish or the scheduler sees the chunk.
-  bool chunk_done(std::uint64_t items) noexcept {
-    items_done_.fetch_add(items, std::memory_order_relaxed);
+  /// The consumer has taken a chunk (its items counted by add_delivered before; the job's last
+  /// chunk: once consumer::end() has returned). It acknowledges a chunk with a message only
+  /// when this says so (the scheduler waits for it) and for the last chunk: the scheduler reads
+  /// chunks_done and delivered at a producer's answer or on a timer, so that a chunk costs no
+  /// wake-up of the scheduler's thread. Sequentially consistent with want_ack: either the
+  /// consumer sees the wish or the scheduler sees the chunk; a reader of chunks_done sees the
+  /// items delivered before it.
+  bool chunk_done() noexcept {
     chunks_done_.fetch_add(1, std::memory_order_seq_cst);
     return ack_wanted_.load(std::memory_order_seq_cst);
   }
   [[nodiscard]] std::uint64_t chunks_done() const noexcept {
     return chunks_done_.load(std::memory_order_seq_cst);
-  }
-  [[nodiscard]] std::uint64_t items_done() const noexcept {
-    return items_done_.load(std::memory_order_relaxed);
   }
   /// The scheduler waits for the consumer (or no longer does): the next chunk_done() says so.
   void want_ack(bool yes) noexcept { ack_wanted_.store(yes, std::memory_order_seq_cst); }
@@ -80,7 +77,6 @@ class job_gate {
   static constexpr int state_stopped = 2;
   std::atomic<int> state_{state_open};
   std::atomic<std::uint64_t> delivered_{0};
-  std::atomic<std::uint64_t> items_done_{0};
   std::atomic<std::uint64_t> chunks_done_{0};
   std::atomic<bool> ack_wanted_{false};
 };
