@@ -120,6 +120,18 @@ caf::behavior fake_consumer(caf::event_based_actor*,
   };
 }
 
+// Takes nothing: neither counts a chunk in its gate nor answers one; only counts what reaches it.
+caf::behavior mute_consumer(caf::event_based_actor*, std::shared_ptr<int> received) {
+  return {
+      [](troupe::init_atom) { return consume_ack{}; },
+      [received](troupe::consume_chunk&) {
+        *received += 1;
+        return caf::delegated<consume_ack>{};
+      },
+      [](troupe::end_atom) {},
+  };
+}
+
 class SchedulerTest : public ::testing::Test {
  protected:
   SchedulerTest()
@@ -157,10 +169,12 @@ class SchedulerTest : public ::testing::Test {
   }
 
   /// Submits a job of items 0..n-1 (ordered) and returns its core; outputs go to seen_.
-  std::shared_ptr<troupe::detail::job_core> submit(std::int64_t n, troupe::job_options o) {
+  std::shared_ptr<troupe::detail::job_core> submit(std::int64_t n, troupe::job_options o,
+                                                   bool mute = false) {
     auto spec = std::make_shared<troupe::detail::job_spec>();
     spec->core = std::make_shared<troupe::detail::job_core>(next_id_++, scheduler_);
-    auto consumer = sys_.spawn(fake_consumer, seen_, spec->core->gate());
+    auto consumer = mute ? sys_.spawn(mute_consumer, muted_)
+                         : sys_.spawn(fake_consumer, seen_, spec->core->gate());
     spec->core->set_consumer(consumer);
     spec->source = troupe::detail::make_job_source<std::int64_t>(test_util::iota(n));
     spec->consumer = consumer;
@@ -180,6 +194,7 @@ class SchedulerTest : public ::testing::Test {
   std::shared_ptr<troupe::detail::stats_box> stats_;
   std::shared_ptr<std::vector<std::int64_t>> seen_ = std::make_shared<std::vector<std::int64_t>>();
   std::uint64_t next_id_ = 1;
+  std::shared_ptr<int> muted_ = std::make_shared<int>(0);  ///< chunks a mute consumer received
 };
 
 std::shared_ptr<fake_state> answering() {
@@ -285,6 +300,23 @@ TEST_F(SchedulerTest, AnAnswerThatPosesAsAnotherProducersIsDroppedNotDelivered) 
   EXPECT_EQ(*seen_, test_util::iota(100));  // no negated item
   EXPECT_GE(stats_->value.late_answers, 1u);
   EXPECT_FALSE(stats_->value.producers[1].alive);
+}
+
+TEST_F(SchedulerTest, AForgedAcknowledgementEndsNoJobItsConsumerHasNotTaken) {
+  // A consumer acknowledges with a plain message (consume_ack), which anyone holding the
+  // scheduler's address can send: a node's producer, say. The scheduler reads what the
+  // consumer took from the job's gate, not from the message, so acknowledgements the consumer
+  // never sent free no room and end nothing: this consumer takes no chunk, so it gets
+  // consumer_backlog chunks and no more, and its job stays open.
+  start({answering(), answering()}, small_chunks());
+  auto job = submit(40, {}, /*mute=*/true);
+  sched_.run();
+  ASSERT_EQ(*muted_, 4);  // options::consumer_backlog
+  for (int i = 0; i < 20; ++i) caf::anon_send(scheduler_, consume_ack{job->id()});
+  sched_.run();
+  EXPECT_EQ(*muted_, 4) << "a forged acknowledgement made room";
+  EXPECT_FALSE(job->done());
+  EXPECT_EQ(stats_->value.items, 0u);
 }
 
 TEST_F(SchedulerTest, AStalledProducerIsGivenUpOnAndItsLateAnswersAreDropped) {
