@@ -79,7 +79,7 @@ import sys, time
 t0 = time.monotonic()
 for line in sys.stdin:
     print("%.3f %s" % (time.monotonic() - t0, line), end="", flush=True)'; }
-/usr/bin/time -f "%U %S" -o "$dir/cpu" "$bin" --nodes "$list" --items "$items" --work-ms "$work_ms" ${TRACE:+--trace "$TRACE"} \
+/usr/bin/time -f "%U %S" -o "$dir/cpu" "$bin" --nodes "$list" --items "$items" --work-ms "$work_ms" --progress on ${TRACE:+--trace "$TRACE"} \
   ${MIN_NODES:+--min-nodes "$MIN_NODES"} -v > "$dir/out" 2> >(stamp > "$dir/log") || { sleep 1; tail -20 "$dir/log"; exit 1; }
 end=$(date +%s.%N)  # (before this script's own wait below: it used to be counted)
 sleep 0.5  # the stamper's last lines

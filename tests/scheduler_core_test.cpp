@@ -343,6 +343,45 @@ TEST(SchedulerCore, AProducersAnswerBringsItsNextChunkBeforeTheConsumerAcknowled
   EXPECT_TRUE(job->done());
 }
 
+TEST(SchedulerCore, ANodesChunksGrowWithTheProducersOnNodesAndShrinkWhenTheyAreLost) {
+  // Every remote chunk costs the one coordinator tens of microseconds of CPU. With 64 producers
+  // on nodes, chunks of 2 ms items aim at 64 x 0.5 ms = 32 ms (16 items), so that together they
+  // take at most a tenth of its core; at 16 ms (8 x the target) they took 0.4 of it. Once 48
+  // nodes are lost, the 16 left aim at 16 ms again: 8 items.
+  std::vector<troupe::device> where;
+  for (int i = 0; i < 64; ++i) where.emplace_back("h:" + std::to_string(i + 1) + "/cpu");
+  core_fixture f{where};
+  auto job = f.submit(1, 1'000'000, false);
+  // Answers `n` chunks (2 ms per item), oldest first; returns the sizes of the chunks sent
+  // meanwhile to producers still working.
+  auto answer = [&](std::size_t n) {
+    std::vector<std::size_t> sizes;
+    for (std::size_t k = 0; k < n && !f.io.chunks.empty(); ++k) {
+      auto s = std::move(f.io.chunks.front());
+      f.io.chunks.pop_front();
+      if (s.gen != f.core->generation(s.p)) continue;
+      auto items = s.msg.items.as<std::int64_t>()->items.size();
+      auto r = echo(s, 2'000'000 * static_cast<std::int64_t>(items));
+      auto before = f.io.chunks.size();
+      f.core->on_result(s.p, s.gen, s.msg.run, s.id, r);
+      f.consume_all();
+      for (auto i = before; i < f.io.chunks.size(); ++i)
+        sizes.push_back(f.io.chunks[i].msg.items.as<std::int64_t>()->items.size());
+    }
+    return sizes;
+  };
+  answer(64 * 8);
+  auto grown = answer(64 * 2);
+  ASSERT_FALSE(grown.empty());
+  for (auto n : grown) EXPECT_EQ(n, 16u);
+  for (std::size_t p = 16; p < 64; ++p) f.core->producer_down(p, "node gone", true);
+  answer(16 * 16);
+  auto after = answer(16 * 2);
+  ASSERT_FALSE(after.empty());
+  for (auto n : after) EXPECT_EQ(n, 8u);
+  EXPECT_FALSE(job->done());
+}
+
 TEST(SchedulerCore, ARangeTakenBackIsNotReadByTheSchedulerEither) {
   // A handle destroyed before its job ended takes the caller's range back at once (its cancel
   // still on the way). The scheduler then reads none of it: not the item of a retry, not the

@@ -728,6 +728,17 @@ TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
   answer(far, s, 1, 8, item);
   EXPECT_EQ(local.chunk_limit(s, 1), 1u);
   EXPECT_EQ(far.chunk_limit(s, 1), 8u);
+  // Up to 32 producers on nodes; then 0.5 ms per producer on nodes, so that their chunks
+  // together take at most a tenth of the coordinator's core: 64 ms with 128, 0.5 s with 1,000.
+  for (auto [remote, items] :
+       {std::pair<std::size_t, std::size_t>{32, 8}, {128, 32}, {1000, 250}}) {
+    s.remote_producers = remote;
+    producer_model l{true, s}, f{false, s};
+    answer(l, s, 1, 12, item);
+    answer(f, s, 1, 12, item);
+    EXPECT_EQ(l.chunk_limit(s, 1), 1u) << remote << " producers on nodes";
+    EXPECT_EQ(f.chunk_limit(s, 1), items) << remote << " producers on nodes";
+  }
 }
 
 TEST(ProducerModel, ChunksOfNearlyOneSizeWithNoisyTimesDoNotReadAsAFixedCost) {

@@ -62,6 +62,9 @@ struct model_settings {
   std::chrono::nanoseconds target_chunk_time{std::chrono::milliseconds{2}};
   std::size_t max_chunk_bytes = std::size_t{64} << 20;
   std::size_t reorder_window = 0;  ///< fixed reorder window in chunks (0: automatic)
+  /// Working producers on nodes, kept by the scheduler: a remote producer's chunks grow with
+  /// them (job_rate::remote_target), since every remote chunk costs the one coordinator.
+  std::size_t remote_producers = 0;
 };
 
 /// What a producer learned of one job's chunks: a chunk of n items takes about a + b·n (a: the
@@ -69,8 +72,24 @@ struct model_settings {
 /// squares over its answers, the older ones weighing less. A job's item cost does not carry to
 /// another job: each job starts every producer on chunks of one item and grows them.
 struct job_rate {
-  /// A remote producer's chunks aim at this many times target_chunk_time.
+  /// A remote producer's chunks aim at this many times target_chunk_time, at least.
   static constexpr double remote_factor = 8;
+  /// The coordinator's CPU per remote chunk (its message and answer through CAF, the decision),
+  /// as measured with 128 node processes (BENCHMARKS.md: 30 to 75 us), and the share of one
+  /// core that the coordinator's remote chunks may take: P remote producers on chunks of time
+  /// T cost it P / T * cost, so T >= P * cost / share.
+  static constexpr double coordinator_ns_per_remote_chunk = 50'000;
+  static constexpr double coordinator_share = 0.1;
+
+  /// The time a remote producer's chunk aims at (ns): remote_factor times the target, and long
+  /// enough that all remote producers' chunks together take at most coordinator_share of the
+  /// coordinator's core (0.5 ms per remote producer: 16 ms up to 32 of them, 64 ms at 128, 0.5 s
+  /// at 1,000).
+  [[nodiscard]] static double remote_target(const model_settings& s) {
+    return std::max(remote_factor * static_cast<double>(s.target_chunk_time.count()),
+                    static_cast<double>(s.remote_producers) * coordinator_ns_per_remote_chunk /
+                        coordinator_share);
+  }
   std::uint64_t job = 0;
   std::size_t chunk_items = 1;
   std::size_t answers = 0;
@@ -142,9 +161,9 @@ struct job_rate {
   /// of the chunk (a batch producer's batches grow while that raises its items per second),
   /// else the target; at most 4 times the last size (slow start), and at once smaller when
   /// its items turned out slower.
-  /// `local`: a producer in this process. A remote one's chunks aim at remote_factor times the
-  /// target: each costs the coordinator tens of microseconds of CPU (the message, its answer),
-  /// which must stay a small fraction of the chunk's work.
+  /// `local`: a producer in this process. A remote one's chunks aim at remote_target: each costs
+  /// the coordinator tens of microseconds of CPU (the message, its answer), which must stay a
+  /// small fraction of the chunk's work, and of the coordinator's core.
   void size(const model_settings& s, bool local = true) {
     auto [a, b] = cost();
     if (b <= 0) return;
@@ -152,8 +171,7 @@ struct job_rate {
     // woken late, not the call's.
     auto target = static_cast<double>(s.target_chunk_time.count());
     target = std::max(target, std::min(10 * a, 8 * target));
-    if (!local)
-      target = std::max(target, remote_factor * static_cast<double>(s.target_chunk_time.count()));
+    if (!local) target = std::max(target, remote_target(s));
     auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
     // A local producer whose calls cost mostly the same whatever their size: no slow start. Each
     // smaller call pays the fixed cost again, and a chunk that turns out too big waits in the

@@ -158,7 +158,16 @@ class scheduler {
   slot_state move(std::size_t p, slot_event e) {
     auto before = producers_[p].state;
     producers_[p].state = next(before, e);
+    count_remote(producers_[p], before);
     return before;
+  }
+  /// settings_.remote_producers follows slot `s`'s change from `before` (its state now).
+  void count_remote(const producer_slot& s, slot_state before) {
+    if (s.local || (before == slot_state::working) == (s.state == slot_state::working)) return;
+    if (s.state == slot_state::working)
+      settings_.remote_producers += 1;
+    else
+      settings_.remote_producers -= 1;
   }
   clock_type::time_point clock_now() { return io_.now(); }
 

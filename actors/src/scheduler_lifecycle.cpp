@@ -8,6 +8,7 @@ scheduler::scheduler(scheduler_io& io, std::vector<device> devices, options opts
     : io_(io), opts_(std::move(opts)), settings_(settings_of(opts_)), stats_(std::move(stats)) {
   for (auto& d : devices) {
     producers_.push_back(make_slot(producers_.size(), d));
+    count_remote(producers_.back(), slot_state::retired);
     room_changed(producers_.size() - 1);
   }
   if (!opts_.trace_file.empty()) {
@@ -105,6 +106,7 @@ producer_slot scheduler::make_slot(std::size_t p, const device& d) const {
 void scheduler::add_producers(const std::vector<device>& devices) {
   for (auto& d : devices) {
     producers_.push_back(make_slot(producers_.size(), d));
+    count_remote(producers_.back(), slot_state::retired);
     room_changed(producers_.size() - 1);
     trace_lane(producers_.size() - 1);
     trace_instant(producers_.size() - 1, "added", "add_devices");
