@@ -739,6 +739,14 @@ TEST(ProducerModel, ARemoteProducersChunksAimAtEightTimesTheTarget) {
     EXPECT_EQ(l.chunk_limit(s, 1), 1u) << remote << " producers on nodes";
     EXPECT_EQ(f.chunk_limit(s, 1), items) << remote << " producers on nodes";
   }
+  // Under a work_timeout, a quarter of it at most (a healthy node is not given up on), never
+  // below 8 times the target: 100 ms, 25 ms of 2 ms items; 40 ms, 16 ms.
+  for (auto [timeout_ms, items] : {std::pair<int, std::size_t>{100, 12}, {40, 8}}) {
+    s.work_timeout = std::chrono::milliseconds{timeout_ms};
+    producer_model f{false, s};
+    answer(f, s, 1, 12, item);
+    EXPECT_EQ(f.chunk_limit(s, 1), items) << "work_timeout " << timeout_ms << " ms";
+  }
 }
 
 TEST(ProducerModel, ChunksOfNearlyOneSizeWithNoisyTimesDoNotReadAsAFixedCost) {

@@ -65,6 +65,9 @@ struct model_settings {
   /// Working producers on nodes, kept by the scheduler: a remote producer's chunks grow with
   /// them (job_rate::remote_target), since every remote chunk costs the one coordinator.
   std::size_t remote_producers = 0;
+  /// options::work_timeout (0: none): a remote chunk that grows with the pool aims at a quarter
+  /// of it at most, so that a healthy node is not given up on.
+  std::chrono::nanoseconds work_timeout{0};
 };
 
 /// What a producer learned of one job's chunks: a chunk of n items takes about a + b·n (a: the
@@ -85,10 +88,14 @@ struct job_rate {
   /// enough that all remote producers' chunks together take at most coordinator_share of the
   /// coordinator's core (0.5 ms per remote producer: 16 ms up to 32 of them, 64 ms at 128, 0.5 s
   /// at 1,000).
+  /// A quarter of work_timeout at most, when set (and never below remote_factor times the
+  /// target, as before).
   [[nodiscard]] static double remote_target(const model_settings& s) {
-    return std::max(remote_factor * static_cast<double>(s.target_chunk_time.count()),
-                    static_cast<double>(s.remote_producers) * coordinator_ns_per_remote_chunk /
-                        coordinator_share);
+    auto by_pool = static_cast<double>(s.remote_producers) * coordinator_ns_per_remote_chunk /
+                   coordinator_share;
+    if (s.work_timeout.count() > 0)
+      by_pool = std::min(by_pool, static_cast<double>(s.work_timeout.count()) / 4);
+    return std::max(remote_factor * static_cast<double>(s.target_chunk_time.count()), by_pool);
   }
   std::uint64_t job = 0;
   std::size_t chunk_items = 1;

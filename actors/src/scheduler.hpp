@@ -86,6 +86,7 @@ inline model_settings settings_of(const options& o) {
   s.target_chunk_time = std::chrono::duration_cast<std::chrono::nanoseconds>(o.target_chunk_time);
   s.max_chunk_bytes = o.max_chunk_bytes;
   s.reorder_window = o.reorder_window;
+  s.work_timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(o.work_timeout);
   return s;
 }
 
