@@ -798,6 +798,12 @@ TEST(ProducerModel, ADistantProducerThatStarvesGetsADeeperQueueAndLosesItSlowly)
   // Never deeper than max_depth, however long it starves.
   for (int i = 0; i < 10; ++i) far.learn(chunk_of(100, 1), 100 * 20'000, 1'000'000'000, true, s);
   EXPECT_EQ(far.depth, producer_model::max_depth);
+  // Nor more work queued than max_depth chunks of 16 ms (512 ms): chunks of 64 ms (a node's, with
+  // 128 producers on nodes), 8 of them; of 0.5 s, 2.
+  far.learn(chunk_of(100, 1), 64'000'000, 1'000'000'000, true, s);
+  EXPECT_EQ(far.depth, 8u);
+  far.learn(chunk_of(100, 1), 500'000'000, 1'000'000'000, true, s);
+  EXPECT_EQ(far.depth, producer_model::min_depth);
 }
 
 TEST(ProducerModel, BigChunksKeepTheQueueWithinItsByteBound) {

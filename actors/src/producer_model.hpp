@@ -376,13 +376,24 @@ class producer_model {
         min_depth,
         static_cast<std::size_t>(static_cast<double>(max_queued_chunk_bytes * s.max_chunk_bytes) /
                                  std::max(1.0, chunk_bytes)));
-    depth = std::min(depth, by_bytes);
+    // What a chunk takes there now: this one's time (a node's chunks grow with the pool, see
+    // job_rate::remote_target), else the producer's estimate.
+    auto chunk_ns = std::max(1.0, rec.items > 0 && ok && busy > 0
+                                      ? busy
+                                      : ns_per_item * static_cast<double>(chunk_limit(s)));
+    // Never more work queued than max_depth chunks of remote_factor times the target (512 ms by
+    // default), beyond two chunks: longer chunks, fewer of them (a drain, a job arriving behind
+    // them and the job's tail wait for what is queued).
+    auto by_time = std::max<std::size_t>(
+        min_depth,
+        static_cast<std::size_t>(static_cast<double>(max_depth) * job_rate::remote_factor *
+                                 static_cast<double>(s.target_chunk_time.count()) / chunk_ns));
+    depth = std::min({depth, by_bytes, by_time});
     if (rec.behind == 0) return;
-    auto chunk_ns = std::max(1.0, ns_per_item * static_cast<double>(chunk_limit(s)));
     auto idle = static_cast<double>(idle_ns);
     if (idle > 0.1 * chunk_ns) {
-      depth = std::min(
-          {max_depth, by_bytes, depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns))});
+      depth = std::min({max_depth, by_bytes, by_time,
+                        depth + static_cast<std::size_t>(std::ceil(idle / chunk_ns))});
       calm = 0;
     } else if (++calm >= 8 * depth && depth > min_depth) {
       depth -= 1;
