@@ -84,12 +84,10 @@ struct job_rate {
   static constexpr double coordinator_ns_per_remote_chunk = 50'000;
   static constexpr double coordinator_share = 0.1;
 
-  /// The time a remote producer's chunk aims at (ns): remote_factor times the target, and long
+  /// The time a remote producer's chunk aims at (ns): remote_factor times the target, or long
   /// enough that all remote producers' chunks together take at most coordinator_share of the
   /// coordinator's core (0.5 ms per remote producer: 16 ms up to 32 of them, 64 ms at 128, 0.5 s
-  /// at 1,000).
-  /// A quarter of work_timeout at most, when set (and never below remote_factor times the
-  /// target, as before).
+  /// at 1,000), but that at most a quarter of work_timeout when it is set.
   [[nodiscard]] static double remote_target(const model_settings& s) {
     auto by_pool = static_cast<double>(s.remote_producers) * coordinator_ns_per_remote_chunk /
                    coordinator_share;
