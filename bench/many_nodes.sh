@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Many node processes on this machine (docs/api.md, "Several machines"): N nodes of
-# sum_of_squares (1 CPU producer each, --serve 127.0.0.1:0), then one coordinator that follows
-# them as a live cluster (--nodes alone; connect tries every node at once) and runs ITEMS items
-# of WORK_MS each (a sleep: the nodes wait, as for a device). Prints the connect time, the run's
-# time against the ideal (ITEMS x WORK_MS / N), the coordinator's CPU seconds per chunk, and
-# checks the result. With KILL=K, K nodes are SIGKILLed at once a second into the run: the
-# result must still be exact. With FROZEN=F and DEAD=D, F of the nodes are frozen (SIGSTOP) and D
-# addresses with nothing listening are added before the connect, and MIN_NODES=M is passed as
-# --min-nodes: the connect must return with the nodes that answer (the time to the runner's
-# start is printed). With ROLLING=W, a rolling restart a second into the run: W nodes at a time
-# get SIGTERM (each drains and exits), are started again on their addresses, and once they
-# serve the next W go; the result must be exact and the coordinator's log must show no node
-# `lost` (a drained node is removed, never lost), only `draining`, `drained` and `rejoined`.
+# Many node processes on this machine (docs/api.md, "Several machines"): N nodes of sum_of_squares
+# (1 CPU producer each, --serve 127.0.0.1:0), then one coordinator that follows them as a live
+# cluster (--nodes alone; connect tries every node at once) and runs ITEMS items of WORK_MS each (a
+# sleep: the nodes wait, as for a device). Prints the connect time, the run's time against the ideal
+# (ITEMS x WORK_MS / N), the coordinator's CPU per chunk (over the whole run, and during the job
+# alone), and checks the result. With KILL=K, K nodes are SIGKILLed at once a second into the run:
+# the result must still be exact. With FROZEN=F and DEAD=D, F of the nodes are frozen (SIGSTOP) and
+# D addresses with nothing listening are added before the connect, and MIN_NODES=M is passed as
+# --min-nodes: the connect must return with the nodes that answer (the time to the runner's start is
+# printed). With ROLLING=W, a rolling restart a second into the run: W nodes at a time get SIGTERM
+# (each drains and exits), are started again on their addresses, and once they serve the next W go;
+# the result must be exact and the coordinator's log must show no node `lost` (a drained node is
+# removed, never lost), only `draining`, `drained` and `rejoined`.
 #   bench/many_nodes.sh build/examples/sum_of_squares 128 20000 2
 #   ROLLING=8 bench/many_nodes.sh build/examples/sum_of_squares 128 64000 20
 set -euo pipefail
@@ -99,6 +99,8 @@ job=$(sed -n 's/^[0-9.]* done: [0-9]* items in \([0-9.]*\) s.*/\1/p' "$dir/log")
 [ -n "$job" ] && python3 -c "import sys; j, i = float(sys.argv[1]), $items * $work_ms / 1000 / $n; print(f'the job alone: {j:.2f} s, efficiency {i / j:.2f}')" "$job"
 chunks=$(sed -n 's/^[0-9.]* chunks: \([0-9]*\) answered whole, \([0-9]*\) split.*/\1 \2/p' "$dir/log")
 [ -n "$chunks" ] && python3 -c "import sys; w, s = map(int, sys.argv[2:4]); u, k = map(float, sys.argv[1].split()); print(f'chunks: {w} answered whole + {s} split; coordinator CPU {(u + k) / (w + s) * 1e6:.0f} us per chunk (start-up and connect included)')" "$(cat "$dir/cpu")" $chunks
+job_cpu=$(sed -n 's/^[0-9.]* CPU of this process during the job: \([0-9.e-]*\) s/\1/p' "$dir/log")
+[ -n "$chunks" ] && [ -n "$job_cpu" ] && python3 -c "import sys; c = float(sys.argv[1]); w, s = map(int, sys.argv[2:4]); print(f'coordinator CPU during the job alone: {c:.3f} s, {c / (w + s) * 1e6:.0f} us per chunk')" "$job_cpu" $chunks
 echo "runner started after $(sed -n 's/^\([0-9.]*\) .*runner started.*/\1/p' "$dir/log") s (connect included)"
 if [ -n "${ROLLING:-}" ]; then
   [ -f "$dir/rolled" ] || echo "the job ended before the rolling restart did: more items, or a larger ROLLING"

@@ -3,6 +3,7 @@
 //   inputs 0..N-1 ──▶ producer::work(x) = x*x (one per device) ──▶ consumer: sum ──▶ result
 //   (with merge(): each local producer sums its chunk, and the consumer adds the partial sums)
 #include <cstdint>
+#include <ctime>
 #include <iostream>
 
 #include "common/cli.hpp"
@@ -28,12 +29,20 @@ struct sum_of_squares {
 };
 TROUPE_REGISTER_JOB(sum_of_squares);
 
+/// The CPU time of this whole process so far (every thread), in seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 template <class Runner>
 std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& progress,
                      bool verbose) {
   auto watching = progress.watch(runner);  // per-producer shares on the progress bar
   progress.expect(n);                      // the generator's length, for the bar and the ETA
   std::int64_t i = 0;
+  auto cpu0 = process_cpu_seconds();
   auto sum = runner.run(troupe::generate([&]() -> std::optional<std::int64_t> {
     if (i >= static_cast<std::int64_t>(n)) return std::nullopt;
     return i++;
@@ -44,6 +53,7 @@ std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& p
     std::uint64_t chunks = 0;
     for (const auto& p : st.producers) chunks += p.chunks;
     std::cerr << "chunks: " << chunks << " answered whole, " << st.split_chunks << " split\n";
+    std::cerr << "CPU of this process during the job: " << process_cpu_seconds() - cpu0 << " s\n";
   }
   return sum;
 }
