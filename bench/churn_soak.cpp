@@ -92,6 +92,16 @@ struct node_process {
   }
 };
 
+/// The default first port of the nodes: below the kernel's ephemeral range (a port in it may be
+/// held for a while by an outgoing connection, and a node restarted on it fails to listen), or
+/// 47100 where the range cannot be read.
+int default_first_port() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  if (in >> low && low > 2000) return low - 1000;
+  return 47100;
+}
+
 std::size_t count_dir(const char* path) {
   std::size_t n = 0;
   if (DIR* d = opendir(path)) {
@@ -119,7 +129,7 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   double minutes = 1, report_s = 30, hang_s = 60, work_ms = 0.2;
   std::size_t nodes = 4, callers = 3, items = 200;
-  int first_port = 47100, only = -1;
+  int first_port = default_first_port(), only = -1;
   app.add_option("--minutes", minutes);
   app.add_option("--node-processes", nodes, "node processes")->check(CLI::Range(2, 64));
   app.add_option("--callers", callers);
@@ -127,7 +137,9 @@ int main(int argc, char** argv) {
   app.add_option("--item-ms", work_ms, "work per item (a sleep)");
   app.add_option("--report-s", report_s);
   app.add_option("--hang-s", hang_s, "a job longer than this is a hang");
-  app.add_option("--first-port", first_port, "nodes listen on this port and the next ones");
+  app.add_option("--first-port", first_port,
+                 "nodes listen on this port and the next ones (default: 1,000 below the kernel's "
+                 "ephemeral ports)");
   app.add_option("--only", only,
                  "one kind of change only (0 kill+restart, 1 drain+restart, 2 remove+add, 3 "
                  "freeze): which one the resources follow")
