@@ -31,6 +31,7 @@ struct flags {
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
   std::int64_t work_timeout_ms = 0;
+  std::size_t chunk_size = 0;              ///< --chunk-size: options::chunk_size (0: automatic)
   troupe::limits limits;                   ///< --max-message-mb, --handshake-timeout-ms, ...
   std::string progress = "auto";           ///< --progress auto|on|off (common/progress.hpp)
   std::int64_t progress_every_ms = 1000;   ///< --progress-every-ms: period of the plain lines
@@ -45,6 +46,7 @@ struct flags {
   troupe::options options() const {
     troupe::options o;
     o.work_timeout = std::chrono::milliseconds{work_timeout_ms};
+    o.chunk_size = chunk_size;
     o.trace_file = trace;
     return o;
   }
@@ -137,6 +139,8 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)");
   app.add_option("--work-timeout-ms", f.work_timeout_ms,
                  "give up on a producer that has not answered a chunk for this long (0: never)");
+  app.add_option("--chunk-size", f.chunk_size,
+                 "items per chunk, fixed (options::chunk_size; default 0: automatic)");
   app.add_option("--serve", f.serve, "run as a node on HOST:PORT until SIGINT/SIGTERM");
   app.add_option("--nodes", f.nodes, "comma-separated HOST:PORT of nodes whose devices to use");
   app.add_option("--discover", f.discover,
