@@ -346,7 +346,7 @@ TEST(SchedulerCore, AProducersAnswerBringsItsNextChunkBeforeTheConsumerAcknowled
 TEST(SchedulerCore, ANodesChunksGrowWithTheProducersOnNodesAndShrinkWhenTheyAreLost) {
   // Every remote chunk costs the one coordinator tens of microseconds of CPU. With 64 producers
   // on nodes, chunks of 2 ms items aim at 64 x 0.5 ms = 32 ms (16 items), so that together they
-  // take at most a tenth of its core; at 16 ms (8 x the target) they took 0.4 of it. Once 48
+  // take at most a tenth of its core; at 16 ms (8 x the target) they took 0.2 of it. Once 48
   // nodes are lost, the 16 left aim at 16 ms again: 8 items.
   std::vector<troupe::device> where;
   for (int i = 0; i < 64; ++i) where.emplace_back("h:" + std::to_string(i + 1) + "/cpu");
