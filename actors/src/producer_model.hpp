@@ -78,7 +78,7 @@ struct job_rate {
   /// A remote producer's chunks aim at this many times target_chunk_time, at least.
   static constexpr double remote_factor = 8;
   /// The coordinator's CPU per remote chunk (its message and answer through CAF, the decision),
-  /// as measured with 128 node processes (BENCHMARKS.md: 30 to 75 us), and the share of one
+  /// as measured with 128 node processes (BENCHMARKS.md: about 40 us), and the share of one
   /// core that the coordinator's remote chunks may take: P remote producers on chunks of time
   /// T cost it P / T * cost, so T >= P * cost / share.
   static constexpr double coordinator_ns_per_remote_chunk = 50'000;
