@@ -100,9 +100,9 @@ caf::behavior fake_producer(caf::event_based_actor* self, std::shared_ptr<fake_s
   };
 }
 
-/// Records every output in the order received.
-// Counts each chunk in the job's gate, as a consumer does (job_gate::chunk_done), and
-// acknowledges every one (more than the scheduler asks for: harmless).
+/// Records every output in the order received, counts each chunk in the job's gate as a consumer
+/// does (job_gate::chunk_done), and acknowledges every one (more than the scheduler asks for:
+/// harmless).
 caf::behavior fake_consumer(caf::event_based_actor*,
                             std::shared_ptr<std::vector<std::int64_t>> seen,
                             std::shared_ptr<troupe::detail::job_gate> gate) {

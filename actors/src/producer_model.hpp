@@ -376,9 +376,8 @@ class producer_model {
                                  std::max(1.0, chunk_bytes)));
     // What a chunk takes there now: this one's time (a node's chunks grow with the pool, see
     // job_rate::remote_target), else the producer's estimate.
-    auto chunk_ns = std::max(1.0, rec.items > 0 && ok && busy > 0
-                                      ? busy
-                                      : ns_per_item * static_cast<double>(chunk_limit(s)));
+    auto chunk_ns = std::max(
+        1.0, rec.items > 0 && busy > 0 ? busy : ns_per_item * static_cast<double>(chunk_limit(s)));
     // Never more work queued than max_depth chunks of remote_factor times the target (512 ms by
     // default), beyond two chunks: longer chunks, fewer of them (a drain, a job arriving behind
     // them and the job's tail wait for what is queued).

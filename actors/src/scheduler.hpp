@@ -349,6 +349,8 @@ class scheduler {
   /// Every 100 ms while a consumer has chunks not yet read: what it took reaches progress and
   /// stats() although no answer comes (a producer held in a long item, say).
   void read_consumers();
+  /// A consumer_read timer, unless one is on its way.
+  void read_consumers_later();
   static constexpr std::chrono::milliseconds consumer_read_period{100};
   bool read_timer_ = false;  ///< a consumer_read timer is on its way
 

@@ -28,12 +28,12 @@ struct job_state {
   /// items of its first chunk, then fixed: units stay comparable from chunk to chunk); 0: none
   /// pulled yet.
   double cost_unit = 0;
-  std::uint64_t consumed = 0;
+  std::uint64_t consumed = 0;  ///< items its consumer took, as read from its gate
   bool exhausted = false;
   bool ending = false;  ///< its last outputs (or end_of_input) sent: consumer::end() next
   std::uint64_t chunks_to_consumer = 0;  ///< consume_chunk messages sent
-  /// What of the consumer's gate (job_gate::chunk_done, delivered) the scheduler has read.
-  std::uint64_t chunks_read = 0, items_read = 0;
+  /// The consumer's chunks taken (job_gate::chunk_done) that the scheduler has read.
+  std::uint64_t chunks_read = 0;
   /// Chunks sent to the consumer and not yet read as taken.
   [[nodiscard]] std::uint64_t backlog() const { return chunks_to_consumer - chunks_read; }
   bool last_sent = false;              ///< the chunk with consumer::end() has gone

@@ -26,10 +26,7 @@ void scheduler::flush_consumer(job_state& j) {
     }
     j.chunks_to_consumer += 1;
     io_.consume(consume_chunk{j.id, std::move(outputs), last}, n);
-    if (!last && !read_timer_) {
-      read_timer_ = true;
-      io_.set_timer(consumer_read_period, scheduler_io::timer::consumer_read, 0);
-    }
+    if (!last) read_consumers_later();
   }
   // The job waits for its consumer (at its backlog's limit, or with nothing left but to end
   // once the consumer has taken what it has): the consumer acknowledges its next chunk with a
@@ -46,10 +43,8 @@ void scheduler::flush_consumer(job_state& j) {
 bool scheduler::read_consumer(job_state& j) {
   auto chunks = j.gate->chunks_done();
   if (chunks == j.chunks_read) return false;
-  auto items = j.gate->delivered();
-  auto n = items - j.items_read;
+  auto n = j.gate->delivered() - j.consumed;
   j.chunks_read = chunks;
-  j.items_read = items;
   j.consumed += n;
   if (!j.concluded) {
     std::lock_guard<std::mutex> guard{stats_->mtx};
@@ -69,11 +64,14 @@ void scheduler::read_consumers() {
     }
     unread = unread || j->backlog() > 0;
   }
-  if (unread) {
-    read_timer_ = true;
-    io_.set_timer(consumer_read_period, scheduler_io::timer::consumer_read, 0);
-  }
+  if (unread) read_consumers_later();
   pump();
+}
+
+void scheduler::read_consumers_later() {
+  if (read_timer_) return;
+  read_timer_ = true;
+  io_.set_timer(consumer_read_period, scheduler_io::timer::consumer_read, 0);
 }
 
 void scheduler::consumer_acked(std::uint64_t job) {
