@@ -271,6 +271,17 @@ TEST(Runner, ExplicitChunkSizeAndMaxInFlight) {
   opts.max_chunk_items = 0;
   EXPECT_THROW(troupe::ordered_runner<jittery_identity>(troupe::cpus(1), {}, opts),
                troupe::invalid_argument);
+  opts.max_chunk_items = 65536;
+  // A chunk time of "forever" or of nothing is refused, not overflowed inside the sizer.
+  for (auto t : {std::chrono::microseconds::max(), std::chrono::microseconds{0},
+                 std::chrono::microseconds{-1}}) {
+    opts.target_chunk_time = t;
+    EXPECT_THROW(troupe::ordered_runner<jittery_identity>(troupe::cpus(1), {}, opts),
+                 troupe::invalid_argument);
+  }
+  opts.target_chunk_time = std::chrono::hours{1};
+  troupe::ordered_runner<jittery_identity> hour{troupe::cpus(1), {}, opts};
+  EXPECT_EQ(hour.run(in), in);
 }
 
 TEST(Runner, DiagnosticsGoThroughTheReplaceableLogger) {

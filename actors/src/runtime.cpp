@@ -39,6 +39,9 @@ void validate(const options& o) {
         "options::speculation_after must be at least 1 (a multiple of a chunk's expected time)");
   if (o.close_timeout.count() < 0 || o.work_timeout.count() < 0)
     throw invalid_argument("options: close_timeout and work_timeout must not be negative");
+  if (o.target_chunk_time <= std::chrono::microseconds{0} ||
+      o.target_chunk_time > std::chrono::hours{1})
+    throw invalid_argument("options::target_chunk_time must be between 1 us and 1 hour");
   if (!o.trace_file.empty() && !std::ofstream(o.trace_file, std::ios::out | std::ios::app))
     throw invalid_argument("options::trace_file: cannot write " + o.trace_file);
   validate(o.batching);

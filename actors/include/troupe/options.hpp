@@ -66,7 +66,7 @@ struct options {
   /// (and `max_chunk_bytes`).
   std::size_t chunk_size = 0;
   std::function<void(const progress&)> on_progress;
-  /// Target producer time per chunk when chunk_size is automatic.
+  /// Target producer time per chunk when chunk_size is automatic; between 1 us and 1 hour.
   std::chrono::microseconds target_chunk_time{2000};
   /// Upper bound of an automatic chunk, in items.
   std::size_t max_chunk_items = 65536;
