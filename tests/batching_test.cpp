@@ -164,6 +164,10 @@ TEST(Batching, ALoneItemGoesAtAPreferredSizeOrAfterMaxDelay) {
                                                   return o;
                                                 }()}),
                troupe::invalid_argument);
+  // A max_delay of "forever" is refused (it overflowed the scheduler's clock arithmetic).
+  EXPECT_THROW(
+      (troupe::unordered_runner<model>{1, {}, batched(4, std::chrono::microseconds::max())}),
+      troupe::invalid_argument);
 }
 
 TEST(Batching, ADeadlineEndsARequestWaitingBehindABatchBeforeTheBatchEnds) {

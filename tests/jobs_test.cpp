@@ -382,6 +382,18 @@ TEST(Jobs, RetryDeliversEveryItemOnceInOrder) {
   EXPECT_TRUE(r.failures.empty());
 }
 
+TEST(Jobs, ABackoffOfForeverIsRefusedNotOverflowed) {
+  first_attempts.clear();
+  troupe::ordered_runner<fails_first_attempt> runner{1};
+  troupe::job_options o;
+  o.on_error = troupe::error_policy::retry(1, std::chrono::milliseconds::max());
+  EXPECT_THROW(runner.submit(iota(10), o), troupe::invalid_argument);
+  o.on_error = troupe::error_policy::retry(1, std::chrono::milliseconds{-1});
+  EXPECT_THROW(runner.run(iota(10), o), troupe::invalid_argument);
+  o.on_error = troupe::error_policy::retry(1, std::chrono::milliseconds{1});
+  EXPECT_EQ(runner.run(iota(10), o), iota(10));
+}
+
 TEST(Jobs, RetryThenSkipAndRetryExhausted) {
   troupe::ordered_runner<one_percent_bad> runner{2};
   troupe::job_options o;

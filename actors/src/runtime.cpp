@@ -23,7 +23,8 @@ namespace troupe::detail {
 
 /// Every check of a runner's options, in one place: invalid_argument naming the option.
 void validate(const batching& b) {
-  if (b.max_delay.count() < 0) throw invalid_argument("batching::max_delay must not be negative");
+  if (b.max_delay.count() < 0 || b.max_delay > std::chrono::hours{1})
+    throw invalid_argument("batching::max_delay must be between 0 and 1 hour");
   for (auto n : b.preferred_sizes)
     if (n == 0 || n > b.max_items)
       throw invalid_argument("batching::preferred_sizes must be between 1 and max_items (" +
@@ -51,6 +52,8 @@ void validate(const options& o) {
 void validate(const job_options& o) {
   if (o.weight == 0) throw invalid_argument("job_options::weight must be at least 1");
   if (o.deadline.count() < 0) throw invalid_argument("job_options::deadline must not be negative");
+  if (o.on_error.backoff.count() < 0 || o.on_error.backoff > std::chrono::hours{1})
+    throw invalid_argument("error_policy::retry: the backoff must be between 0 and 1 hour");
 }
 namespace {
 
