@@ -358,6 +358,29 @@ TEST(Cluster, AKilledOrFrozenMemberIsLostWhenItsConnectionEndsNotAfterLostAfter)
   run.finish();  // exact, on the one left
 }
 
+TEST(Cluster, DurationsOfForeverAreRefusedNotOverflowed) {
+  // Each was added to a clock reading (or doubled) before it was checked.
+  constexpr auto forever = std::chrono::milliseconds::max();
+  for (int which = 0; which < 4; ++which) {
+    troupe::cluster_options o;
+    o.reconnect = false;
+    (which == 0   ? o.lost_after
+     : which == 1 ? o.heartbeat
+     : which == 2 ? o.connect_timeout
+                  : o.reconnect_every) = forever;
+    EXPECT_THROW(troupe::cluster::connect({"127.0.0.1:1"}, {}, o), troupe::invalid_argument)
+        << which;
+  }
+  EXPECT_THROW(troupe::cluster::connect(std::vector<std::string>{"127.0.0.1:1"}, {}, forever),
+               troupe::invalid_argument);
+  troupe::limits l;
+  l.heartbeat = forever;
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  l = troupe::limits{};
+  l.idle_timeout = forever;
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+}
+
 TEST(Cluster, OfTwoNodesServedByOneProcessTheOneThatStopsIsTheOnlyOneLost) {
   // Both share the process's CAF node id (a process id and host hashes): a down is matched to
   // its member by the node actor, not by the node id, else one stop loses them both.

@@ -18,6 +18,10 @@ void check(const cluster_options& o) {
   if (o.reconnect_every.count() <= 0 || o.connect_timeout.count() <= 0 ||
       o.heartbeat.count() <= 0 || o.lost_after.count() <= 0)
     throw invalid_argument("cluster_options: every duration must be positive");
+  constexpr auto day = std::chrono::hours{24};  // beyond it, now + a duration could overflow
+  if (o.reconnect_every > day || o.connect_timeout > day || o.heartbeat > day ||
+      o.lost_after > day || o.discover_every > day)
+    throw invalid_argument("cluster_options: no duration may be longer than a day");
   if (o.lost_after <= o.heartbeat)
     throw invalid_argument("cluster_options: lost_after must be longer than heartbeat");
   if (o.discover && o.discover_every.count() <= 0)
@@ -130,8 +134,8 @@ cluster_options unwatched(std::chrono::milliseconds deadline) {
 
 cluster cluster::connect(const std::vector<std::string>& nodes, tls t,
                          std::chrono::milliseconds deadline) {
-  if (deadline.count() <= 0)
-    throw invalid_argument("cluster::connect: the deadline must be positive");
+  if (deadline.count() <= 0 || deadline > std::chrono::hours{24})
+    throw invalid_argument("cluster::connect: the deadline must be positive, at most a day");
   if (nodes.empty()) throw invalid_argument("cluster::connect needs at least one HOST:PORT");
   cluster c{std::make_shared<detail::cluster_state>(std::move(t), unwatched(deadline), false)};
   for (auto& address : nodes) c.state_->core->join(address, false);

@@ -125,6 +125,9 @@ void set_network_limits(const limits& l) {
   if (l.max_message_bytes == 0 || l.handshake_timeout.count() <= 0 || l.idle_timeout.count() <= 0 ||
       l.max_connections == 0 || l.max_producers_per_coordinator == 0 || l.heartbeat.count() <= 0)
     throw invalid_argument("network limits must all be positive");
+  constexpr auto day = std::chrono::hours{24};  // beyond it, 2 x heartbeat could overflow
+  if (l.handshake_timeout > day || l.idle_timeout > day || l.heartbeat > day)
+    throw invalid_argument("network limits: no duration may be longer than a day");
   if (l.idle_timeout < std::chrono::milliseconds{500})
     throw invalid_argument("idle_timeout must be at least 500 ms");
   if (l.idle_timeout < 2 * l.heartbeat)
