@@ -746,8 +746,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-delay-us", max_delay_us,
                  "how long a request may wait for others when the batch is not full");
   app.add_option("--max-queued", max_queued, "waiting requests beyond which it answers 503");
-  app.add_option("--call-us", call_us, "simulated cost of one model call, in microseconds");
-  app.add_option("--item-us", item_us, "simulated cost per request in a call, in microseconds");
+  app.add_option("--call-us", call_us, "simulated cost of one model call, in microseconds")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{86'400'000'000}));
+  app.add_option("--item-us", item_us, "simulated cost per request in a call, in microseconds")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1'000'000'000}));
   app.add_option("--requests", requests,
                  "serve this many requests of its own (--concurrency connections), check every "
                  "answer, print the result and exit");

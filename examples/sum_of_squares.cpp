@@ -62,6 +62,8 @@ int main(int argc, char** argv) {
   CLI::App app{"sum_of_squares: sum of x*x over 0..items-1 on troupe producers"};
   example::flags f;
   example::add_flags(app, f);
+  // The sum of squares below 3,000,000 fits in 64 bits (about 9.0e18); beyond it, it would not.
+  app.get_option("--items")->check(CLI::Range(std::size_t{0}, std::size_t{3'000'000}));
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;
   return example::guarded([&] {

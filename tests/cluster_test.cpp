@@ -379,6 +379,51 @@ TEST(Cluster, DurationsOfForeverAreRefusedNotOverflowed) {
   l = troupe::limits{};
   l.idle_timeout = forever;
   EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  // CAF took neither: it logged a parse error and used its default, troupe reported the value.
+  l = troupe::limits{};
+  l.max_message_bytes = std::size_t{4} << 30;
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  l = troupe::limits{};
+  l.max_connections = std::numeric_limits<std::size_t>::max();
+  EXPECT_THROW(troupe::set_network_limits(l), troupe::invalid_argument);
+  EXPECT_THROW(troupe::set_threads(std::numeric_limits<std::size_t>::max()),
+               troupe::invalid_argument);
+}
+
+TEST(Cluster, ANodesDrainWaitsForeverWhenToldAndForItsServedDrainTimeoutByDefault) {
+  test_util::watchdog dog{std::chrono::seconds{60}, "a node's drain"};
+  auto marker = "/tmp/troupe_drain_marker_" + std::to_string(::getpid());
+  for (bool forever : {true, false}) {
+    std::remove(marker.c_str());
+    troupe::node_options no;
+    no.drain_timeout = std::chrono::milliseconds{200};
+    auto n = forever ? troupe::node::serve("127.0.0.1:0", {"cpu"})
+                     : troupe::node::serve("127.0.0.1:0", {"cpu"}, {}, no);
+    troupe::config cfg;
+    cfg.set("sleep_us", std::int64_t{1'500'000});
+    cfg.set("work_marker", marker);
+    troupe::options opts;
+    opts.speculative = false;
+    troupe::unordered_runner<remote_squares> runner{
+        {troupe::device{n.address() + "/cpu"}}, cfg, opts};
+    auto h = runner.submit(std::vector<std::int64_t>{3});
+    while (!std::ifstream{marker}) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+    if (forever) {
+      // milliseconds::max(): no deadline. It overflowed, and drain returned at once, stopping
+      // the producer in its item: the job then had no producer left. And the job whose last
+      // item came back as its last producer left failed, needing none ("every producer is
+      // lost").
+      EXPECT_EQ(n.drain(std::chrono::milliseconds::max()), 0u);
+      EXPECT_EQ(h.get(), 9);
+    } else {
+      // node_options::drain_timeout (200 ms) is drain()'s deadline: the item (1.5 s) was still
+      // running at it. drain() used to wait 30 s whatever the node's options.
+      EXPECT_EQ(n.drain(), 1u);
+      // (Its item may still have answered: the producer ends when work() returns.)
+      EXPECT_TRUE(h.wait_for(std::chrono::seconds{30}));
+    }
+  }
+  std::remove(marker.c_str());
 }
 
 TEST(Cluster, OfTwoNodesServedByOneProcessTheOneThatStopsIsTheOnlyOneLost) {

@@ -87,6 +87,16 @@ TEST(Membership, ManyMembersAreProbedWithinTheProbeBudgetAndLostAfterAsManyMisse
   EXPECT_EQ(troupe::detail::probe_period(o, 1001), ms{1001});
   EXPECT_EQ(troupe::detail::scaled_lost_after(o, ms{200}), ms{1500});
   EXPECT_EQ(troupe::detail::scaled_lost_after(o, ms{1000}), ms{7500});
+  {  // a day's lost_after, 1 ms heartbeats and one probe a second over 120 members: capped at
+     // a year (it overflowed the clock, and every member was lost at once)
+    auto x = o;
+    x.heartbeat = ms{1};
+    x.lost_after = std::chrono::hours{24};
+    x.probes_per_second = 1;
+    auto period = troupe::detail::probe_period(x, 120);
+    EXPECT_EQ(period, ms{120000});
+    EXPECT_EQ(troupe::detail::scaled_lost_after(x, period), std::chrono::hours{24 * 365});
+  }
   o.probes_per_second = 0;  // no bound
   EXPECT_EQ(troupe::detail::probe_period(o, 100000), ms{200});
   // The member is not lost at 1.5 s once the period is longer, and is at the scaled time.

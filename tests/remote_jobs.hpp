@@ -23,7 +23,8 @@ struct remote_squares {
           end_marker(cfg.get_or<std::string>("end_marker", "")),
           slow_from(cfg.get_or<std::int64_t>("slow_from", -1)),
           slow_to(slow_from + cfg.get_or<std::int64_t>("slow_count", 0)),
-          slow_us(cfg.get_or<std::int64_t>("slow_us", 0)) {
+          slow_us(cfg.get_or<std::int64_t>("slow_us", 0)),
+          work_marker(cfg.get_or<std::string>("work_marker", "")) {
       if (auto dir = cfg.get_or<std::string>("init_hold_dir", ""); !dir.empty()) hold_init(dir);
       // With "second_init_marker" set, the process's second producer to be constructed waits
       // until the first has been constructed 300 ms ago, writes that file and takes a minute:
@@ -48,6 +49,7 @@ struct remote_squares {
         std::this_thread::sleep_for(std::chrono::milliseconds{1});
     }
     std::int64_t work(std::int64_t x) {
+      if (!work_marker.empty()) std::ofstream{work_marker} << "working\n";  // then sleep_us
       if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
       if (x >= slow_from && x < slow_to)  // a slow patch ("slow_from", "slow_count", "slow_us")
         std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
@@ -67,6 +69,7 @@ struct remote_squares {
     std::int64_t hang_on;
     std::string end_marker;
     std::int64_t slow_from, slow_to, slow_us;
+    std::string work_marker;  ///< "work_marker": written as each item starts
     static inline std::atomic<bool> hung{false};
     static inline std::atomic<int> constructed{0};
     static inline std::atomic<bool> ended{false};

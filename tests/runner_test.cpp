@@ -284,6 +284,23 @@ TEST(Runner, ExplicitChunkSizeAndMaxInFlight) {
   EXPECT_EQ(hour.run(in), in);
 }
 
+TEST(Runner, ChunkBoundsOfSizeMaxTakeTheWholeInputWithoutReservingIt) {
+  // A chunk's room was reserved at its bound: SIZE_MAX threw length_error, 2^40 bad_alloc.
+  for (auto n : {std::numeric_limits<std::size_t>::max(), std::size_t{1} << 40}) {
+    troupe::options o;
+    o.chunk_size = n;
+    o.max_chunk_bytes = std::numeric_limits<std::size_t>::max();
+    troupe::unordered_runner<squares> r{2, {}, o};
+    std::int64_t i = 0;
+    EXPECT_EQ(r.run(troupe::generate([&]() -> std::optional<std::int64_t> {
+      if (i >= 10) return std::nullopt;
+      return i++;
+    })),
+              285);
+    EXPECT_EQ(r.submit(iota(10)).get(), 285);
+  }
+}
+
 TEST(Runner, DiagnosticsGoThroughTheReplaceableLogger) {
   std::ostringstream captured;
   troupe::set_log_handler([&](troupe::log_level level, const std::string& line) {

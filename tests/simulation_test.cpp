@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -538,12 +539,29 @@ TEST(Simulation, WaitsFromOnProgressAreRefusedAndWaitForKeepsItsVirtualTime) {
   EXPECT_GT(refused, 0);
 }
 
+TEST(Simulation, AHugeSpeculationAfterWaitsForASlowNodeInsteadOfSpinning) {
+  // The wait until the first chunk is late (speculation_after x its expected time) did not fit
+  // the clock's nanoseconds: the wake-up fell in the past, and the scheduler spun on it (here a
+  // livelock, the job failing with "cannot end: nothing left to run").
+  for (double after : {1e15, std::numeric_limits<double>::infinity()}) {
+    simulation sim{7};
+    sim.nodes({"a:1", "b:1", "c:1"}, troupe::cpus(2));
+    sim.at_chunk(3).slow("a:1", 1000);
+    troupe::options o;
+    o.speculation_after = after;
+    auto r = sim.unordered_runner<squares>(sim.devices(), {}, o);
+    EXPECT_EQ(r.run(iota(1000)), sum_of_squares(1000)) << after;
+  }
+}
+
 TEST(Simulation, BadScriptValuesAreRefusedAndAZeroCostJobIsNoLivelock) {
   simulation sim{11};
   four_nodes(sim);
   EXPECT_THROW(sim.after(1ms).slow("a:1", 1e300), troupe::invalid_argument);
   EXPECT_THROW(sim.jitter(1e300), troupe::invalid_argument);
   EXPECT_THROW(sim.after(1ms).delay("a:1", std::chrono::hours{2}), troupe::invalid_argument);
+  EXPECT_THROW(sim.after(std::chrono::nanoseconds::max()), troupe::invalid_argument);
+  EXPECT_THROW(sim.after(-1ns), troupe::invalid_argument);
   sim.cost_per_item(0ns);
   sim.livelock_after(10'000'000);
   troupe::options o;

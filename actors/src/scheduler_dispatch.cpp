@@ -166,7 +166,9 @@ bool scheduler::speculate(std::size_t p, clock_type::time_point now) {
     }
   }
   if (!best_job) {
-    // Nothing is late yet: look again when the first chunk would be.
+    // Nothing is late yet: look again when the first chunk would be (in a day at most: a huge
+    // speculation_after or troupe_cost would not fit the clock's nanoseconds).
+    if (next_late) next_late = std::min(*next_late, 86'400e9);
     nothing_late_before_ =
         next_late ? now + std::chrono::duration_cast<clock_type::duration>(
                               std::chrono::duration<double, std::nano>(std::floor(*next_late)))

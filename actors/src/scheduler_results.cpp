@@ -426,7 +426,12 @@ void scheduler::check_survivors() {
           : all_local     ? "their replacements were stuck too or failed to start (see the "
                             "log); create a new runner"
                           : "create a new runner, with reachable nodes";
-  while (!jobs_.empty()) end_job(jobs_.begin()->first, std::make_exception_ptr(node_error(what)));
+  // A job whose every item has come back needs no producer: its consumer finishes it (its
+  // last producer drained as its last answer came in, and the job failed).
+  std::vector<std::uint64_t> stuck;
+  for (auto& [id, j] : jobs_)
+    if (!all_through(*j)) stuck.push_back(id);
+  for (auto id : stuck) end_job(id, std::make_exception_ptr(node_error(what)));
 }
 
 }  // namespace troupe::detail

@@ -171,6 +171,8 @@ fault_at simulation::at_chunk(std::size_t n) {
 }
 
 fault_at simulation::after(std::chrono::nanoseconds d) {
+  if (d.count() < 0 || d > std::chrono::hours{24 * 365})
+    throw invalid_argument("simulation: after() needs a duration between 0 and a year");
   return fault_at{host_, 0, d};
 }
 

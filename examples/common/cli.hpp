@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -129,6 +130,19 @@ struct flags {
   }
 };
 
+/// A simulated cost in ms: a finite number from 0 to a day (inf and nan skipped the work).
+inline const CLI::Validator finite_ms{
+    [](std::string& v) -> std::string {
+      double x = 0;
+      try {
+        x = std::stod(v);
+      } catch (...) {
+        return "not a number: " + v;
+      }
+      return std::isfinite(x) && x >= 0 && x <= 86'400'000 ? "" : "from 0 to 86400000 ms: " + v;
+    },
+    "MS", "finite_ms"};
+
 /// Adds the common flags to `app`; examples add their own before parsing.
 inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--devices", f.devices, "comma-separated device specs, e.g. cpu,cpu or cuda:0")
@@ -136,7 +150,8 @@ inline void add_flags(CLI::App& app, flags& f) {
   app.add_option("--items", f.items, "how many input items");
   app.add_flag("--ordered", f.ordered, "use the ordered runner");
   app.add_option("--work-ms", f.work_ms,
-                 "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)");
+                 "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)")
+      ->check(finite_ms);
   app.add_option("--work-timeout-ms", f.work_timeout_ms,
                  "give up on a producer that has not answered a chunk for this long (0: never)");
   app.add_option("--chunk-size", f.chunk_size,
@@ -177,8 +192,9 @@ inline void add_flags(CLI::App& app, flags& f) {
       ->check(CLI::PositiveNumber);
   // Network limits (docs/deploy.md): what this process accepts from its peers.
   app.add_option_function<std::size_t>(
-      "--max-message-mb", [&f](std::size_t mb) { f.limits.max_message_bytes = mb << 20; },
-      "largest message a peer may send, in MiB (default 64)");
+         "--max-message-mb", [&f](std::size_t mb) { f.limits.max_message_bytes = mb << 20; },
+         "largest message a peer may send, in MiB (default 64)")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{4095}));  // under 4 GiB
   app.add_option_function<std::int64_t>(
       "--handshake-timeout-ms",
       [&f](std::int64_t ms) { f.limits.handshake_timeout = std::chrono::milliseconds{ms}; },

@@ -133,6 +133,10 @@ void set_network_limits(const limits& l) {
   if (l.idle_timeout < 2 * l.heartbeat)
     throw invalid_argument("idle_timeout must be at least twice the heartbeat (" +
                            std::to_string(l.heartbeat.count()) + " ms)");
+  if (l.max_message_bytes > 0xFFFF'FFFFu)  // BASP's length field: 32 bits
+    throw invalid_argument("max_message_bytes must be under 4 GiB (BASP's 32-bit length)");
+  if (l.max_connections > 1'000'000)
+    throw invalid_argument("max_connections must be at most 1,000,000");
   if (l.max_message_bytes < (std::size_t{2} << 20))
     throw invalid_argument(
         "max_message_bytes must be at least 2 MiB (troupe's bulk fragments are 1 MiB)");
@@ -196,6 +200,8 @@ void add_message_types(caf::actor_system_config& cfg) {
 
 void set_threads(std::size_t n) {
   if (n == 0) throw invalid_argument("set_threads(0): troupe's actor system needs a thread");
+  if (n > 4096)  // CAF parses the setting as a signed number; thousands of threads fail to start
+    throw invalid_argument("set_threads(" + std::to_string(n) + "): at most 4096");
   if (detail::own_system_started.load() && n != detail::own_threads.load())
     throw invalid_argument(
         "set_threads() after troupe's actor system started (the first runner, node or "

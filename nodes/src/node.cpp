@@ -130,8 +130,10 @@ caf::behavior node_actor(caf::event_based_actor* self, std::vector<device> devic
           if (to) self->send(to, leaving_atom::value, ps);
         }
         st->drained.push_back(self->make_response_promise());
-        self->delayed_send(self, std::chrono::milliseconds{std::max<std::int64_t>(0, deadline_ms)},
-                           drain_atom::value);
+        constexpr std::int64_t century_ms = std::int64_t{100} * 365 * 24 * 3600 * 1000;
+        self->delayed_send(
+            self, std::chrono::milliseconds{std::clamp<std::int64_t>(deadline_ms, 0, century_ms)},
+            drain_atom::value);
         return st->drained.back();
       },
       [st](drain_atom) { st->answer_drained(); },  // the deadline: the rest are left to stop()
@@ -210,6 +212,7 @@ struct node::impl {
   std::string host;
   std::uint16_t port = 0;
   std::uint64_t incarnation = 0;
+  std::chrono::milliseconds drain_timeout{30'000};  ///< drain()'s (node_options::drain_timeout)
   std::shared_ptr<detail::node_numbers> numbers = std::make_shared<detail::node_numbers>();
   ~impl() { detail::served_nodes().remove(numbers.get()); }
 };
@@ -266,7 +269,13 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
 node node::serve(const std::string& host_port, std::vector<device> devices, tls t,
                  const node_options& o) {
   set_network_limits(o);
-  return serve(host_port, std::move(devices), std::move(t));
+  auto n = serve(host_port, std::move(devices), std::move(t));
+  n.impl_->drain_timeout = o.drain_timeout;
+  return n;
+}
+
+std::size_t node::drain() {
+  return drain(impl_ ? impl_->drain_timeout : std::chrono::milliseconds{30'000});
 }
 
 std::size_t node::drain(std::chrono::milliseconds deadline) {
@@ -274,12 +283,16 @@ std::size_t node::drain(std::chrono::milliseconds deadline) {
   // No new coordinator: the port closes (connections made already stay, for the chunks'
   // answers).
   impl_->sys->middleman().unpublish(impl_->actor, impl_->port);
+  // A deadline of a century or more (milliseconds::max(): none) is a century: the timer below
+  // counts in nanoseconds, and the wait adds 5 s to it.
+  deadline = std::clamp(deadline, std::chrono::milliseconds{0},
+                        std::chrono::milliseconds{std::chrono::hours{24 * 365 * 100}});
   std::int64_t left = -1;
   {
     caf::scoped_actor self{*impl_->sys};
     auto wait = deadline + std::chrono::seconds{5};  // the node answers at the deadline
     self->request(impl_->actor, wait, drain_atom::value,
-                  static_cast<std::int64_t>(std::max<std::int64_t>(0, deadline.count())))
+                  static_cast<std::int64_t>(deadline.count()))
         .receive([&](std::int64_t n) { left = n; },
                  [&](const caf::error&) {});  // stopped meanwhile (a second signal)
   }

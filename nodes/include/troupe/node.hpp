@@ -56,8 +56,8 @@ struct limits {
 
 /// Sets the limits of this process's network use. Call before the first network use (node,
 /// cluster, runner over remote devices); throws invalid_argument afterwards (when they differ),
-/// when a value is 0, max_message_bytes is under 2 MiB, idle_timeout under 500 ms or under
-/// twice the heartbeat.
+/// when a value is 0, max_message_bytes is under 2 MiB or 4 GiB or more, max_connections over a
+/// million, a duration over a day, idle_timeout under 500 ms or under twice the heartbeat.
 void set_network_limits(const limits& l);
 /// The limits in effect (or to take effect).
 limits network_limits();
@@ -65,8 +65,8 @@ limits network_limits();
 /// How many threads troupe's own actor system runs for consumers (default: one per core, at
 /// least 2; producers and schedulers have threads of their own). Call before troupe's first
 /// runner, node or data_parallel of the process; throws invalid_argument afterwards (with
-/// another value) and for 0. A CAF application can build runners on its own actor system
-/// instead (<troupe/caf.hpp>).
+/// another value) and for 0 or more than 4096. A CAF application can build runners on its own actor
+/// system instead (<troupe/caf.hpp>).
 void set_threads(std::size_t n);
 
 /// Reads the certificate, key (with its passphrase) and CA files with OpenSSL; throws
@@ -124,8 +124,10 @@ class node {
   /// delivered, producer::end() runs: the coordinator reports them removed, not lost), waits
   /// until they have ended or `deadline` has passed (the rest are stopped: their coordinators
   /// re-send those chunks elsewhere), then stop(). Returns the producers still busy at the
-  /// deadline (0: all left cleanly). Idempotent.
-  std::size_t drain(std::chrono::milliseconds deadline = std::chrono::seconds{30});
+  /// deadline (0: all left cleanly). milliseconds::max(): no deadline. Idempotent.
+  std::size_t drain(std::chrono::milliseconds deadline);
+  /// The same with node_options::drain_timeout when it was served with node_options, else 30 s.
+  std::size_t drain();
 
  private:
   struct impl;

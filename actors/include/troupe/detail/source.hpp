@@ -127,9 +127,10 @@ batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanosecond
   std::size_t bytes = 0;
   if constexpr (std::is_arithmetic<In>::value) {
     // Numbers: the byte bound is a count, and the chunk's room is reserved once (growing a
-    // vector item by item costs more than pulling the items).
+    // vector item by item costs more than pulling the items), up to a million items (a chunk
+    // size of SIZE_MAX asked for more memory than there is, whatever the job's length).
     max_items = std::min(max_items, std::max<std::size_t>(1, max_bytes / sizeof(In)));
-    items.reserve(max_items);
+    items.reserve(std::min(max_items, std::size_t{1} << 20));
     max_bytes = std::numeric_limits<std::size_t>::max();
   } else {
     items.reserve(max_items < 1024 ? max_items : 1024);

@@ -48,7 +48,12 @@ inline std::chrono::milliseconds probe_period(const cluster_options& o, std::siz
 inline std::chrono::milliseconds scaled_lost_after(const cluster_options& o,
                                                    std::chrono::milliseconds period) {
   if (period <= o.heartbeat) return o.lost_after;
-  return std::chrono::milliseconds{o.lost_after.count() * period.count() / o.heartbeat.count()};
+  // At most a year: a day's lost_after over a 1 ms heartbeat, probed every few minutes, would
+  // not fit the clock's nanoseconds (and every member was lost at once).
+  constexpr double year_ms = 365.0 * 24 * 3600 * 1000;
+  auto ms = static_cast<double>(o.lost_after.count()) * static_cast<double>(period.count()) /
+            static_cast<double>(o.heartbeat.count());
+  return std::chrono::milliseconds{static_cast<std::int64_t>(std::min(ms, year_ms))};
 }
 
 class membership {
