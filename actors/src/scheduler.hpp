@@ -78,25 +78,17 @@ struct producer_slot : producer_model {
   clock_type::time_point last_done{};  ///< when its last answer arrived
 };
 
-/// `d` in nanoseconds, or nanoseconds::max() where it does not fit (an option of
-/// milliseconds::max() means "forever" and must not overflow).
-template <class Rep, class Period>
-std::chrono::nanoseconds saturated_ns(std::chrono::duration<Rep, Period> d) {
-  using ns = std::chrono::nanoseconds;
-  if (d >= std::chrono::duration_cast<std::chrono::duration<Rep, Period>>(ns::max()))
-    return ns::max();
-  return std::chrono::duration_cast<ns>(d);
-}
-
 inline model_settings settings_of(const options& o) {
   model_settings s;
   s.chunk_size = o.chunk_size;
   s.max_in_flight = o.max_in_flight;
   s.max_chunk_items = o.max_chunk_items;
-  s.target_chunk_time = saturated_ns(o.target_chunk_time);
+  s.target_chunk_time = std::chrono::duration_cast<std::chrono::nanoseconds>(o.target_chunk_time);
   s.max_chunk_bytes = o.max_chunk_bytes;
   s.reorder_window = o.reorder_window;
-  s.work_timeout = saturated_ns(o.work_timeout);
+  // milliseconds::max() means none, as 0 does (it overflowed nanoseconds).
+  if (finite_wait(o.work_timeout))
+    s.work_timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(o.work_timeout);
   return s;
 }
 
