@@ -8,13 +8,14 @@
 //                    as plain numbers, with a consumer that merges (lognormal-merge: folded on
 //                    the producers) and as items with troupe_cost (lognormal-cost)
 //   batch            a batch producer of 2 ms per call + 10 us per item, a plain run() of 5,000
-//                    items, against fixed chunk sizes (a sweep)
+//                    items (--batch-items), against fixed chunk sizes (a sweep)
 // For each: the makespan, the ideal (total work / producers, or the longest item when longer),
 // and the items computed twice (stats().duplicated_items).
 // With --node-processes N, slow-patch and lognormal run on N node processes of one CPU producer
 // each (this program started again with --serve), against as many TBB threads; --no-split turns
 // options::split_late_chunks off (a node's late chunk is then only copied, as before trims).
-// Usage: troupe_uneven_bench [--producers 3] [--only NAME] [--node-processes N [--no-split]]
+// Usage: troupe_uneven_bench [--producers 3] [--only NAME] [--ordered]
+//                            [--node-processes N [--no-split]]
 #include <tbb/global_control.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -220,6 +221,9 @@ int main(int argc, char** argv) {
   long target_us = 0;
   std::string trace;
   app.add_option("--target-chunk-us", target_us, "options::target_chunk_time (default 2,000)");
+  std::size_t batch_items = 5'000;
+  app.add_option("--batch-items", batch_items, "batch: the run's items (default 5,000)")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{10'000'000}));
   std::size_t backlog = 0;
   app.add_option("--consumer-backlog", backlog, "options::consumer_backlog (default 4)");
   app.add_option("--trace-file", trace, "options::trace_file of the measured runners");
@@ -240,17 +244,10 @@ int main(int argc, char** argv) {
   tbb::task_arena arena{static_cast<int>(producers)};
   auto want = [&](const char* name) { return only.empty() || only == name; };
 
-  // Times one job of `us` on a runner that ran `before` (jobs of trivial items) first, against
-  // TBB over the same items.
-  auto measure = [&](const char* name, const std::vector<std::int64_t>& us, int before,
-                     std::size_t before_items, auto job) {
-    using Job = typename decltype(job)::type;
-    troupe::options o;
-    o.split_late_chunks = !no_split;
-    if (target_us > 0) o.target_chunk_time = std::chrono::microseconds{target_us};
-    if (backlog > 0) o.consumer_backlog = backlog;
-    o.trace_file = trace;
-    troupe::unordered_runner<Job> r{cluster ? cluster->devices() : troupe::cpus(producers), {}, o};
+  // Times one job of `us` on runner `r` after `before` jobs of trivial items, against TBB over
+  // the same items.
+  auto measure_on = [&](auto&& r, const char* name, const std::vector<std::int64_t>& us, int before,
+                        std::size_t before_items) {
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
     auto s0 = r.stats();
     auto t0 = clock_type::now();
@@ -271,6 +268,21 @@ int main(int argc, char** argv) {
       std::cout << "  on " << nodes << " nodes: " << s1.trims_sent - s0.trims_sent
                 << " trims sent, " << s1.split_chunks - s0.split_chunks << " chunks split, "
                 << s1.moved_items - s0.moved_items << " items moved\n";
+  };
+  // The same on a runner of this run's options (--ordered: an ordered runner).
+  auto measure = [&](const char* name, const std::vector<std::int64_t>& us, int before,
+                     std::size_t before_items, auto job) {
+    using Job = typename decltype(job)::type;
+    troupe::options o;
+    o.split_late_chunks = !no_split;
+    if (target_us > 0) o.target_chunk_time = std::chrono::microseconds{target_us};
+    if (backlog > 0) o.consumer_backlog = backlog;
+    o.trace_file = trace;
+    auto devices = cluster ? cluster->devices() : troupe::cpus(producers);
+    if (f.ordered)  // --ordered (example::add_flags)
+      measure_on(troupe::ordered_runner<Job>{devices, {}, o}, name, us, before, before_items);
+    else
+      measure_on(troupe::unordered_runner<Job>{devices, {}, o}, name, us, before, before_items);
   };
   if (cluster && (only.empty() || (only != "slow-patch" && only != "lognormal"))) {
     std::cerr << "--node-processes: only slow-patch or lognormal (--only)\n";
@@ -310,7 +322,7 @@ int main(int argc, char** argv) {
            us.size(), tbb_makespan(arena, us));
   }
   if (want("batch")) {
-    std::vector<std::int64_t> xs(5'000, 1);
+    std::vector<std::int64_t> xs(batch_items, 1);
     auto run = [&](std::size_t chunk) {
       troupe::options o;
       o.chunk_size = chunk;

@@ -855,9 +855,11 @@ TEST(SchedulerCore, NodeChunksTrimmedThroughTheirNodeDeliverEveryItemExactlyOnce
             << races.before_begin << " before the chunk began, " << races.after_answer
             << " after its answer, " << races.to_the_dead << " to a dead node; "
             << races.answer_first << " answers before their trim's\n";
-  // The schedules did trim, and met every race (else this test would prove nothing).
-  EXPECT_GT(trims, split_seeds() / 4);
-  EXPECT_GT(splits, split_seeds() / 10);
+  // The schedules did trim, and met every race (else this test would prove nothing). About
+  // 0.21 trims and 0.08 splits per seed (0.36 and 0.18 while the cost model read the schedules'
+  // scattered times as a fixed cost per call and grew their chunks 16 times per answer).
+  EXPECT_GT(trims, split_seeds() / 6);
+  EXPECT_GT(splits, split_seeds() / 16);
   EXPECT_GT(moved, splits);
   EXPECT_GT(races.before_begin, 0u);
   EXPECT_GT(races.after_answer, 0u);

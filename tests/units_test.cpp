@@ -806,6 +806,47 @@ TEST(ProducerModel, ADistantProducerThatStarvesGetsADeeperQueueAndLosesItSlowly)
   EXPECT_EQ(far.depth, producer_model::min_depth);
 }
 
+TEST(ProducerModel, HeavyTailedItemsDoNotPassForAFixedCostThatBalloonsTheChunks) {
+  // Items of lognormal cost (median 50 us, sigma 1.5, capped at 50 ms; mean about 154 us), a
+  // 2 ms target: a chunk's time varies far more with which items it holds than with how many.
+  // A line through such answers showed a large fixed cost and a cost per item near 0, and the
+  // chunks grew 16 times per answer (10, 160, 2,560 items: 0.38 s of work in
+  // troupe_uneven_bench). A fixed cost lost in the scatter is none: the chunks are sized by the
+  // items' mean cost and stay near the target's worth.
+  model_settings s;
+  producer_model m{true, s};
+  std::mt19937_64 rng{7};
+  std::lognormal_distribution<double> cost{std::log(50'000.0), 1.5};
+  std::size_t biggest = 0, chunks = 0;
+  for (std::size_t items = 0; items < 200'000; ++chunks) {
+    auto n = m.chunk_limit(s, 1);
+    biggest = std::max(biggest, n);
+    double t = 0;
+    for (std::size_t k = 0; k < n; ++k) t += std::min(50e6, cost(rng));
+    items += n;
+    m.learn(chunk_of_job(1, n), static_cast<std::int64_t>(t), 0, true, s);
+  }
+  // Sixteen targets' worth at the mean cost is about 208 items (a few answers' mean cost of
+  // such items runs well below the mean: a run of cheap ones).
+  EXPECT_LE(biggest, 256u) << "over " << chunks << " chunks";
+  EXPECT_GE(chunks, 1'000u) << "the chunks hold about a target's worth (13 items)";
+  // A batch producer's calls lie on their line: its fixed cost still shows through noise of a
+  // tenth of a millisecond either way, and its batches still grow to full size.
+  producer_model batch{true, s};
+  std::uniform_real_distribution<double> noise{-100'000.0, 100'000.0};
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 40; ++i) {
+    auto n = batch.chunk_limit(s, 1);
+    sizes.push_back(n);
+    auto t = 2'000'000.0 + 10'000.0 * static_cast<double>(n) + noise(rng);
+    batch.learn(chunk_of_job(1, n), static_cast<std::int64_t>(t), 0, true, s);
+  }
+  // Full size from the fourth call on, and it stays there once the calls are all of that size
+  // (the model forgot the fixed cost after about ten of them: 173 items).
+  for (std::size_t i = 3; i < sizes.size(); ++i) EXPECT_GE(sizes[i], 1000u) << "call " << i;
+  EXPECT_GE(batch.chunk_limit(s, 1), 1000u);
+}
+
 TEST(ProducerModel, BigChunksKeepTheQueueWithinItsByteBound) {
   model_settings s;
   s.max_chunk_bytes = 1 << 20;
