@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   f.ordered = true;
   std::int64_t batch = 32;
   example::add_flags(app, f);
-  app.add_option("--batch", batch, "rows per batch");
+  app.add_option("--batch", batch, "rows per batch")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1'000'000}));
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;
   return example::guarded([&] {
@@ -35,7 +36,7 @@ int main(int argc, char** argv) {
     auto progress = f.make_progress("batches");  // on stderr (common/progress.hpp)
     troupe::ordered_runner<batched_inference> runner{f.device_list(), {}, f.options(progress)};
     auto watching = progress.watch(runner);
-    if (batch > 0) progress.expect(static_cast<std::uint64_t>((rows + batch - 1) / batch));
+    progress.expect(static_cast<std::uint64_t>((rows + batch - 1) / batch));
     auto outputs = runner.run(troupe::generate([&]() -> std::optional<at::Tensor> {
       if (next >= rows) return std::nullopt;
       auto b = inputs.slice(0, next, std::min(next + batch, rows));

@@ -140,6 +140,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "requests: several callers share one runner (submit, weights, cancel, deadline, skip)"};
   example::flags f;
+  f.simulated_work = true;  // --work-ms
   example::add_flags(app, f);
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;

@@ -72,6 +72,16 @@ constexpr std::size_t max_width = 65536;
 /// own message; the server answers 400 with that message, not 500.
 constexpr const char* bad_input = "the model refused the input: ";
 
+/// The last line of an error's text that says something: a TorchScript exception carries the
+/// script's traceback first, then the model's own words ("builtins.ValueError: ...").
+inline std::string last_line(const std::string& what) {
+  auto end = what.find_last_not_of(" \n");
+  if (end == std::string::npos) return what;
+  auto start = what.rfind('\n', end);
+  return what.substr(start == std::string::npos ? 0 : start + 1,
+                     end + 1 - (start == std::string::npos ? 0 : start + 1));
+}
+
 /// The model's weights: the same in every producer and in the self-test's check.
 std::vector<float> weights() {
   std::mt19937 rng{42};
@@ -222,15 +232,22 @@ struct file_model_producer {
     for (std::int64_t n = 1; n <= max_batch; ++n) {
       bool power_of_two = (n & (n - 1)) == 0;
       if (!where.is_cuda() && !power_of_two && n != max_batch) continue;
+      std::string why;
       try {
         model.forward(torch::zeros({n, inputs}, model.where));
         took = n;
-      } catch (const c10::Error&) {
+      } catch (const c10::Error& e) {
         if (n == 1) throw;  // not a size limit: the model itself fails
+        why = e.what_without_backtrace();
+      } catch (const std::runtime_error& e) {  // a TorchScript raise or assert (JITException)
+        if (n == 1) throw;
+        why = last_line(e.what());
+      }
+      if (took != n) {
         if (!told.exchange(true))
           std::cerr << "the model refuses a call of " << n << " rows (it took " << took
                     << "): larger calls are split (lower --max-batch, or export it for "
-                    << max_batch << ")" << std::endl;
+                    << max_batch << "): " << last_line(why) << std::endl;
         break;
       }
     }
@@ -248,7 +265,9 @@ struct file_model_producer {
       throw;  // the device's fault, not the request's
     } catch (
         const c10::Error& e) {  // the model's own refusal (a package: AOTI_RUNTIME_CHECK_INPUTS)
-      throw std::invalid_argument(bad_input + std::string{e.what_without_backtrace()});
+      throw std::invalid_argument(bad_input + last_line(e.what_without_backtrace()));
+    } catch (const std::runtime_error& e) {  // a TorchScript raise or assert (JITException)
+      throw std::invalid_argument(bad_input + last_line(e.what()));
     }
   }
   troupe::device where;
@@ -338,6 +357,19 @@ std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model
   };
 }
 
+/// `y`, a model's answer to `rows` rows, as `rows` x 10 floats in memory; throws when it is not
+/// that shape (a model of another task: its answer is never read past its end).
+at::Tensor class_scores(const at::Tensor& y, std::int64_t rows, const std::string& model_file) {
+  if (y.dim() != 2 || y.size(0) != rows || y.size(1) != static_cast<std::int64_t>(n_classes) ||
+      y.scalar_type() != at::kFloat)
+    throw std::runtime_error(model_file + " answers " + std::to_string(rows) +
+                             " rows with a tensor of shape " + c10::str(y.sizes()) + " (" +
+                             std::string{c10::toString(y.scalar_type())} + "), not " +
+                             std::to_string(rows) + " x " + std::to_string(n_classes) +
+                             " floats: the scores of the 10 classes");
+  return y.contiguous();
+}
+
 /// FILE.ref.txt (examples/export_model.py): each line's inputs (16 for serve's default model, as
 /// many as the model reads for one exported with --channels/--side) and the 10 scores Python
 /// computed. Throws when the model loaded here answers otherwise (beyond float rounding).
@@ -358,7 +390,7 @@ std::size_t check_reference(const std::string& model_file, std::int64_t& width) 
     if (x.empty() || x.size() > max_width || y.size() != n_classes)
       throw std::runtime_error(model_file + ".ref.txt: a line without inputs and 10 scores");
     width = static_cast<std::int64_t>(x.size());
-    auto got = forward(torch::from_blob(x.data(), {1, width}).clone()).contiguous();
+    auto got = class_scores(forward(torch::from_blob(x.data(), {1, width}).clone()), 1, model_file);
     for (std::size_t c = 0; c < n_classes; ++c)
       if (std::fabs(got.data_ptr<float>()[c] - y[c]) > 1e-4f * (1.0f + std::fabs(y[c])))
         throw std::runtime_error(model_file + " answers " +
@@ -438,11 +470,18 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
   }
   troupe::job_options o;
   if (auto d = req.find("X-Deadline-Ms"); d != req.end()) {
+    // Milliseconds, a whole number from 0 to a day: nothing before or after it ("10abc").
+    std::string text{d->value()};
+    std::size_t used = 0;
+    long ms = -1;
     try {
-      o.deadline = std::chrono::milliseconds{std::stol(std::string{d->value()})};
+      ms = std::stol(text, &used);
     } catch (const std::exception&) {
-      co_return reply(req, http::status::bad_request, "{\"error\": \"bad X-Deadline-Ms\"}\n");
     }
+    if (used != text.size() || ms < 0 || ms > 86'400'000)
+      co_return reply(req, http::status::bad_request,
+                      "{\"error\": \"X-Deadline-Ms must be milliseconds from 0 to 86400000\"}\n");
+    o.deadline = std::chrono::milliseconds{ms};
   }
   std::optional<troupe::job_handle<std::vector<prediction>>> job;
   try {
@@ -451,6 +490,13 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
     stats.overloaded += 1;
     co_return reply(req, http::status::service_unavailable,
                     std::string{"{\"error\": \"overloaded\"}\n"});
+  } catch (const std::invalid_argument& e) {  // the request's own options, refused
+    stats.bad += 1;
+    co_return reply(req, http::status::bad_request,
+                    "{\"error\": " + troupe::detail::json_quote(e.what()) + "}\n");
+  } catch (const std::exception& e) {  // the runner's (closed, say): answered, not dropped
+    co_return reply(req, http::status::service_unavailable,
+                    "{\"error\": " + troupe::detail::json_quote(e.what()) + "}\n");
   }
   std::exception_ptr failure;
   std::vector<prediction> out;
@@ -478,6 +524,9 @@ net::awaitable<http::response<http::string_body>> handle(http::request<http::str
                       "{\"error\": " + troupe::detail::json_quote(what) + "}\n");
     }
   }
+  if (!std::isfinite(out.at(0).score))  // JSON has no NaN or infinity: the model's fault
+    co_return reply(req, http::status::internal_server_error,
+                    "{\"error\": \"the model's score is not a finite number\"}\n");
   stats.ok += 1;
   std::ostringstream body;
   body << "{\"class\": " << out.at(0).label << ", \"score\": " << out.at(0).score << "}\n";
@@ -526,9 +575,12 @@ net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& s
       c.list();
       co_await http::async_read(*stream, buffer, req, net::use_awaitable);
       c.unlist();
-      stream->expires_never();
+      stream->expires_never();  // while the request is worked on
       bool keep = req.keep_alive();
       auto res = co_await handle(std::move(req), runner, stats);
+      // A client that never reads its answers is let go too: its write would wait forever, and
+      // it is not among those waiting for a request, which a newcomer may close.
+      stream->expires_after(std::chrono::seconds{30});
       co_await http::async_write(*stream, res, net::use_awaitable);
       if (!keep) break;
     }
@@ -631,7 +683,12 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
             ->forward(x)
             .contiguous();
   } else {
-    y = load_model(model)(x);
+    // A row at a time: a model from a file may refuse larger calls (the warm-up said so).
+    auto forward = load_model(model);
+    std::vector<at::Tensor> rows;
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(n); ++i)
+      rows.push_back(class_scores(forward(x.slice(0, i, i + 1)), 1, model));
+    y = rows.empty() ? torch::zeros({0, static_cast<std::int64_t>(n_classes)}) : torch::cat(rows);
   }
   const auto* p = y.data_ptr<float>();
   for (auto& row : scores) {
@@ -705,14 +762,21 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
                      static_cast<std::size_t>(q * static_cast<double>(latencies_ms.size())))];
   };
   auto scores = reference_scores(model, requests, cfg);
-  auto wrong = wrong_answers(got, scores) + broken;
+  // A request that got no answer (its connection failed: too many for the descriptors, say) is
+  // not a wrong answer: counted apart, and a failure too.
+  auto unanswered = static_cast<std::size_t>(std::count(got.begin(), got.end(), -1));
+  auto wrong = wrong_answers(got, scores) - unanswered;  // each of those counts there too
   std::cerr << "latency p50 " << pct(0.5) << " ms, p99 " << pct(0.99) << " ms" << std::endl;
   std::cerr << "served " << stats.ok << " requests in " << secs << " s ("
-            << static_cast<double>(stats.ok) / secs << " requests/s), " << wrong << " wrong; "
+            << static_cast<double>(stats.ok) / secs << " requests/s), " << wrong << " wrong, "
+            << unanswered << " unanswered (" << broken << " connections failed); "
             << classify::producer::calls << " model calls (mean batch "
             << static_cast<double>(classify::producer::rows_seen) /
                    static_cast<double>(std::max<std::uint64_t>(1, classify::producer::calls))
             << "), " << s.split_calls << " calls made again after a throw" << std::endl;
+  if (unanswered != 0)
+    throw std::runtime_error(std::to_string(unanswered) + " requests unanswered: " +
+                             std::to_string(broken) + " connections failed (fewer --concurrency?)");
   if (wrong != 0) throw std::runtime_error(std::to_string(wrong) + " wrong answers");
   std::int64_t classes = 0;
   for (auto g : got) classes += g;
@@ -742,10 +806,12 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden, "--model mlp: hidden units per layer")
       ->check(CLI::PositiveNumber);
   app.add_option("--layers", layers, "--model mlp: hidden layers")->check(CLI::PositiveNumber);
-  app.add_option("--max-batch", max_batch, "most requests per producer call (0: no batching)");
+  app.add_option("--max-batch", max_batch, "most requests per producer call (0: no batching)")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{65'536}));
   app.add_option("--max-delay-us", max_delay_us,
                  "how long a request may wait for others when the batch is not full");
-  app.add_option("--max-queued", max_queued, "waiting requests beyond which it answers 503");
+  app.add_option("--max-queued", max_queued, "waiting requests beyond which it answers 503")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{100'000'000}));
   app.add_option("--call-us", call_us, "simulated cost of one model call, in microseconds")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{86'400'000'000}));
   app.add_option("--item-us", item_us, "simulated cost per request in a call, in microseconds")
@@ -753,9 +819,15 @@ int main(int argc, char** argv) {
   app.add_option("--requests", requests,
                  "serve this many requests of its own (--concurrency connections), check every "
                  "answer, print the result and exit");
-  app.add_option("--concurrency", concurrency, "connections of the self-test");
+  app.add_option("--concurrency", concurrency, "connections of the self-test")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{10'000}));
   CLI11_PARSE(app, argc, argv);
   if (int rc = example::check_flags(f); rc >= 0) return rc;
+  if ((call_us != 0 || item_us != 0) && model != "linear" && model != "mlp") {
+    std::cerr << "--call-us and --item-us simulate the cost of the linear and mlp models; a "
+                 "model from a file costs what it costs\n";
+    return 2;
+  }
   return example::guarded([&] {
     troupe::config cfg;
     cfg.set("call_us", call_us);

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   CLI::App app{"sum_of_powers: sum of x^power over 0..items-1"};
   example::flags f;
   int power = 3;
+  f.simulated_work = true;  // --work-ms
   example::add_flags(app, f);
   app.add_option("--power", power, "the exponent, passed through troupe::config");
   CLI11_PARSE(app, argc, argv);

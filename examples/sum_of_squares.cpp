@@ -61,6 +61,7 @@ std::int64_t run_all(Runner& runner, std::size_t n, example::progress_display& p
 int main(int argc, char** argv) {
   CLI::App app{"sum_of_squares: sum of x*x over 0..items-1 on troupe producers"};
   example::flags f;
+  f.simulated_work = true;  // --work-ms
   example::add_flags(app, f);
   // The sum of squares below 3,000,000 fits in 64 bits (about 9.0e18); beyond it, it would not.
   app.get_option("--items")->check(CLI::Range(std::size_t{0}, std::size_t{3'000'000}));

@@ -2,7 +2,8 @@
 # The HTTP inference server (examples/serve.cpp) as a client sees it: a prediction; 400 for a bad
 # body; 404 elsewhere; 504 for a request whose X-Deadline-Ms passes while it waits behind a slow
 # batch; 503 when more requests wait than --max-queued; SIGTERM stops it with exit 0; silent
-# connections beyond its descriptors do not lock clients out.
+# connections beyond its descriptors, and clients that never read, do not lock clients out; a bad
+# X-Deadline-Ms is a 400.
 set -euo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -105,5 +106,49 @@ try:
 except BlockingIOError:
     pass
 print("descriptors: answered past 300 silent connections with 128 descriptors")
+PY
+stop
+
+# Clients that send requests and never read the answers: their writes stall once the socket's
+# buffers are full. With 64 descriptors, 70 such clients held every one of them for good (a write
+# had no timeout, and a connection being answered is not one a newcomer may close): a write now
+# gives up after 30 s, so the descriptors come back and a client is answered again. Also: an
+# X-Deadline-Ms that is negative or not a number is a 400, not a dropped connection.
+start bash -c 'ulimit -n 64; exec "$0" "$@"' "$bin" --listen 127.0.0.1:0 --devices cpu \
+  --max-batch 8 --max-delay-us 0
+python3 - "$port" "$pid" <<'PY'
+import http.client, os, socket, sys, time
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+def call(headers):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    c.request("POST", "/predict", ",".join(str(i / 10) for i in range(16)), headers)
+    r = c.getresponse()
+    return r.status, r.read().decode()
+for bad in ("-1", "10abc", "-9223372036854775808", "86400001"):
+    status, body = call({"X-Deadline-Ms": bad})
+    assert status == 400 and "X-Deadline-Ms" in body, (bad, status, body)
+base = len(os.listdir(f"/proc/{pid}/fd"))
+request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
+stuck = []
+for _ in range(70):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.settimeout(0.3)
+    try:
+        s.connect(("127.0.0.1", port))
+        while True:
+            s.send(request)
+    except OSError:  # the send blocked (timeout), or the server had no descriptor left
+        pass
+    stuck.append(s)
+held = len(os.listdir(f"/proc/{pid}/fd"))
+assert held > base + 30, (base, held)  # the clients did hold descriptors
+deadline = time.monotonic() + 60
+while len(os.listdir(f"/proc/{pid}/fd")) > base + 4 and time.monotonic() < deadline:
+    time.sleep(1)
+left = len(os.listdir(f"/proc/{pid}/fd"))
+assert left <= base + 4, (base, held, left)
+assert call({})[0] == 200
+print(f"clients that never read: {held} descriptors held, {left} once their writes gave up ({base} before)")
 PY
 stop

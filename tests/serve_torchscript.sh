@@ -82,3 +82,62 @@ wait "$pid" || rc=$?
 pid=
 [ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err2"; exit 1; }
 echo "wrong shapes refused with the model's message, the others answered: ok"
+
+[ "$ext" = pt ] || exit 0
+# Models of another task, as users export them by mistake: one answers 3 columns, not 10 (its
+# answers were read past their end, the self-test's reference too); one raises in TorchScript
+# for a width other than 16 (a JITException, not a c10::Error: a 500 with its traceback before,
+# and its warm-up at a size it refuses stopped the server).
+cat > "$dir/models.py" <<'PY'  # TorchScript reads the module's source: a file, not stdin
+import sys, torch
+class ThreeColumns(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :3]
+class Picky(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(1) != 16:
+            raise ValueError("expected 16 features")
+        assert x.size(0) <= 4, "at most 4 rows per call"
+        return x[:, :10]
+torch.jit.script(ThreeColumns()).save(sys.argv[1] + "/three.pt")
+torch.jit.script(Picky()).save(sys.argv[1] + "/picky.pt")
+with open(sys.argv[1] + "/three.pt.ref.txt", "w") as f:
+    f.write(" ".join(["0.5"] * 16) + " ; " + " ".join(["0.5"] * 10) + "\n")
+PY
+"$python" "$dir/models.py" "$dir"
+rc=0
+"$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/three.pt" --requests 5 2> "$dir/err3" || rc=$?
+[ "$rc" -ne 0 ] && grep -q "three.pt answers 1 rows with a tensor of shape \[1, 3\]" "$dir/err3" ||
+  { echo "a model of 3 columns (rc $rc):"; cat "$dir/err3"; exit 1; }
+rm "$dir/three.pt.ref.txt"
+rc=0
+"$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/three.pt" --requests 5 2> "$dir/err3" || rc=$?
+[ "$rc" -ne 0 ] && grep -q "answers 1 rows with a tensor of shape \[1, 3\]" "$dir/err3" ||
+  { echo "a model of 3 columns, no reference (rc $rc):"; cat "$dir/err3"; exit 1; }
+echo "a model of 3 columns: refused with its shape"
+"$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/picky.pt" --max-batch 8 \
+  --max-delay-us 200000 2> "$dir/err4" > "$dir/out4" &
+pid=$!
+for _ in $(seq 300); do grep -q "serving HTTP on" "$dir/err4" && break; sleep 0.1; done
+port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err4")
+[ -n "$port" ] || { cat "$dir/err4"; exit 1; }
+grep -q "the model refuses a call of 8 rows (it took 4).*at most 4 rows per call" "$dir/err4"
+python3 - "$port" <<'PY'
+import http.client, json, sys
+c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
+c.request("POST", "/predict", body="1,2,3")
+r = c.getresponse()
+body = r.read().decode()
+assert r.status == 400, (r.status, body)
+assert json.loads(body)["error"] == "the model refused the input: builtins.ValueError: expected 16 features", body
+c.request("POST", "/predict", body=",".join(["0.5"] * 16))
+r = c.getresponse()
+assert r.status == 200, (r.status, r.read())
+r.read()
+PY
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+pid=
+[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err4"; exit 1; }
+echo "a model that raises in TorchScript: its warm-up's limit found, a 400 with its words: ok"

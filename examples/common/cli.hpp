@@ -29,6 +29,9 @@ struct flags {
   std::size_t items = 100;
   bool ordered = false;
   double work_ms = 0;
+  /// Whether the example takes --work-ms (its producers simulate device time per item); set
+  /// before add_flags. Elsewhere the flag is refused, not ignored.
+  bool simulated_work = false;
   std::string serve, nodes, tls_cert, tls_key, tls_ca;
   bool verbose = false;
   std::int64_t work_timeout_ms = 0;
@@ -149,9 +152,10 @@ inline void add_flags(CLI::App& app, flags& f) {
       ->each([&f](const std::string&) { f.devices_given = true; });
   app.add_option("--items", f.items, "how many input items");
   app.add_flag("--ordered", f.ordered, "use the ordered runner");
-  app.add_option("--work-ms", f.work_ms,
-                 "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)")
-      ->check(finite_ms);
+  if (f.simulated_work)
+    app.add_option("--work-ms", f.work_ms,
+                   "simulated device time per item, in ms (a sleep; below 0.1 ms the CPU spins)")
+        ->check(finite_ms);
   app.add_option("--work-timeout-ms", f.work_timeout_ms,
                  "give up on a producer that has not answered a chunk for this long (0: never)");
   app.add_option("--chunk-size", f.chunk_size,
