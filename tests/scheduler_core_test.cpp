@@ -179,6 +179,35 @@ struct core_fixture {
   std::map<std::uint64_t, std::shared_ptr<troupe::detail::job_core>> jobs;  ///< by id (submit)
 };
 
+TEST(SchedulerCore, AJobWhoseEveryProducerWasDrainedSaysSoNotThatTheyWereLost) {
+  // Every producer drained on purpose while a job still has work (every node sent SIGTERM at
+  // once): the job ends with node_error, which said "every producer is lost ()" (an empty list:
+  // drained slots were left out of it) and gave advice meant for local producers that failed.
+  troupe::options opts;
+  opts.chunk_size = 2;
+  core_fixture f{{"127.0.0.1:7000/cpu", "127.0.0.1:7001/cpu"}, opts};
+  auto job = f.submit(1, 100, false);
+  f.core->drain({0, 1}, std::make_shared<std::promise<void>>());
+  while (!f.io.chunks.empty()) {  // the chunks they hold are answered; nothing new is sent
+    f.answer_oldest();
+    f.consume_all();
+  }
+  ASSERT_EQ(f.io.ended.size(), 2u);
+  for (auto p : std::vector<std::size_t>(f.io.ended)) f.core->producer_ended(p, "");
+  ASSERT_TRUE(job->done());
+  ASSERT_TRUE(job->error());
+  try {
+    std::rethrow_exception(job->error());
+  } catch (const troupe::node_error& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("every producer has left: each was removed or drained "
+                        "(127.0.0.1:7000/cpu, 127.0.0.1:7001/cpu)"),
+              std::string::npos)
+        << what;
+    EXPECT_EQ(what.find("lost"), std::string::npos) << what;
+  }
+}
+
 TEST(SchedulerCore, AnOrderedJobAnsweredBackwardsReachesItsConsumerInOrder) {
   troupe::options opts;
   opts.chunk_size = 2;

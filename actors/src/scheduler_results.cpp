@@ -426,6 +426,20 @@ void scheduler::check_survivors() {
           : all_local     ? "their replacements were stuck too or failed to start (see the "
                             "log); create a new runner"
                           : "create a new runner, with reachable nodes";
+  bool none_lost = std::all_of(producers_.begin(), producers_.end(), [](auto& s) {
+    return s.state == slot_state::retired || leaving(s.state);
+  });
+  if (none_lost) {
+    // None lost: every one was removed or drained on purpose, or is on its way out (all the
+    // nodes sent SIGTERM at once, say). Said so, with them, and what keeps a job going through
+    // such a change.
+    what = "every producer has left: each was removed or drained (";
+    for (std::size_t i = 0; i < producers_.size(); ++i)
+      what += (i == 0 ? "" : ", ") + producers_[i].where.str();
+    what +=
+        "); the job's remaining work could not be done: drain nodes a few at a time (a rolling "
+        "restart), or add producers (add_devices) before the last ones leave";
+  }
   // A job whose every item has come back needs no producer: its consumer finishes it (its
   // last producer drained as its last answer came in, and the job failed).
   std::vector<std::uint64_t> stuck;

@@ -125,6 +125,9 @@ struct flags {
       auto comma = list.find(',', start);
       auto item =
           list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      // "a, b": spaces around an entry are not part of it (" b" was a host name not found).
+      auto first = item.find_first_not_of(" \t"), last = item.find_last_not_of(" \t");
+      item = first == std::string::npos ? "" : item.substr(first, last + 1 - first);
       if (!item.empty()) out.push_back(item);
       if (comma == std::string::npos) break;
       start = comma + 1;
@@ -166,14 +169,19 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "NAME:PORT: use every node the DNS name resolves to (a Kubernetes headless "
                  "service); programs that follow a cluster (sum_of_squares) poll it every "
                  "second: nodes that appear join, those that vanish drain; the others resolve "
-                 "it once, at start");
+                 "it once, at start")
+      ->check([](const std::string& v) {  // an unset variable in a manifest: said, not ignored
+        return v.find_first_not_of(" \t") == std::string::npos ? "an empty name" : "";
+      });
   app.add_option("--min-nodes", f.min_nodes,
                  "with --nodes/--discover: start with the nodes that answer within the connect "
                  "timeout, an error if fewer than this many (0: every node must answer); in "
-                 "programs that follow a cluster the others join when they answer");
+                 "programs that follow a cluster the others join when they answer")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{1'000'000}));
   app.add_option("--probes-per-second", f.probes_per_second,
                  "with --nodes/--discover: ask the members for a sign of life at most this often "
-                 "in all (default 100; 0: every member every 200 ms)");
+                 "in all (default 100; 0: every member every 200 ms)")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{1'000'000}));
   app.add_option("--tls-cert", f.tls_cert, "TLS certificate (PEM), for mutual TLS");
   app.add_option("--tls-key", f.tls_key, "TLS private key (PEM)");
   app.add_option("--tls-ca", f.tls_ca, "CA certificate (PEM) that signs the peers");

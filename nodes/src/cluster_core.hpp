@@ -146,6 +146,10 @@ class cluster_core {
   /// then (nothing of that answer is used).
   bool ask_to_start_over(const std::string& address, const caf::actor& handle,
                          std::uint64_t incarnation);
+  /// The reconnector reached `address` (its node actor, incarnation, devices and whether it is
+  /// leaving): a member back, or one asked to start over.
+  void rejoin(const std::string& address, caf::actor handle, std::uint64_t incarnation,
+              const std::vector<std::string>& offered, bool leaving);
   /// Asks the node to tell the listener when it drains itself, and the listener to monitor it.
   void watch(const caf::actor& node);
   bool stopping();

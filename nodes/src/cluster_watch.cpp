@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
+#include <future>
 #include <iterator>
 #include <set>
+#include <thread>
 
 #include "cluster_core.hpp"
 #include "troupe/detail/network.hpp"
@@ -112,51 +114,86 @@ void cluster_core::reconnect_loop() {
     for (auto i = next_try.begin(); i != next_try.end();)  // members back: forgotten
       i = std::find(lost.begin(), lost.end(), i->first) == lost.end() ? next_try.erase(i)
                                                                       : std::next(i);
+    // The addresses due now, tried at once (a wave of at most 64 threads at a time): one after
+    // the other, K addresses that never answer held a restarted node's rejoin back K times
+    // connect_timeout or CAF's idle timeout (8 of them: 10.6 s instead of 1.2 s).
+    std::vector<std::string> due;
     for (auto& address : lost) {
-      if (stopping()) return;
       if (!eager.count(address)) {
         auto& at = next_try[address];
         if (now < at) continue;
         at = now + o_.reconnect_every;
       }
+      due.push_back(address);
+    }
+    struct attempt {
       std::vector<std::string> offered;
       std::uint64_t incarnation = 0;
       bool leaving = false;
-      caf::actor handle;
-      try {
-        handle =
-            connect_node(*sys_, address, t_, o_.connect_timeout, &offered, &incarnation, &leaving);
-      } catch (const std::exception&) {
-        continue;  // not back yet
-      }
-      if (ask_to_start_over(address, handle, incarnation)) continue;  // its next answer rejoins
-      std::vector<device> devices;
-      try {
-        devices = devices_at(address, offered);
-      } catch (const std::exception& e) {
-        log(log_level::warn, "cluster: " + address +
-                                 " offers a device this program does not "
-                                 "know (" +
-                                 e.what() + "); not used");
-        continue;
-      }
-      std::shared_ptr<batch> b;
-      {
-        std::lock_guard<std::mutex> guard{mtx_};
-        auto now = clock::now();
-        // Notices first: a node that drained itself has left, whatever answers now.
-        auto events = take_notices_locked(now);
-        auto more = core_.answered(address, incarnation, devices, now, false, leaving);
-        events.insert(events.end(), more.begin(), more.end());
-        if (core_.accepts(address, incarnation)) {
-          handles_[address] = handle;
-          watch(handle);
+      caf::actor handle;  // null: not back yet
+    };
+    constexpr std::size_t wave = 64;
+    for (std::size_t from = 0; from < due.size(); from += wave) {
+      if (stopping()) return;
+      auto to = std::min(due.size(), from + wave);
+      std::vector<std::future<attempt>> tries;
+      for (auto i = from; i < to; ++i)
+        tries.push_back(std::async(std::launch::async, [this, address = due[i]] {
+          attempt a;
+          try {
+            a.handle = connect_node(*sys_, address, t_, o_.connect_timeout, &a.offered,
+                                    &a.incarnation, &a.leaving);
+          } catch (const std::exception&) {
+          }
+          return a;
+        }));
+      // Each taken as it comes: a member back is not held behind the silent ones' attempts.
+      std::vector<bool> taken(tries.size(), false);
+      for (auto left = tries.size(); left > 0;) {
+        for (std::size_t k = 0; k < tries.size(); ++k) {
+          if (taken[k] ||
+              tries[k].wait_for(std::chrono::milliseconds{0}) != std::future_status::ready)
+            continue;
+          taken[k] = true;
+          left -= 1;
+          auto got = tries[k].get();
+          if (got.handle && !stopping())
+            rejoin(due[from + k], std::move(got.handle), got.incarnation, got.offered, got.leaving);
         }
-        if (!events.empty()) b = enqueue(std::move(events));
+        if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds{20});
       }
-      if (b) cv_.notify_all();
     }
   }
+}
+
+void cluster_core::rejoin(const std::string& address, caf::actor handle, std::uint64_t incarnation,
+                          const std::vector<std::string>& offered, bool leaving) {
+  if (ask_to_start_over(address, handle, incarnation)) return;  // its next answer rejoins
+  std::vector<device> devices;
+  try {
+    devices = devices_at(address, offered);
+  } catch (const std::exception& e) {
+    log(log_level::warn, "cluster: " + address +
+                             " offers a device this program does not "
+                             "know (" +
+                             e.what() + "); not used");
+    return;
+  }
+  std::shared_ptr<batch> b;
+  {
+    std::lock_guard<std::mutex> guard{mtx_};
+    auto now = clock::now();
+    // Notices first: a node that drained itself has left, whatever answers now.
+    auto events = take_notices_locked(now);
+    auto more = core_.answered(address, incarnation, devices, now, false, leaving);
+    events.insert(events.end(), more.begin(), more.end());
+    if (core_.accepts(address, incarnation)) {
+      handles_[address] = handle;
+      watch(handle);
+    }
+    if (!events.empty()) b = enqueue(std::move(events));
+  }
+  if (b) cv_.notify_all();
 }
 
 bool cluster_core::ask_to_start_over(const std::string& address, const caf::actor& handle,
