@@ -10,22 +10,7 @@ dir=$(mktemp -d)
 pid=
 cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
-# start COMMAND...: the server in the background; sets pid and port.
-start() {
-  "$@" 2> "$dir/err" > "$dir/out" &
-  pid=$!
-  for _ in $(seq 100); do grep -q "serving HTTP on" "$dir/err" && break; sleep 0.1; done
-  port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err")
-  [ -n "$port" ] || { cat "$dir/err"; exit 1; }
-}
-# stop: SIGTERM, and it must exit 0.
-stop() {
-  kill -TERM "$pid"
-  local rc=0
-  wait "$pid" || rc=$?
-  pid=
-  [ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err"; exit 1; }
-}
+source "$(dirname "$0")/serve_lib.sh"
 # One producer whose every call takes 300 ms: requests queue behind it.
 start "$bin" --listen 127.0.0.1:0 --devices cpu --call-us 300000 --max-batch 4 --max-delay-us 0 \
   --max-queued 4

@@ -19,6 +19,7 @@ dir=$(mktemp -d)
 pid=
 cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
+source "$(dirname "$0")/serve_lib.sh"
 model=$dir/tiny.$ext
 "$python" "$exporter" "$model" --width 8 --references 8
 "$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --requests 300 \
@@ -31,12 +32,8 @@ grep -q "0 wrong" "$dir/err"
 grep -Eq "^result: [0-9]+$" "$dir/out"
 echo "$model served: ok"
 
-"$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --max-batch 16 \
-  --max-delay-us 200000 2> "$dir/err2" > "$dir/out2" &
-pid=$!
-for _ in $(seq 300); do grep -q "serving HTTP on" "$dir/err2" && break; sleep 0.1; done
-port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err2")
-[ -n "$port" ] || { cat "$dir/err2"; exit 1; }
+start "$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --max-batch 16 \
+  --max-delay-us 200000
 python3 - "$port" <<'PY'
 import http.client, json, sys, threading
 port = int(sys.argv[1])
@@ -76,11 +73,7 @@ assert flood == [400] * len(flood), flood
 status, body = call(right)
 assert status == 200, (status, body)
 PY
-kill -TERM "$pid"
-rc=0
-wait "$pid" || rc=$?
-pid=
-[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err2"; exit 1; }
+stop
 echo "wrong shapes refused with the model's message, the others answered: ok"
 
 [ "$ext" = pt ] || exit 0
@@ -115,13 +108,9 @@ rc=0
 [ "$rc" -ne 0 ] && grep -q "answers 1 rows with a tensor of shape \[1, 3\]" "$dir/err3" ||
   { echo "a model of 3 columns, no reference (rc $rc):"; cat "$dir/err3"; exit 1; }
 echo "a model of 3 columns: refused with its shape"
-"$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/picky.pt" --max-batch 8 \
-  --max-delay-us 200000 2> "$dir/err4" > "$dir/out4" &
-pid=$!
-for _ in $(seq 300); do grep -q "serving HTTP on" "$dir/err4" && break; sleep 0.1; done
-port=$(sed -n 's/serving HTTP on 127.0.0.1:\([0-9]*\).*/\1/p' "$dir/err4")
-[ -n "$port" ] || { cat "$dir/err4"; exit 1; }
-grep -q "the model refuses a call of 8 rows (it took 4).*at most 4 rows per call" "$dir/err4"
+start "$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/picky.pt" --max-batch 8 \
+  --max-delay-us 200000
+grep -q "the model refuses a call of 8 rows (it took 4).*at most 4 rows per call" "$dir/err"
 python3 - "$port" <<'PY'
 import http.client, json, sys
 c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
@@ -135,9 +124,5 @@ r = c.getresponse()
 assert r.status == 200, (r.status, r.read())
 r.read()
 PY
-kill -TERM "$pid"
-rc=0
-wait "$pid" || rc=$?
-pid=
-[ "$rc" -eq 0 ] || { echo "serve exited $rc on SIGTERM"; cat "$dir/err4"; exit 1; }
+stop
 echo "a model that raises in TorchScript: its warm-up's limit found, a 400 with its words: ok"
