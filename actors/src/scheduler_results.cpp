@@ -429,10 +429,7 @@ void scheduler::check_survivors() {
   bool none_lost = std::all_of(producers_.begin(), producers_.end(), [](auto& s) {
     return s.state == slot_state::retired || leaving(s.state);
   });
-  if (none_lost) {
-    // None lost: every one was removed or drained on purpose, or is on its way out (all the
-    // nodes sent SIGTERM at once, say). Said so, with them, and what keeps a job going through
-    // such a change.
+  if (none_lost) {  // each removed or drained on purpose (every node sent SIGTERM at once)
     what = "every producer has left: each was removed or drained (";
     for (std::size_t i = 0; i < producers_.size(); ++i)
       what += (i == 0 ? "" : ", ") + producers_[i].where.str();
