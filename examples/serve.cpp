@@ -562,6 +562,28 @@ struct connection {
   std::optional<std::list<connection*>::iterator> at;
 };
 
+/// Closes `stream` unless the operation awaited in its scope ends within `d` (the operation then
+/// fails, operation_aborted). Not beast's own expires_after: its beast::error::timeout's error
+/// category object trips UBSan's vptr check in this build (Boost 1.81, GCC 12), where asio's
+/// errors do not.
+struct time_limit {
+  time_limit(beast::tcp_stream& stream, std::chrono::seconds d)
+      : timer(stream.get_executor()), on(std::make_shared<bool>(true)) {
+    timer.expires_after(d);
+    timer.async_wait([&stream, on = on](const beast::error_code& e) {
+      if (!e && *on) stream.close();  // `on`: the stream is still the scope's (a handler that
+    });                               // fired as the operation ended may run after it)
+  }
+  ~time_limit() {
+    *on = false;
+    timer.cancel();
+  }
+  time_limit(const time_limit&) = delete;
+  time_limit& operator=(const time_limit&) = delete;
+  net::steady_timer timer;
+  std::shared_ptr<bool> on;
+};
+
 template <class Runner>
 net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& stats,
                              std::shared_ptr<connections> all) {
@@ -571,18 +593,22 @@ net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& s
   try {
     for (;;) {
       http::request<http::string_body> req;
-      stream->expires_after(std::chrono::seconds{30});  // an idle or slow client is let go
       c.list();
-      co_await http::async_read(*stream, buffer, req, net::use_awaitable);
+      {
+        time_limit limit{*stream, std::chrono::seconds{30}};  // an idle or slow client is let go
+        co_await http::async_read(*stream, buffer, req, net::use_awaitable);
+      }
       c.unlist();
-      stream->expires_never();  // while the request is worked on
       bool keep = req.keep_alive();
       auto res = co_await handle(std::move(req), runner, stats);
       // A client that never reads its answers is let go too: its write would wait forever, and
       // it is not among those waiting for a request, which a newcomer may close.
-      stream->expires_after(std::chrono::seconds{30});
-      co_await http::async_write(*stream, res, net::use_awaitable);
-      if (!keep) break;
+      beast::error_code ec;  // a failed write (cut off, reset) ends the session, unthrown
+      {
+        time_limit limit{*stream, std::chrono::seconds{30}};
+        co_await http::async_write(*stream, res, net::redirect_error(net::use_awaitable, ec));
+      }
+      if (ec || !keep) break;
     }
   } catch (const std::exception&) {
     // the client closed the connection, sent garbage, was too slow or made room for another
