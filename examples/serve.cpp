@@ -77,9 +77,9 @@ constexpr const char* bad_input = "the model refused the input: ";
 inline std::string last_line(const std::string& what) {
   auto end = what.find_last_not_of(" \n");
   if (end == std::string::npos) return what;
-  auto start = what.rfind('\n', end);
-  return what.substr(start == std::string::npos ? 0 : start + 1,
-                     end + 1 - (start == std::string::npos ? 0 : start + 1));
+  auto from = what.rfind('\n', end);
+  from = from == std::string::npos ? 0 : from + 1;
+  return what.substr(from, end + 1 - from);
 }
 
 /// The model's weights: the same in every producer and in the self-test's check.
@@ -241,7 +241,7 @@ struct file_model_producer {
         why = e.what_without_backtrace();
       } catch (const std::runtime_error& e) {  // a TorchScript raise or assert (JITException)
         if (n == 1) throw;
-        why = last_line(e.what());
+        why = e.what();
       }
       if (took != n) {
         if (!told.exchange(true))

@@ -61,8 +61,9 @@ struct job_rate {
   // Weighted sums of the answers (n items, t ns): w, w·n, w·t, w·n², w·n·t, w·t², and the sum of
   // the squared weights (for the answers' effective number).
   double w = 0, wn = 0, wt = 0, wnn = 0, wnt = 0, wtt = 0, ww = 0;
-  /// The fixed cost per call (ns) the answers last showed (0: none): kept while they are of one
-  /// size, as a batch producer's are once its batches are full.
+  /// The fixed cost per call (ns) the answers show (0: none), decided at each answer (add): the
+  /// line's, where it stands out of their scatter; kept while they are of one size, as a batch
+  /// producer's are once its batches are full.
   double known_fixed = 0;
 
   /// Whether its answers were all of one chunk size (or nearly): then fixed and per-item costs
@@ -115,36 +116,28 @@ struct job_rate {
   [[nodiscard]] std::pair<double, double> cost() const {
     if (w <= 0 || wn <= 0) return {0, 0};
     auto mean_n = wn / w, mean_t = wt / w;
-    // One chunk size seen lately (or sizes too close to tell a line): the fixed cost the answers
-    // showed before, if any, and the rest per item; else all of it per item, as a plain
-    // producer. (A batch producer's model forgot its fixed cost after about ten full batches,
-    // and its next ones fell to an eighth of the size.)
-    if (!spread()) {
-      if (known_fixed > 0 && mean_t > known_fixed)
-        return {known_fixed, std::max(0.01, (mean_t - known_fixed) / mean_n)};
+    // The fixed cost the answers show (known_fixed) and the rest per item: along the line where
+    // the sizes spread; where they are of one size lately (a batch producer at full batches),
+    // their mean time less that fixed cost (forgotten, the batches fell to an eighth of their
+    // size after about ten full ones). None shown (a negative one, or one lost in the scatter):
+    // all of it per item, as a plain producer's. Bigger chunks no slower (b <= 0) with a fixed
+    // cost shown: the calls' cost is fixed (a batch producer's), or a small chunk's thread was
+    // woken late; the next, bigger answers tell which (new_job_limit bounds the job's tail).
+    bool one_size_lately = !spread();
+    if (known_fixed <= 0 || (one_size_lately && mean_t <= known_fixed))
       return {0, std::max(0.01, mean_t / mean_n)};
-    }
-    auto [a, b] = fit();
-    // A negative fixed cost, or one lost in the scatter of the answers: none, all of it per
-    // item. Bigger chunks no slower (b <= 0) with a fixed cost shown: the calls' cost is fixed
-    // (a batch producer's), or a small chunk's thread was woken late; the next, bigger answers
-    // tell which (the job's tail is bounded by new_job_limit meanwhile).
-    if (a < 0 || !fixed_cost_shown()) return {0, std::max(0.01, mean_t / mean_n)};
-    return {a, std::max(0.01, b)};
+    return {known_fixed,
+            std::max(0.01, one_size_lately ? (mean_t - known_fixed) / mean_n : fit().second)};
   }
 
   /// Whether a call's cost is mostly fixed (a batch producer's, a forward pass): answers of two
   /// sizes or more, the bigger ones slower, and a fixed cost of at least an eighth of `target`
   /// that outweighs the items' own cost in the calls answered.
   [[nodiscard]] bool mostly_fixed(double target) const {
-    if (!spread()) {
-      if (known_fixed <= 0) return false;
-      auto [a, b] = cost();
-      return a >= target / 8 && a >= b * wn / w;
-    }
-    if (!fixed_cost_shown()) return false;
-    auto [a, b] = fit();
-    return b > 0 && a >= target / 8 && a >= b * wn / w;
+    if (known_fixed <= 0) return false;
+    auto [a, b] = spread() ? fit() : cost();
+    if (spread() && b <= 0) return false;  // bigger chunks no slower: not told yet
+    return a >= target / 8 && a >= b * wn / w;
   }
 
   /// Takes an answer: `n` items in `t` ns.

@@ -406,37 +406,33 @@ void scheduler::check_survivors() {
   if (std::any_of(producers_.begin(), producers_.end(),
                   [](auto& s) { return leaving(s.state) && !s.outstanding.empty(); }))
     return;
-  std::string what = "every producer is lost (";
+  // Each removed or drained on purpose (every node sent SIGTERM at once), or some lost.
+  bool none_lost = std::all_of(producers_.begin(), producers_.end(), [](auto& s) {
+    return s.state == slot_state::retired || leaving(s.state);
+  });
+  std::string what = none_lost ? "every producer has left: each was removed or drained ("
+                               : "every producer is lost (";
   bool all_local = true;
   bool any_quarantined = false;
   bool first = true;
   for (std::size_t i = 0; i < producers_.size(); ++i) {
     auto state = producers_[i].state;
-    if (state == slot_state::retired) continue;  // removed on purpose
+    if (state == slot_state::retired && !none_lost) continue;  // removed on purpose
     what += (first ? "" : ", ") + producers_[i].where.str() +
             (state == slot_state::quarantined ? ": quarantined" : "") +
-            (leaving(state) ? ": being removed" : "");
+            (leaving(state) && !none_lost ? ": being removed" : "");
     first = false;
     all_local = all_local && producers_[i].local;
     any_quarantined = any_quarantined || state == slot_state::quarantined;
   }
   what += "); the job's remaining work could not be done: ";
-  what += any_quarantined ? "quarantined producers threw options::quarantine_after times in a "
-                            "row; create a new runner"
-          : all_local     ? "their replacements were stuck too or failed to start (see the "
-                            "log); create a new runner"
-                          : "create a new runner, with reachable nodes";
-  bool none_lost = std::all_of(producers_.begin(), producers_.end(), [](auto& s) {
-    return s.state == slot_state::retired || leaving(s.state);
-  });
-  if (none_lost) {  // each removed or drained on purpose (every node sent SIGTERM at once)
-    what = "every producer has left: each was removed or drained (";
-    for (std::size_t i = 0; i < producers_.size(); ++i)
-      what += (i == 0 ? "" : ", ") + producers_[i].where.str();
-    what +=
-        "); the job's remaining work could not be done: drain nodes a few at a time (a rolling "
-        "restart), or add producers (add_devices) before the last ones leave";
-  }
+  what += none_lost         ? "drain nodes a few at a time (a rolling restart), or add producers "
+                              "(add_devices) before the last ones leave"
+          : any_quarantined ? "quarantined producers threw options::quarantine_after times in a "
+                              "row; create a new runner"
+          : all_local       ? "their replacements were stuck too or failed to start (see the "
+                              "log); create a new runner"
+                            : "create a new runner, with reachable nodes";
   // A job whose every item has come back needs no producer: its consumer finishes it (its
   // last producer drained as its last answer came in, and the job failed).
   std::vector<std::uint64_t> stuck;
