@@ -867,7 +867,9 @@ TEST(Cluster, ALiveConnectStartsWithTheNodesThatAnswerAndTheOthersJoinWhenTheyDo
 /// connections open to it now: a node whose process hangs, or a port a firewall black-holes.
 class silent_address {
  public:
-  silent_address() : listener_(wire_attack::raw_listen(port_)), thread_([this] { run(); }) {}
+  /// On `port` (0: any free one).
+  explicit silent_address(std::uint16_t port = 0)
+      : port_(port), listener_(wire_attack::raw_listen(port_)), thread_([this] { run(); }) {}
   ~silent_address() {
     stop_ = true;
     thread_.join();
@@ -965,6 +967,46 @@ TEST(Cluster, ARestartedNodeRejoinsWhileTheReconnectorStillWaitsOnSilentMembers)
   EXPECT_GE(open_at_rejoin.load(), 3u)
       << "the restarted node was tried only after the silent members' attempts had ended";
   EXPECT_EQ(c.devices().size(), 1u);
+}
+
+TEST(Cluster, AClusterClosedWhileItsReconnectorWaitsOnASilentAddressDoesNotWaitForIt) {
+  // A member lost, then its address held by a process that accepts and never answers (a node
+  // frozen as it restarts). The reconnector's attempt waits for its answer up to connect_timeout
+  // (a minute here), CAF's handshake up to limits::handshake_timeout (10 s). The cluster's last
+  // copy waited for that attempt to end (an attack saw a coordinator exit 3 s after its job);
+  // now the attempt is given up at once: its connection is still open after the cluster is gone.
+  auto address = test_util::free_loopback_address();
+  auto port = static_cast<std::uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  std::optional<node_process> a;
+  a.emplace("cpu", std::vector<std::string>{}, address);
+  recorder ev;
+  troupe::cluster_options o;
+  o.on_change = ev.callback();
+  o.connect_timeout = std::chrono::seconds{60};
+  o.reconnect_every = std::chrono::milliseconds{100};
+  std::optional<troupe::cluster> c{troupe::cluster::connect({address}, {}, o)};
+  ASSERT_EQ(c->devices().size(), 1u);
+  a->kill(SIGKILL);
+  ev.wait_for(troupe::membership_event::lost, address);
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the killed node's end"};
+    while (!a->ended()) std::this_thread::sleep_for(std::chrono::milliseconds{5});
+  }
+  a.reset();
+  silent_address silent{port};
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the reconnector's attempt"};
+    while (silent.open() == 0) std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  }
+  {
+    test_util::watchdog dog{std::chrono::seconds{30}, "the cluster's close"};
+    c.reset();
+  }
+  // The silent address sees a connection close within its poll (20 ms).
+  std::this_thread::sleep_for(std::chrono::milliseconds{200});
+  EXPECT_EQ(silent.open(), 1u)
+      << "the cluster's close waited until CAF gave up on the reconnector's attempt";
+  EXPECT_EQ(silent.accepted(), 1u);
 }
 
 TEST(Cluster, MinNodesAboveTheAddressesGivenIsANodeErrorNotACrash) {

@@ -108,6 +108,9 @@ inline int raw_listen(std::uint16_t& port) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);  // 0: any free port
+  int one = 1;
+  if (fd >= 0 && port != 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
       listen(fd, 16) != 0)
     throw std::runtime_error("cannot listen");

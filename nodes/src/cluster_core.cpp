@@ -93,7 +93,7 @@ cluster_core::reached cluster_core::reach(const std::string& address) {
   r.address = address;
   try {
     r.handle = connect_node(*sys_, address, t_, o_.connect_timeout, &r.offered, &r.incarnation,
-                            &r.leaving);
+                            &r.leaving, [this] { return stopping(); });
   } catch (...) {
     r.error = std::current_exception();
   }

@@ -142,7 +142,7 @@ void cluster_core::reconnect_loop() {
           attempt a;
           try {
             a.handle = connect_node(*sys_, address, t_, o_.connect_timeout, &a.offered,
-                                    &a.incarnation, &a.leaving);
+                                    &a.incarnation, &a.leaving, [this] { return stopping(); });
           } catch (const std::exception&) {
           }
           return a;

@@ -278,7 +278,8 @@ std::string tls_cause(const std::string& reason) {
 
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
                         std::chrono::milliseconds deadline, std::vector<std::string>* devices,
-                        std::uint64_t* incarnation, bool* leaving) {
+                        std::uint64_t* incarnation, bool* leaving,
+                        const std::function<bool()>& cancelled) {
   auto hp = parse_host_port(address);
   auto fail = [&](const std::string& why) {
     return node_error("cannot use node " + address + ": " + why);
@@ -300,7 +301,14 @@ caf::actor connect_node(caf::actor_system& sys, const std::string& address, cons
   // slowly is a node_error naming it, never a hang. (CAF itself gives up on a connection
   // without a completed handshake after limits::handshake_timeout, which ends the helper.)
   auto give_up = std::chrono::steady_clock::now() + deadline;
-  if (done.wait_until(give_up) != std::future_status::ready)
+  auto slice = cancelled ? std::chrono::milliseconds{50} : deadline;
+  for (auto now = std::chrono::steady_clock::now(); now < give_up;
+       now = std::chrono::steady_clock::now()) {
+    if (done.wait_until(std::min(give_up, now + slice)) == std::future_status::ready) break;
+    if (cancelled && cancelled())
+      throw node_error("cannot use node " + address + ": the attempt was given up (closing)");
+  }
+  if (done.wait_for(std::chrono::seconds{0}) != std::future_status::ready)
     throw node_error("cannot use node " + address + ": no answer within " +
                      std::to_string(deadline.count()) +
                      " ms (is it frozen or overloaded, or does it expect TLS?)");

@@ -5,6 +5,7 @@
 #include <caf/actor.hpp>
 #include <caf/fwd.hpp>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,10 +34,14 @@ void keep_openssl_until_exit();
 
 /// Connects to the node at `address` and checks its protocol version; returns the node actor
 /// and fills `devices`, `incarnation` and `leaving` (the node drains) when not null. Throws
-/// node_error naming the node and the reason, at the latest after `deadline`.
+/// node_error naming the node and the reason, at the latest after `deadline`, or within a
+/// twentieth of a second once `cancelled` (when given) returns true: a cluster that closes does
+/// not wait for its attempts under way (CAF's own attempt then ends in the background, at the
+/// latest after limits::handshake_timeout).
 caf::actor connect_node(caf::actor_system& sys, const std::string& address, const tls& t,
                         std::chrono::milliseconds deadline, std::vector<std::string>* devices,
-                        std::uint64_t* incarnation = nullptr, bool* leaving = nullptr);
+                        std::uint64_t* incarnation = nullptr, bool* leaving = nullptr,
+                        const std::function<bool()>& cancelled = {});
 
 /// How long starting something on a node may take: connecting to it, and its answer to the
 /// spawn (its constructor runs later, watched, in the caller's init).
