@@ -489,22 +489,16 @@ TEST(SchedulerCore, ASourceOfItemsWithTroupeCostStopsAtTheItemThatCrossesTheCost
   EXPECT_FALSE(plain->costed());
 }
 
-TEST(SchedulerCore, ItemsWithTroupeCostAreCutIntoChunksOfAboutEqualCost) {
-  // Blocks of 500 light items (cost 1) and 500 heavy ones (cost 30), an item taking its cost in
-  // microseconds. Chunks are cut by cost: where light items turn heavy, a chunk sized for light
-  // items would cost 30 times its share (what happens without troupe_cost).
-  troupe::options opts;
-  opts.target_chunk_time = std::chrono::microseconds{200};
-  opts.speculative = false;
-  core_fixture f{{"cpu"}, opts};
-  std::vector<weighted> xs;
-  for (int block = 0; block < 8; ++block)
-    for (int i = 0; i < 500; ++i) xs.push_back(weighted{block % 2 == 0 ? 1 : 30});
+/// Runs a job of `xs` on `f`'s one producer, each item taking its cost times `ns_per_cost`;
+/// returns each chunk's cost and items, in the order they were sent.
+std::pair<std::vector<double>, std::vector<std::size_t>> run_weighted(core_fixture& f,
+                                                                      std::vector<weighted> xs,
+                                                                      double ns_per_cost) {
   auto job = std::make_shared<troupe::detail::job_core>(1, caf::actor{});
   f.core->start(job, troupe::detail::make_job_source<weighted>(std::move(xs)), false, {});
   std::vector<double> costs;
   std::vector<std::size_t> sizes;
-  for (int step = 0; step < 100000 && !job->done(); ++step) {
+  for (int step = 0; step < 1000000 && !job->done(); ++step) {
     while (!f.io.to_consumer.empty()) {
       auto [msg, n] = std::move(f.io.to_consumer.front());
       f.io.to_consumer.pop_front();
@@ -519,16 +513,56 @@ TEST(SchedulerCore, ItemsWithTroupeCostAreCutIntoChunksOfAboutEqualCost) {
     for (auto& w : in) cost += static_cast<double>(w.cost);
     costs.push_back(cost);
     sizes.push_back(in.size());
-    f.io.t += std::chrono::microseconds{static_cast<std::int64_t>(cost)};
+    auto ns = static_cast<std::int64_t>(cost * ns_per_cost);
+    f.io.t += std::chrono::nanoseconds{ns};
     chunk_result r;
     r.run = s.msg.run;
     r.first = s.msg.first;
-    r.busy_ns = static_cast<std::int64_t>(cost * 1000);
+    r.busy_ns = ns;
     r.outputs = batch::of(in);
     f.core->on_result(s.p, s.gen, r.run, s.id, r);
   }
-  ASSERT_TRUE(job->done());
+  EXPECT_TRUE(job->done());
   EXPECT_EQ(job->error(), nullptr);
+  return {costs, sizes};
+}
+
+TEST(SchedulerCore, TheFirstItemsStatedCostDoesNotSetTheChunksSize) {
+  // 20,000 items of cost 1,000 (1 us each), the first one stated 1,000 times cheaper (an empty
+  // sentence). The model counts units of the first chunk's mean cost, and max_chunk_items and
+  // the job's share, which count items, were applied in those units: every chunk was 1,000
+  // times too short (one item under a max_chunk_items of 1,000; a batch producer's batches stuck
+  // at 50 where they reached 16,000).
+  troupe::options opts;
+  opts.target_chunk_time = std::chrono::microseconds{200};
+  opts.speculative = false;
+  opts.max_chunk_items = 1000;
+  std::vector<std::size_t> chunks;
+  for (std::int64_t first : {1000, 1}) {
+    core_fixture f{{"cpu"}, opts};
+    std::vector<weighted> xs(20000, weighted{1000});
+    xs[0].cost = first;
+    auto [costs, sizes] = run_weighted(f, std::move(xs), 1);
+    chunks.push_back(sizes.size());
+    std::cout << "first item of cost " << first << ": " << sizes.size() << " chunks, the largest "
+              << *std::max_element(sizes.begin(), sizes.end()) << " items\n";
+    EXPECT_GE(*std::max_element(sizes.begin(), sizes.end()), 100u);
+  }
+  EXPECT_LE(chunks[1], 2 * chunks[0]) << "the first item's cost shrank the chunks";
+}
+
+TEST(SchedulerCore, ItemsWithTroupeCostAreCutIntoChunksOfAboutEqualCost) {
+  // Blocks of 500 light items (cost 1) and 500 heavy ones (cost 30), an item taking its cost in
+  // microseconds. Chunks are cut by cost: where light items turn heavy, a chunk sized for light
+  // items would cost 30 times its share (what happens without troupe_cost).
+  troupe::options opts;
+  opts.target_chunk_time = std::chrono::microseconds{200};
+  opts.speculative = false;
+  core_fixture f{{"cpu"}, opts};
+  std::vector<weighted> xs;
+  for (int block = 0; block < 8; ++block)
+    for (int i = 0; i < 500; ++i) xs.push_back(weighted{block % 2 == 0 ? 1 : 30});
+  auto [costs, sizes] = run_weighted(f, std::move(xs), 1000);
   ASSERT_GT(costs.size(), 30u);
   // After the first chunks (slow start), every chunk costs about the same (the last of each
   // may cross the bound by one item, and the job's last chunk is what is left)...

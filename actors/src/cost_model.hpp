@@ -172,7 +172,8 @@ struct job_rate {
     auto target = static_cast<double>(s.target_chunk_time.count());
     target = std::max(target, std::min(10 * a, 8 * target));
     if (!local) target = std::max(target, remote_target(s));
-    auto want = static_cast<std::size_t>(std::max(1.0, (target - a) / b));
+    // At most 1e15 (units of a cost model may be tiny: items with troupe_cost).
+    auto want = static_cast<std::size_t>(std::clamp((target - a) / b, 1.0, 1e15));
     // A local producer whose calls cost mostly the same whatever their size: no slow start. Each
     // smaller call pays the fixed cost again, and a chunk that turns out too big waits in the
     // producer's queue, where an idle producer takes part of it (split_late_chunks); the job's

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -192,7 +193,11 @@ class producer_model {
       it->add(n, std::max(busy, 1.0));
       if (!s.chunk_size) {
         if (restart) it->chunk_items = 1;  // grows again from one item: ×4 per answer
-        it->size(s, local);
+        // Items with troupe_cost: the model counts units, and max_chunk_items, which counts
+        // items, bounds the chunk as it is pulled (scheduler::dispatch_from) instead.
+        auto by_units = s;
+        if (rec.units > 0) by_units.max_chunk_items = std::numeric_limits<std::size_t>::max();
+        it->size(by_units, local);
       }
       // Trivial items take well under 1 ns each (x*x over numbers in the cache).
       auto per_item = std::max(0.01, busy / n);

@@ -1,5 +1,6 @@
 // The scheduler (scheduler.hpp): which chunk goes to which producer, by fair share, room and
 // the reorder window; speculative copies of late chunks; wakeups.
+#include <algorithm>
 #include <cmath>
 
 #include "scheduler.hpp"
@@ -288,13 +289,23 @@ bool scheduler::dispatch_from(job_state& j, std::size_t p, clock_type::time_poin
                      !settings_.max_in_flight && j.cost_unit > 0;
       j.source->limit_cost(by_cost ? static_cast<double>(n) * j.cost_unit
                                    : std::numeric_limits<double>::infinity());
-      x.items = j.source->pull(by_cost ? settings_.max_chunk_items : n, opts_.max_chunk_bytes,
-                               opts_.target_chunk_time);
+      // (A chunk of a costed job not cut by cost takes n units as items: at most
+      // max_chunk_items, which the model's units do not bound.)
+      auto most = by_cost              ? settings_.max_chunk_items
+                  : j.source->costed() ? std::min(n, settings_.max_chunk_items)
+                                       : n;
+      x.items = j.source->pull(most, opts_.max_chunk_bytes, opts_.target_chunk_time);
       if (j.source->costed() && !x.items.empty()) {
         auto cost = j.source->last_cost();
-        if (j.cost_unit <= 0)
-          j.cost_unit = cost > 0 ? cost / static_cast<double>(x.items.size()) : 1.0;
-        x.units = std::max(1e-3, cost / j.cost_unit);
+        auto n_items = static_cast<double>(x.items.size());
+        if (j.cost_unit <= 0) j.cost_unit = cost > 0 && std::isfinite(cost) ? cost / n_items : 1.0;
+        // At most a billion units an item: numbers the limits and the model can count in. (Items
+        // a billion times costlier than the first chunk's, or of infinite cost, then go one per
+        // chunk: exact, but slow.)
+        auto units = std::isfinite(cost) ? cost / j.cost_unit : 1e9 * n_items;
+        x.units = std::clamp(units, 1e-3, std::max(1e-3, 1e9 * n_items));
+        j.units_pulled += x.units;
+        j.items_costed += x.items.size();
       }
     }
   } catch (...) {

@@ -28,6 +28,16 @@ struct job_state {
   /// items of its first chunk, then fixed: units stay comparable from chunk to chunk); 0: none
   /// pulled yet.
   double cost_unit = 0;
+  /// The units and items pulled so far (troupe_cost): the limits counted in items (the job's
+  /// share, max_chunk_items) become units through their ratio. An item stated 1,000 times
+  /// cheaper than the others as the first one made every chunk 1,000 times too short.
+  double units_pulled = 0;
+  std::uint64_t items_costed = 0;
+  /// Units per item so far (1 without troupe_cost).
+  [[nodiscard]] double units_per_item() const {
+    return items_costed > 0 && units_pulled > 0 ? units_pulled / static_cast<double>(items_costed)
+                                                : 1.0;
+  }
   std::uint64_t consumed = 0;  ///< items its consumer took, as read from its gate
   bool exhausted = false;
   bool ending = false;  ///< its last outputs (or end_of_input) sent: consumer::end() next

@@ -34,7 +34,14 @@ std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s)
   // worth of items, nor below twice the fixed cost per call (smaller chunks would cost more in
   // messages and calls than the balance gains).
   if (auto total = j.source->total(); total && r != nullptr && !settings_.chunk_size) {
-    auto left = *total > j.next_item ? *total - j.next_item : 0;
+    // Counted in the model's units (items, or for items with troupe_cost, multiples of the first
+    // chunk's mean cost per item): the items left and the even split through the job's mean.
+    auto upi = j.units_per_item();
+    auto in_units = [upi](std::uint64_t items) {
+      return static_cast<std::uint64_t>(
+          std::min(1e15, std::ceil(static_cast<double>(items) * upi)));
+    };
+    auto left = in_units(*total > j.next_item ? *total - j.next_item : 0);
     auto [a, b] = r->cost();
     auto target = static_cast<double>(settings_.target_chunk_time.count());
     auto floor_ns = std::max(target / 8, 2 * a);
@@ -42,17 +49,17 @@ std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s)
     // Never more than an even split of the job, though: a cost per item not measured yet
     // (bigger chunks were no slower: b at its least) would make the floor the whole job.
     auto ways = std::max<std::uint64_t>(1, producers_.size());
-    floor = std::min(floor, std::max<std::uint64_t>(1, (*total + ways - 1) / ways));
+    floor = std::min(floor, std::max<std::uint64_t>(1, in_units((*total + ways - 1) / ways)));
     std::uint64_t share = 0;
     if (s.local && r->mostly_fixed(target)) {
       // A call's fixed cost is a large part of it (a batch producer's): every smaller chunk pays
       // it again, so the producers end together instead, each taking at once what is left of its
       // share of the items not answered yet (those queued here counted).
       auto answered = std::min<std::uint64_t>(j.sent_to_consumer, j.next_item);
-      auto undone = left + (j.next_item - answered);
+      auto undone = left + in_units(j.next_item - answered);
       std::uint64_t mine = 0;
       for (auto& c : s.outstanding)
-        if (c.job == j.id) mine += c.items;
+        if (c.job == j.id) mine += static_cast<std::uint64_t>(std::min(1e15, std::ceil(c.size())));
       auto fair = (undone + ways - 1) / ways;
       share = fair > mine ? fair - mine : 0;
     } else {
