@@ -175,6 +175,12 @@ void trainer::save(const std::string& path) {
     if (!out) throw invalid_argument("cannot write " + path);
     return;
   }
+  if (p.held_state.defined()) {  // the last replica was removed: its state is kept
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(p.held_state.data_ptr()), p.held_state.numel());
+    if (!out) throw invalid_argument("cannot write " + path);
+    return;
+  }
   throw node_error("no replica left: every one was lost or removed");
 }
 
@@ -187,8 +193,15 @@ void trainer::load(const std::string& path) {
   train_msg set;
   set.code = static_cast<std::uint8_t>(op::set_state);
   set.tensors.push_back(bytes_tensor(bytes));
-  // A replica whose load failed may hold the new parameters and its old optimizer state.
+  if (p.alive().empty()) {  // kept for the replicas added next (checked as they load it)
+    p.held_state = set.tensors[0];
+    p.loaded = true;
+    return;
+  }
+  // A replica whose load failed holds its old state (set_state puts it back): unlike the
+  // others, which loaded the checkpoint.
   p.everyone(p.alive(), set, /*drop_failed=*/true);
+  p.loaded = true;
   if (p.coordinator) p.coordinator->states_equal();
   p.publish();  // replicas whose load failed were dropped
 }

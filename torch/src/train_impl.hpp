@@ -120,6 +120,14 @@ struct trainer::impl {
   std::optional<train_core::train_coordinator> coordinator;
   /// One step's commands carried to the replicas (train_step.cpp).
   struct step_shell;
+  /// The training's state (parameters, optimizer: a get_state's bytes) while no replica holds
+  /// it: taken from the last replica removed, or given to load() with none; the next replicas
+  /// added start from it.
+  at::Tensor held_state;
+  bool loaded = false;  ///< load() was called: the state is no longer the constructors'
+  /// Whether the training's state left with its last replica (lost, not removed): adding
+  /// replicas would silently start over from the constructors' model.
+  [[nodiscard]] bool state_gone() { return alive().empty() && !held_state.defined() && (stats.steps > 0 || loaded); }
   /// A replica type without optimizer() or save/load joined a run: warned about (once).
   bool warned_fresh_state = false;
   /// Counts (and warns about, once) the replicas among `fresh` whose optimizer started fresh.
@@ -213,8 +221,11 @@ struct trainer::impl {
   std::vector<std::vector<std::size_t>> construction_rounds(const std::vector<std::size_t>& fresh);
   /// Spawns and starts replicas on `devices`; returns their member indexes.
   std::vector<std::size_t> start(const std::vector<device>& devices);
-  /// Copies the state (parameters, optimizer) of the first live replica not in `to` into `to`.
+  /// Copies the state (parameters, optimizer) of the first live replica not in `to` into `to`,
+  /// or, with none, the state held (held_state); throws node_error when the state is gone.
   void copy_state(const std::vector<std::size_t>& to);
+  /// held_state = `from`'s state (a warning when it cannot be read).
+  void keep_state(std::size_t from);
   double step(const batch& samples, mode m);
   std::map<std::size_t, train_msg> get_params(const std::vector<std::size_t>& who);
 };

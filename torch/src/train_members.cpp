@@ -80,22 +80,47 @@ std::vector<std::size_t> trainer::impl::start(const std::vector<device>& devices
 }
 
 void trainer::impl::copy_state(const std::vector<std::size_t>& to) {
+  train_msg set;
+  set.code = static_cast<std::uint8_t>(op::set_state);
   for (auto from : alive()) {
     if (std::find(to.begin(), to.end(), from) != to.end()) continue;
     train_msg get;
     get.code = static_cast<std::uint8_t>(op::get_state);
     auto got = everyone({from}, get);
     if (got.empty()) continue;  // lost meanwhile: the next one
-    train_msg set;
-    set.code = static_cast<std::uint8_t>(op::set_state);
     set.tensors = std::move(got.begin()->second.tensors);
     everyone(to, set);
     return;
+  }
+  if (held_state.defined()) {  // no replica holds the state: the one kept when the last left
+    set.tensors.push_back(held_state);
+    everyone(to, set);
+    held_state = at::Tensor{};
+  } else if (state_gone()) {
+    throw node_error(
+        "data_parallel: every replica was lost, and the training's parameters and optimizer "
+        "state with them; the replicas added would start over from the constructors' model. "
+        "load() a checkpoint first (with no replica, it is kept for the next ones added), or "
+        "start a new data_parallel");
+  }
+}
+
+void trainer::impl::keep_state(std::size_t from) {
+  train_msg get;
+  get.code = static_cast<std::uint8_t>(op::get_state);
+  try {
+    auto got = everyone({from}, get);
+    if (!got.empty()) held_state = std::move(got.begin()->second.tensors.at(0));
+  } catch (const std::exception& e) {
+    log(log_level::warn, std::string{"data_parallel: the last replica's state could not be "
+                                      "kept as it was removed: "} +
+                             e.what());
   }
 }
 
 void trainer::impl::add(const std::vector<device>& devices) {
   auto& p = *this;
+  if (p.state_gone()) p.copy_state({});  // throws, before any replica is started
   auto fresh = p.start(devices);
   try {
     p.copy_state(fresh);
@@ -128,22 +153,28 @@ void trainer::impl::note_fresh_state(const std::vector<std::size_t>& fresh) {
 void trainer::impl::remove(const std::vector<device>& devices) {
   auto& p = *this;
   std::vector<std::size_t> removed;
+  std::string missing;
   for (auto& d : devices) {
-    bool found = false;
-    for (std::size_t i = 0; i < p.members.size() && !found; ++i) {
-      if (p.members[i].alive && p.members[i].d == d) {
-        p.members[i].alive = false;
-        (*p.self)->demonitor(p.members[i].a);
-        removed.push_back(i);
-        found = true;
-      }
+    auto i = std::find_if(p.members.begin(), p.members.end(), [&](const member& m) {
+      return m.alive && m.d == d &&
+             std::find(removed.begin(), removed.end(),
+                       static_cast<std::size_t>(&m - p.members.data())) == removed.end();
+    });
+    if (i == p.members.end()) {
+      missing = d.str();
+      break;
     }
-    if (!found) {
-      p.retire(removed);
-      throw invalid_argument("no replica on " + d.str() + " to remove");
-    }
+    removed.push_back(static_cast<std::size_t>(i - p.members.begin()));
+  }
+  // The last replicas leave: their state is kept for the next ones added (else add_devices
+  // started over from the constructors' model, silently).
+  if (!removed.empty() && removed.size() == p.alive().size()) p.keep_state(removed[0]);
+  for (auto i : removed) {
+    p.members[i].alive = false;
+    (*p.self)->demonitor(p.members[i].a);
   }
   p.retire(removed);  // between steps: idle, so a local one frees its tensors at once
+  if (!missing.empty()) throw invalid_argument("no replica on " + missing + " to remove");
 }
 
 void trainer::impl::follow_change(const membership_event& e) {

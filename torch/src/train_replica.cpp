@@ -200,6 +200,11 @@ void replica_state::set_grads(const at::Tensor& g, double divisor) {
   auto src = g.to(dst.device(), dst.scalar_type());
   at::div_out(dst, src, at::scalar_tensor(divisor, dst.options()));
   bind(dst);
+  // A frozen parameter (requires_grad false) has no gradient, as in a plain loop: LibTorch's
+  // optimizers skip a parameter whose grad is undefined, but apply weight decay and momentum to
+  // a zero one (a frozen backbone under AdamW moved by 2.4e-4 in a few steps).
+  for (auto& p : params)
+    if (!p.requires_grad()) p.mutable_grad() = at::Tensor{};
 }
 
 void replica_state::apply(const train_msg& m) {
@@ -250,16 +255,78 @@ std::string replica_state::state() {
   return bytes.str();
 }
 
+namespace {
+
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (auto d : t.sizes()) out += (out.size() > 1 ? ", " : "") + std::to_string(d);
+  return out + "]";
+}
+
+/// The first line of an exception's text (LibTorch's carry a C++ backtrace after it).
+std::string first_line(const std::exception& e) {
+  std::string w = e.what();
+  return w.substr(0, w.find('\n'));
+}
+
+}  // namespace
+
 void replica_state::set_state(const at::Tensor& bytes) {
   torch::serialize::InputArchive archive;
   archive.load_from(static_cast<const char*>(bytes.data_ptr()),
                     static_cast<std::size_t>(bytes.numel()), torch_device_of(where));
+  // A checkpoint of another model is refused before anything changes: as many tensors, each of
+  // this replica's shape (not only as many elements: a transposed weight loaded silently).
   std::vector<at::Tensor> values(params.size());
   for (std::size_t i = 0; i < params.size(); ++i)
-    archive.read("param." + std::to_string(i), values[i]);
+    if (!archive.try_read("param." + std::to_string(i), values[i]) || !values[i].defined())
+      throw invalid_argument("a checkpoint of another model (it has " + std::to_string(i) +
+                             " parameter tensors, this replica " + std::to_string(params.size()) +
+                             ")");
+  if (at::Tensor more; archive.try_read("param." + std::to_string(params.size()), more))
+    throw invalid_argument("a checkpoint of another model (it has more than the " +
+                           std::to_string(params.size()) + " parameter tensors of this replica)");
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (values[i].sizes() != params[i].sizes())
+      throw invalid_argument("a checkpoint of another model (its tensor " + std::to_string(i) +
+                             " is " + shape_of(values[i]) + ", this replica's " +
+                             shape_of(params[i]) + ")");
+  // The optimizer's state and the replica's own can only be tried: what this replica holds now
+  // is put back when either load throws (another optimizer, other parameter groups), so that a
+  // refused checkpoint leaves it as it was.
+  auto before = state();
+  try {
+    load_state(archive, values);
+  } catch (const std::exception& e) {
+    try {
+      torch::serialize::InputArchive again;
+      again.load_from(before.data(), before.size(), torch_device_of(where));
+      std::vector<at::Tensor> old(params.size());
+      for (std::size_t i = 0; i < params.size(); ++i)
+        again.read("param." + std::to_string(i), old[i]);
+      load_state(again, old);
+    } catch (...) {
+      throw invalid_argument("the checkpoint does not fit this replica (" + first_line(e) +
+                             "), and its state could not be put back");
+    }
+    throw invalid_argument(
+        "the checkpoint does not fit this replica (another optimizer, other parameter groups "
+        "or another replica type?), which is left as it was: " +
+        first_line(e));
+  }
+}
+
+void replica_state::load_state(torch::serialize::InputArchive& archive,
+                               const std::vector<at::Tensor>& values) {
   set_params(values);
   torch::serialize::InputArchive o;
-  if (auto* opt = r->optimizer(); opt != nullptr && archive.try_read("optimizer", o)) opt->load(o);
+  if (auto* opt = r->optimizer(); opt != nullptr && archive.try_read("optimizer", o)) {
+    // Replaced, not merged: Optimizer::load overwrites only the entries the archive holds, so
+    // a replica's own momentum or Adam moments survived a checkpoint taken before its first
+    // step (a rollback; the copy after local_step), and its updates then differed.
+    opt->state().clear();
+    opt->load(o);
+  }
   torch::serialize::InputArchive own;
   if (archive.try_read("replica", own)) r->load(own);
 }

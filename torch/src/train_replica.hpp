@@ -81,6 +81,8 @@ struct replica_state {
   void set_params(const std::vector<at::Tensor>& values);
   std::string state();
   void set_state(const at::Tensor& bytes);
+  /// set_state's loads, in order (the parameters checked already).
+  void load_state(torch::serialize::InputArchive& archive, const std::vector<at::Tensor>& values);
   static c10::Device torch_device_of(const device& d);
 
   // -- ring all-reduce: reduce-scatter then all-gather over n chunks of the partial sum; chunk

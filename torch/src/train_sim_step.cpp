@@ -326,7 +326,8 @@ double sim_trainer::impl::step(const batch& samples, bool local) {
       }
     }
   }
-  if (out.e == end::apply_failed) throw apply_failed(name(out.who), io.failures.at(out.id).first);
+  if (out.e == end::apply_failed)
+    throw apply_failed(name(out.who), io.failures.at(out.id).first, alive().empty());
   stats.steps += 1;
   stats.shards += io.sums.shards;
   auto mean = io.sums.mean_loss(coordinator.step_counts().lost_samples);

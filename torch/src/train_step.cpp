@@ -143,7 +143,7 @@ double trainer::impl::step(const batch& samples, mode m) {
   using end = train_core::train_coordinator::end;
   if (out.e == end::backward_failed) raise(shell.failures.at(out.id), out.who);
   if (out.e == end::apply_failed)
-    throw apply_failed(members[out.who].d.str(), shell.failures.at(out.id).what);
+    throw apply_failed(members[out.who].d.str(), shell.failures.at(out.id).what, alive().empty());
   stats.steps += 1;
   stats.shards += shell.sums.shards;
   stats.step_seconds += std::chrono::duration<double>(clock::now() - started).count();

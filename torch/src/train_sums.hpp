@@ -111,10 +111,15 @@ inline void throw_if_lost(const train_core::train_coordinator::outcome& out) {
   if (out.e == end::internal) throw protocol_error(out.what);
 }
 
-/// The error of a step whose update failed on `where` (that replica is dropped).
-inline work_error apply_failed(const std::string& where, const std::string& what) {
+/// The error of a step whose update failed on `where` (that replica is dropped); `none_left`:
+/// it threw on every replica, and none is left.
+inline work_error apply_failed(const std::string& where, const std::string& what,
+                               bool none_left = false) {
   return work_error("replica::step() threw on " + where +
-                        " (that replica is dropped; the others have stepped): " + what,
+                        (none_left ? " (that replica is dropped, and no replica is left: it "
+                                     "threw on every one)"
+                                   : " (that replica is dropped; the others have stepped)") +
+                        ": " + what,
                     0, where);
 }
 
