@@ -1009,6 +1009,29 @@ TEST(Cluster, AClusterClosedWhileItsReconnectorWaitsOnASilentAddressDoesNotWaitF
   EXPECT_EQ(silent.accepted(), 1u);
 }
 
+TEST(Cluster, TwoSpellingsOfOneNodesAddressAreOneMember) {
+  // 127.0.0.1:P and 127.1:P (or a name and the address discovery lists) are one node process:
+  // they were two members, and every runner that follows the cluster started its producers on
+  // that node twice.
+  node_process a{"cpu"};
+  auto port = a.address().substr(a.address().rfind(':') + 1);
+  auto other = "127.1:" + port;
+  // A live connect keeps the first spelling (the other is logged); a plain one refuses the
+  // second as it refuses an address given twice.
+  EXPECT_THROW(troupe::cluster::connect({a.address(), other}), troupe::invalid_argument);
+  auto c = troupe::cluster::connect({a.address(), other}, {}, troupe::cluster_options{});
+  EXPECT_EQ(c.nodes(), std::vector<std::string>{a.address()});
+  EXPECT_EQ(c.devices().size(), 1u);
+  try {
+    c.add(other);
+    ADD_FAILURE() << "added the same node again";
+  } catch (const troupe::invalid_argument& e) {
+    EXPECT_NE(std::string{e.what()}.find("it is the node " + a.address()), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(c.devices().size(), 1u);
+}
+
 TEST(Cluster, MinNodesAboveTheAddressesGivenIsANodeErrorNotACrash) {
   // Every address answers, but there are fewer than min_nodes (a name resolving to 2 pods with
   // --min-nodes 3): connect threw no error of a node (there was none) but rethrew a null

@@ -117,6 +117,12 @@ void cluster_core::admit(reached& r, bool rethrow) {
                        "); it was asked to start over as a new incarnation, which joins by "
                        "itself (reconnect) or at the next add()");
     }
+    for (auto& m : core_.members())
+      if (m.address != address && m.incarnation == r.incarnation &&
+          (m.what == member::state::up || m.what == member::state::draining))
+        throw invalid_argument("cannot use node " + address + ": it is the node " + m.address +
+                               ", a member already (the same process, another spelling of its "
+                               "address)");
     auto events =
         core_.answered(address, r.incarnation, devices_at(address, r.offered), clock::now(), true);
     handles_[address] = r.handle;
@@ -160,6 +166,23 @@ void cluster_core::connect_all(std::vector<std::string> addresses) {
     tries.push_back(std::async(std::launch::async, [this, a] { return reach(a); }));
   std::vector<reached> got;
   for (auto& t : tries) got.push_back(t.get());
+  // Two spellings of one node (an IP and a name, or a name that discovery lists by address):
+  // one member, the first; the others are not members (nor retried).
+  std::map<std::uint64_t, std::string> node_at;
+  for (auto it = got.begin(); it != got.end();) {
+    if (it->error || it->leaving) {
+      ++it;
+      continue;
+    }
+    auto [first, fresh] = node_at.emplace(it->incarnation, it->address);
+    if (fresh) {
+      ++it;
+      continue;
+    }
+    log(log_level::warn, "cluster: " + it->address + " is the node " + first->second +
+                             " (the same process): one member");
+    it = got.erase(it);
+  }
   std::size_t answered = 0;
   std::exception_ptr first;
   for (auto& r : got) {
