@@ -294,6 +294,8 @@ TEST(Train, AThrowingBackwardFailsTheStepAndLeavesEveryReplicaAsItWas) {
     EXPECT_EQ(e.index(), 32u);
     EXPECT_EQ(e.where(), "cpu");
     EXPECT_NE(std::string{e.what()}.find("negative label"), std::string::npos) << e.what();
+    // Named as the simulation names it.
+    EXPECT_EQ(std::string{e.what()}.rfind("replica::backward threw on cpu: ", 0), 0u) << e.what();
   }
   auto after = dp.replica_parameters();
   ASSERT_EQ(after.size(), 2u);

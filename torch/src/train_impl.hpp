@@ -127,7 +127,9 @@ struct trainer::impl {
   bool loaded = false;  ///< load() was called: the state is no longer the constructors'
   /// Whether the training's state left with its last replica (lost, not removed): adding
   /// replicas would silently start over from the constructors' model.
-  [[nodiscard]] bool state_gone() { return alive().empty() && !held_state.defined() && (stats.steps > 0 || loaded); }
+  [[nodiscard]] bool state_gone() {
+    return alive().empty() && !held_state.defined() && (stats.steps > 0 || loaded);
+  }
   /// A replica type without optimizer() or save/load joined a run: warned about (once).
   bool warned_fresh_state = false;
   /// Counts (and warns about, once) the replicas among `fresh` whose optimizer started fresh.

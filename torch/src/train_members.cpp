@@ -113,7 +113,7 @@ void trainer::impl::keep_state(std::size_t from) {
     if (!got.empty()) held_state = std::move(got.begin()->second.tensors.at(0));
   } catch (const std::exception& e) {
     log(log_level::warn, std::string{"data_parallel: the last replica's state could not be "
-                                      "kept as it was removed: "} +
+                                     "kept as it was removed: "} +
                              e.what());
   }
 }

@@ -141,7 +141,15 @@ double trainer::impl::step(const batch& samples, mode m) {
   auto& out = c.result();
   throw_if_lost(out);
   using end = train_core::train_coordinator::end;
-  if (out.e == end::backward_failed) raise(shell.failures.at(out.id), out.who);
+  if (out.e == end::backward_failed) {
+    // Named as the simulation names it (train_sim_step.cpp): the call, the device, the words.
+    auto& f = shell.failures.at(out.id);
+    auto where = members[out.who].d.str();
+    if (f.code == errc::work_error)
+      throw work_error("replica::backward threw on " + where + ": " + f.what, f.failed_index,
+                       where);
+    raise(f, out.who);
+  }
   if (out.e == end::apply_failed)
     throw apply_failed(members[out.who].d.str(), shell.failures.at(out.id).what, alive().empty());
   stats.steps += 1;
