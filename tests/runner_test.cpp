@@ -204,6 +204,36 @@ TEST(Runner, InputThatThrowsMidwayReachesTheCaller) {
   EXPECT_EQ(runner.run({2}), 4);
 }
 
+namespace costly {
+/// A document whose cost is its token count (troupe_cost), as users state one.
+struct doc {
+  std::int64_t tokens = 0;
+};
+double troupe_cost(const doc& d) {
+  if (d.tokens < 0) throw std::domain_error("a document with a negative token count");
+  return static_cast<double>(d.tokens);
+}
+struct token_sum {
+  struct producer {
+    std::int64_t work(const doc& d) { return d.tokens; }
+  };
+  struct consumer {
+    void work(std::int64_t y) { sum += y; }
+    std::int64_t end() { return sum; }
+    std::int64_t sum = 0;
+  };
+};
+}  // namespace costly
+
+TEST(Runner, ATroupeCostThatThrowsFailsTheJobWithItsExceptionAsAnInputThatThrows) {
+  troupe::unordered_runner<costly::token_sum> runner{2};
+  std::vector<costly::doc> docs(1000, costly::doc{3});
+  docs[500].tokens = -1;
+  EXPECT_THROW(runner.run(docs), std::domain_error);
+  docs[500].tokens = 3;
+  EXPECT_EQ(runner.run(docs), 3000);
+}
+
 TEST(Runner, BadDeviceListsAreClearErrors) {
   EXPECT_THROW(troupe::unordered_runner<squares>(std::vector<troupe::device>{}),
                troupe::invalid_argument);
