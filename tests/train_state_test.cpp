@@ -56,6 +56,41 @@ struct frozen_adamw {
   };
 };
 
+/// Two heads: the second joins the logits only for shards holding a sample whose first feature
+/// is over 100 (none in the data: a batch reaches it when the test plants one), as a mixture of
+/// experts reaches an expert. AdamW with weight decay on every parameter.
+struct two_heads {
+  struct replica {
+    replica(const troupe::device&, const troupe::config&) {
+      example::init_parameters(*net, 3);
+      example::init_parameters(*aux, 4);
+      auto ps = net->parameters();
+      for (auto& p : aux->parameters()) ps.push_back(p);
+      opt = std::make_unique<torch::optim::AdamW>(
+          ps, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+    }
+    std::vector<torch::Tensor> parameters() {
+      auto ps = net->parameters();
+      for (auto& p : aux->parameters()) ps.push_back(p);
+      return ps;
+    }
+    double backward(const std::vector<sample>& shard) {
+      auto [x, y] = example::stack(shard, 8);
+      auto logits = net->forward(x);
+      if (x.select(1, 0).gt(100).any().item<bool>()) logits = logits + aux->forward(x);
+      auto loss = torch::nn::functional::cross_entropy(
+          logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      loss.backward();
+      return loss.item<double>();
+    }
+    void step() { opt->step(); }
+    torch::optim::Optimizer& optimizer() { return *opt; }
+    std::shared_ptr<example::mlp_net> net = std::make_shared<example::mlp_net>(8, 16, 3);
+    torch::nn::Linear aux{8, 3};
+    std::unique_ptr<torch::optim::AdamW> opt;
+  };
+};
+
 troupe::config cfg_with(const char* optim) {
   troupe::config cfg;
   cfg.set("model.features", 8).set("model.hidden", 16).set("model.classes", 3);
@@ -113,6 +148,7 @@ void rewrite(const std::string& path, const std::string& to,
 }  // namespace
 
 TROUPE_REGISTER_JOB(frozen_adamw);
+TROUPE_REGISTER_JOB(two_heads);
 
 TEST(TrainState, AFrozenParameterStaysExactlyAsItWasUnderAdamWsWeightDecay) {
   // The optimizer got a zero gradient for a frozen parameter, and AdamW's weight decay moved it
@@ -127,6 +163,29 @@ TEST(TrainState, AFrozenParameterStaysExactlyAsItWasUnderAdamWsWeightDecay) {
   EXPECT_TRUE(same_bits(after[1], before[1])) << "the frozen bias moved";
   EXPECT_FALSE(same_bits(after[2], before[2])) << "the trained layer did not move";
   expect_identical(dp);
+}
+
+TEST(TrainState, AParameterNoShardOfAStepUsedGetsNoGradientAndStaysAsItWas) {
+  // The second head is reached by one shard of the first batch (on one replica: the other's
+  // shards do not reach it, and it must still take that step's update), then by none: it gets
+  // no gradient, as in a plain loop, and AdamW leaves it alone. It got a zero gradient, and
+  // weight decay and Adam's moments moved it at every step.
+  troupe::config cfg;
+  troupe::data_parallel<two_heads> dp{{"cpu", "cpu"}, cfg, deterministic(8)};
+  auto bs = batches(4, 32);
+  bs[0][3].x[0] = 1000;  // shard 0 reaches the second head
+  auto before = dp.parameters();
+  dp.step(bs[0]);
+  expect_identical(dp);
+  auto reached = dp.parameters();
+  ASSERT_EQ(reached.size(), 8u);
+  EXPECT_FALSE(same_bits(reached[6], before[6])) << "the reached head did not move";
+  for (int i = 1; i < 4; ++i) dp.step(bs[i]);
+  expect_identical(dp);
+  auto after = dp.parameters();
+  EXPECT_TRUE(same_bits(after[6], reached[6])) << "the head no shard used moved";
+  EXPECT_TRUE(same_bits(after[7], reached[7])) << "the head's bias no shard used moved";
+  EXPECT_FALSE(same_bits(after[0], reached[0])) << "the first head did not move";
 }
 
 TEST(TrainState, ALoadReplacesTheOptimizersStateItDoesNotMergeIntoIt) {

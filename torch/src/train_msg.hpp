@@ -50,6 +50,10 @@ struct train_msg {
   std::vector<double> losses;        ///< per shard
   std::int64_t busy_ns = 0;
   double divisor = 1;  ///< apply: the gradient is the sum divided by this (on the replica)
+  /// backward's answer: per parameter tensor, 1 where the request's shards gave it a gradient;
+  /// apply: the same over every answer of the step (a 0 gets no gradient, as a parameter no
+  /// sample of the batch used gets none in a plain loop). Empty: every one.
+  std::vector<std::uint8_t> used;
 };
 
 /// A replica's answer to init (op::init): what the coordinator keeps of it.
@@ -83,7 +87,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, train_msg& x) {
   return f(caf::meta::type_name("troupe.train_msg"), x.code, x.mode, x.attempt, x.total_shards,
            x.first_shard, x.end_shard, x.shard_size, x.first_sample, x.samples, x.tensors, x.nodes,
-           x.losses, x.busy_ns, x.divisor);
+           x.losses, x.busy_ns, x.divisor, x.used);
 }
 
 // -- the fixed summation tree over shard indices (train_core.hpp), on tensors --------------------

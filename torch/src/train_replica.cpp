@@ -61,6 +61,12 @@ void replica_state::init(init_reply& out) {
           "replica::parameters() are on several devices: troupe reduces them as one flat "
           "tensor");
   }
+  touched->assign(params.size(), 0);
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (params[i].requires_grad())
+      params[i].register_hook([t = touched, i](const at::Tensor&) {
+        if (i < t->size()) (*t)[i] = 1;
+      });
   out.device = where.str();
   std::uint64_t numel = 0;
   for (auto& p : params) numel += static_cast<std::uint64_t>(p.numel());
@@ -147,6 +153,7 @@ at::Tensor replica_state::shard_grad(const train_msg& m, std::uint64_t s, double
 void replica_state::backward(const train_msg& m, train_msg& out) {
   auto start = clock::now();
   out.losses.assign(m.end_shard - m.first_shard, 0.0);
+  std::fill(touched->begin(), touched->end(), 0);
   auto mode = static_cast<reduction>(m.mode);
   if (m.attempt != buf_step && m.attempt != partial_step) {
     // A new step (or the coordinator redoing one after a ring broke): whatever ring was under
@@ -191,6 +198,8 @@ void replica_state::backward(const train_msg& m, train_msg& out) {
     }
   }
   if (binding) binding->synchronize();
+  out.used = *touched;
+  if (mode == reduction::local) local_used = *touched;
   out.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count();
 }
 
@@ -208,10 +217,12 @@ void replica_state::set_grads(const at::Tensor& g, double divisor) {
 }
 
 void replica_state::apply(const train_msg& m) {
+  const auto* used = &m.used;
   if (static_cast<reduction>(m.mode) == reduction::local) {
     if (!local_grad.defined()) return;  // no shard this step
     set_grads(local_grad, local_divisor);
     local_grad = at::Tensor{};
+    used = &local_used;  // its own shards alone
   } else if (static_cast<reduction>(m.mode) == reduction::ring) {
     if (!ring.buf.defined() || ring.pieces == 0 || ring.done != ring.pieces)
       throw protocol_error("apply before the ring all-reduce finished");
@@ -221,6 +232,12 @@ void replica_state::apply(const train_msg& m) {
     if (m.tensors.size() != 1) throw protocol_error("apply without a gradient");
     set_grads(m.tensors[0], m.divisor);
   }
+  // A parameter no shard of the step used gets no gradient, as in a plain loop (and as DDP
+  // does for parameters unused on every rank): a zero one, weight decay, momentum and Adam's
+  // moments moved.
+  if (used->size() == params.size())
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if ((*used)[i] == 0) params[i].mutable_grad() = at::Tensor{};
   r->step();
   if (binding) binding->synchronize();
 }

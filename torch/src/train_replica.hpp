@@ -48,6 +48,13 @@ struct replica_state {
   std::map<std::tuple<std::uint64_t, std::uint32_t, std::uint32_t>, at::Tensor> early;
   std::set<std::string> connected;  ///< nodes this one has a direct connection to
   std::uint64_t failing_sample = 0;
+  /// Per parameter, set by a hook of its own when a backward gives it a gradient: read after
+  /// each backward request (train_msg::used). Shared with the hooks, which live on the
+  /// replica's tensors and may outlive this state.
+  std::shared_ptr<std::vector<std::uint8_t>> touched =
+      std::make_shared<std::vector<std::uint8_t>>();
+  /// local_step: this replica's own, for its own update.
+  std::vector<std::uint8_t> local_used;
 
   /// Frees the replica, every tensor held here and then the device binding (idempotent; on
   /// the replica's thread, or in its actor's cleanup).

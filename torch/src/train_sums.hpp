@@ -29,6 +29,7 @@ class step_sums {
     std::fill(losses.begin(), losses.end(), 0.0);
     partials.clear();
     blocks.clear();
+    used.clear();
     return attempt;
   }
 
@@ -57,6 +58,8 @@ class step_sums {
   void take(const train_msg& answer, const train_core::share& x) {
     for (std::uint64_t s = x.a; s < x.b && s - x.a < answer.losses.size(); ++s)
       losses[s] = answer.losses[s - x.a];
+    if (used.size() < answer.used.size()) used.resize(answer.used.size(), 0);
+    for (std::size_t i = 0; i < answer.used.size(); ++i) used[i] |= answer.used[i];
     if (red == reduction::fast) {
       if (answer.tensors.size() == 1) partials[x.a] = answer.tensors[0];
     } else if (red == reduction::deterministic) {
@@ -79,6 +82,7 @@ class step_sums {
     update.code = static_cast<std::uint8_t>(op::apply);
     update.mode = static_cast<std::uint8_t>(red);
     update.divisor = red == reduction::local ? 1.0 : static_cast<double>(n);
+    update.used = used;
     return update;
   }
 
@@ -94,6 +98,8 @@ class step_sums {
   reduction red = reduction::fast;
   std::uint64_t attempt = 0;
   std::vector<double> losses;
+  /// The parameters some answer taken gave a gradient (train_msg::used), or'ed.
+  std::vector<std::uint8_t> used;
   std::map<std::uint64_t, at::Tensor> partials;  ///< fast: by first shard
   std::map<node_key, at::Tensor> blocks;         ///< deterministic
   train_msg update;

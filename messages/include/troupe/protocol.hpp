@@ -228,7 +228,8 @@ namespace troupe {
 // 6: node_hello::incarnation, leaving; 7: work_chunk::cut_id, chunk_result::kept, trim_atom;
 // 8: a training replica answers init with an init_reply (its fields left train_msg);
 // 9: work_chunk::tag, chunk_result::tag (chunks go out as plain messages)
-constexpr std::uint32_t node_protocol_version = 9;
+// 10: train_msg::used (parameters no shard of a step used get no gradient)
+constexpr std::uint32_t node_protocol_version = 10;
 
 using hello_atom = caf::atom_constant<caf::atom("tr_hello")>;
 /// node::drain, to the node's actor (with the deadline in milliseconds): answered once every
