@@ -830,6 +830,64 @@ TEST(Runner, ProducersOfADeviceShareOneDeviceStateAndWarmUpBeforeTheirFirstChunk
   EXPECT_EQ(again.run(iota(100)), 5 * test_util::sum_of_squares(100));
 }
 
+TEST(Runner, RunnersOfAnotherConfigGetADeviceStateOfTheirOwnAndThoseOfTheSameConfigShareOne) {
+  // Two runners of one job type alive at once, each with its own model: shared by device
+  // alone, the second ran on the first one's model (and a node served one coordinator's model
+  // to another).
+  auto made = states_made.load();
+  troupe::config three, seven;
+  three.set("weight", 3);
+  seven.set("weight", 7);
+  troupe::unordered_runner<shared_model_job> a{troupe::cpus(2), three};
+  troupe::unordered_runner<shared_model_job> b{troupe::cpus(2), seven};
+  EXPECT_EQ(states_made - made, 2);
+  EXPECT_EQ(a.run(iota(100)), 3 * test_util::sum_of_squares(100));
+  EXPECT_EQ(b.run(iota(100)), 7 * test_util::sum_of_squares(100));
+  troupe::unordered_runner<shared_model_job> c{troupe::cpus(1), seven};
+  EXPECT_EQ(states_made - made, 2) << "the same config on the same device: one copy";
+  EXPECT_EQ(c.run(iota(100)), 7 * test_util::sum_of_squares(100));
+}
+
+namespace {
+
+std::atomic<int> failed_loads{0};
+/// A model whose load takes a while and then fails (the weights are not there).
+struct unloadable_model_job {
+  struct device_state {
+    device_state(const troupe::device&, const troupe::config&) {
+      ++failed_loads;
+      std::this_thread::sleep_for(std::chrono::milliseconds{200});
+      throw std::runtime_error("the weights are not there");
+    }
+  };
+  struct producer {
+    producer(const troupe::device&, const troupe::config&, device_state&) {}
+    std::int64_t work(std::int64_t x) { return x; }
+  };
+};
+
+}  // namespace
+
+TEST(Runner, ADeviceStateWhoseConstructorThrowsIsNotTriedAgainByTheProducersThatWaitedForIt) {
+  // Four producers of one device: each tried the load in turn, and the error came after four
+  // times its time. Those that waited for the load now fail with its exception.
+  try {
+    troupe::unordered_runner<unloadable_model_job> r{troupe::cpus(4)};
+    ADD_FAILURE() << "the runner started";
+  } catch (const troupe::init_error& e) {
+    EXPECT_NE(std::string{e.what()}.find("the weights are not there"), std::string::npos)
+        << e.what();
+  }
+  std::cout << "4 producers, " << failed_loads << " load(s) tried\n";
+  // 1 when the four start within the load's 200 ms (as they do); a producer whose thread came
+  // only after the failure would try again: fewer than four in any case (four before).
+  EXPECT_LT(failed_loads, 4) << "the producers that waited for the load tried it again";
+  // A later runner tries again (the weights may be there now).
+  auto before = failed_loads.load();
+  EXPECT_THROW(troupe::unordered_runner<unloadable_model_job>{troupe::cpus(1)}, troupe::init_error);
+  EXPECT_EQ(failed_loads, before + 1);
+}
+
 namespace {
 
 /// A device_state whose constructor waits (up to 5 s) for another device's to be running at

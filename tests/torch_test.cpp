@@ -8,6 +8,7 @@
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
+#include <cstdlib>
 #include <iostream>
 #include <set>
 #include <thread>
@@ -295,4 +296,13 @@ TEST(ThreadBudgets, EachCpuProducerRunsLibTorchOnItsOwnBudgetOfIntraOpThreads) {
   for (auto n : seen3) EXPECT_EQ(n, share);
   EXPECT_EQ(started3, static_cast<std::size_t>(2 * (share - 1)));
   std::cout << cores << " cores, 2 CPU producers: " << share << " intra-op thread(s) each\n";
+  // An operator's OMP_NUM_THREADS caps the default share (it was exceeded silently);
+  // torch.intra_op_threads is still taken as given.
+  ::setenv("OMP_NUM_THREADS", "1", 1);
+  auto [seen4, started4] = forward_passes(1, {});
+  auto [seen5, started5] = forward_passes(1, two);
+  ::unsetenv("OMP_NUM_THREADS");
+  for (auto n : seen4) EXPECT_EQ(n, 1) << "OMP_NUM_THREADS=1 exceeded";
+  EXPECT_EQ(started4, 0u);
+  for (auto n : seen5) EXPECT_EQ(n, 2);
 }

@@ -101,6 +101,18 @@ TEST(Device, UsableCoresFollowTheAffinityMaskAndTheCgroupQuota) {
   EXPECT_EQ(pinned, 1) << "a thread allowed one CPU counted " << pinned;
 }
 
+TEST(Device, OmpNumThreadsCapsTheDefaultThreadBudget) {
+  using troupe::detail::omp_threads_cap;
+  EXPECT_EQ(omp_threads_cap(nullptr), 0);
+  EXPECT_EQ(omp_threads_cap(""), 0);
+  EXPECT_EQ(omp_threads_cap("4"), 4);
+  EXPECT_EQ(omp_threads_cap("4,2"), 4) << "a list of levels: the first";
+  EXPECT_EQ(omp_threads_cap("0"), 0);
+  EXPECT_EQ(omp_threads_cap("-3"), 0);
+  EXPECT_EQ(omp_threads_cap("two"), 0);
+  EXPECT_EQ(omp_threads_cap("8 threads"), 0);
+}
+
 TEST(Config, TypedGetSetAndNesting) {
   troupe::config cfg;
   cfg.set("flag", true).set("n", 42).set("x", 2.5).set("name", "squares");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -44,11 +45,24 @@ void count_cpu_producer(int delta) noexcept {
   cpu_producers += delta;
 }
 
+int omp_threads_cap(const char* value) noexcept {
+  if (value == nullptr) return 0;
+  char* end = nullptr;
+  auto n = std::strtol(value, &end, 10);  // "4" or a list, "4,2": its first level
+  if (end == value || (*end != '\0' && *end != ',') || n <= 0) return 0;
+  return static_cast<int>(std::min<long>(n, 1 << 20));
+}
+
 int apply_cpu_thread_budget(int requested) noexcept {
   auto set = cpu_threads.load();
   if (set == nullptr) return 0;
   int n = requested;
-  if (n <= 0) n = std::max(1, usable_cores() / std::max(1, cpu_producers.load()));
+  if (n <= 0) {
+    n = std::max(1, usable_cores() / std::max(1, cpu_producers.load()));
+    // An operator's OMP_NUM_THREADS (several processes sharing a host) caps the share, as it
+    // caps PyTorch's own intra-op threads.
+    if (auto cap = omp_threads_cap(std::getenv("OMP_NUM_THREADS")); cap > 0) n = std::min(n, cap);
+  }
   set(n);
   return n;
 }

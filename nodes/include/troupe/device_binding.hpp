@@ -44,8 +44,12 @@ bool install_cpu_threads(void (*set)(int n)) noexcept;
 void count_cpu_producer(int delta) noexcept;
 /// Gives the calling thread (a CPU producer's, before its constructor) its intra-op budget:
 /// `requested` when above 0 (cfg "torch.intra_op_threads"), else usable_cores() divided among
-/// the CPU producers alive, at least 1. Returns the budget set, 0 without troupe::torch.
+/// the CPU producers alive, at least 1, and at most OMP_NUM_THREADS when that is set. Returns the
+/// budget set, 0 without troupe::torch.
 int apply_cpu_thread_budget(int requested) noexcept;
+/// OMP_NUM_THREADS's value as a cap on the default budget: its first number when positive
+/// ("4", "4,2"), else 0 (none: unset, empty, 0 or not a number).
+int omp_threads_cap(const char* value) noexcept;
 /// The cores this process may use, at least 1: the CPUs of its affinity mask (taskset, a
 /// cpuset), and no more than its cgroup's CPU quota rounded up (a container's CPU limit, e.g. a
 /// Kubernetes pod's `limits: cpu: "2"`: cgroup v2's cpu.max, or v1's cfs_quota_us/period_us).

@@ -5,10 +5,12 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -235,32 +237,62 @@ struct device_state_holder {
 template <>
 struct device_state_holder<void> {};
 
-/// The device_state `S` of device `d` in this process: made (on the calling producer's thread,
-/// bound to `d`) by the first producer of `d` that asks, shared by the others while any holds
-/// it, destroyed when the last lets go. Producers of `d` constructed at once wait for the
-/// first; those of other devices do not (each device's model loads at the same time).
+/// The device_state `S` of device `d` and config `cfg` in this process: made (on the calling
+/// producer's thread, bound to `d`) by the first producer of `d` that asks, shared by the others
+/// with the same config while any holds it, destroyed when the last lets go. Producers of `d`
+/// constructed at once wait for the first; those of other devices do not (each device's model
+/// loads at the same time). A construction that throws is not tried again by the producers that
+/// waited for it: they fail with its exception (each would have taken the load's time again).
 template <class S>
 std::shared_ptr<device_state_holder<S>> device_state_for(const device& d, const config& cfg) {
+  struct made {
+    config cfg;
+    std::weak_ptr<device_state_holder<S>> state;
+  };
   struct entry {
     std::mutex making;
-    std::weak_ptr<device_state_holder<S>> state;
+    std::vector<made> states;                ///< under `making`
+    std::atomic<std::uint64_t> finished{0};  ///< constructions that returned or threw
+    std::uint64_t failed_at = 0;             ///< under `making`: `finished` at the last throw
+    config failed_cfg;
+    std::exception_ptr failure;
   };
   static std::mutex mtx;
   // Never destroyed: producers on their threads may still let go of their state during exit().
-  // One entry per device name the process has used.
+  // One entry per device the process has used (`cuda` is `cuda:0`, as bind() takes it).
   static auto& live = *new std::map<std::string, std::unique_ptr<entry>>;
   entry* e = nullptr;
   {
     std::lock_guard<std::mutex> guard{mtx};
-    auto& slot = live[d.str()];
+    auto key = d.str();
+    if (d.is_cuda() && d.index() < 0) key += ":0";
+    auto& slot = live[key];
     if (!slot) slot = std::make_unique<entry>();
     e = slot.get();
   }
+  // Constructions over before this producer came: one that fails after it is what it waited for.
+  auto seen = e->finished.load();
   std::lock_guard<std::mutex> guard{e->making};
-  if (auto h = e->state.lock()) return h;
-  auto h = std::make_shared<device_state_holder<S>>(d, cfg);
-  e->state = h;
-  return h;
+  // Another config is another state (two runners of one job type serving two models): sharing
+  // by device alone gave a runner another runner's model.
+  for (auto& m : e->states)
+    if (m.cfg == cfg)
+      if (auto h = m.state.lock()) return h;
+  if (e->failure && e->failed_at > seen && e->failed_cfg == cfg) std::rethrow_exception(e->failure);
+  try {
+    auto h = std::make_shared<device_state_holder<S>>(d, cfg);
+    ++e->finished;
+    e->states.erase(std::remove_if(e->states.begin(), e->states.end(),
+                                   [](const made& m) { return m.state.expired(); }),
+                    e->states.end());
+    e->states.push_back(made{cfg, h});
+    return h;
+  } catch (...) {
+    e->failure = std::current_exception();
+    e->failed_at = ++e->finished;
+    e->failed_cfg = cfg;
+    throw;
+  }
 }
 
 /// A producer's side of a chunk_cut: the chunk's items claimed in grabs of about two
