@@ -217,13 +217,18 @@ struct classify_mlp {
 /// than a shape's first-call setup, the powers of two and the largest size (about two full
 /// batches of work). A package refuses sizes past the one it was exported for: the warm-up
 /// stops there.
+namespace {
+at::Tensor class_scores(const at::Tensor& y, std::int64_t rows, const std::string& model_file);
+}  // namespace
+
 template <class State>
 struct file_model_producer {
   file_model_producer(const troupe::device& d, const troupe::config& cfg, State& shared)
       : where(d),
         model(shared),
         inputs(cfg.get_or<std::int64_t>("inputs", n_features)),
-        max_batch(std::max<std::int64_t>(1, cfg.get_or<std::int64_t>("max_batch", 1))) {}
+        max_batch(std::max<std::int64_t>(1, cfg.get_or<std::int64_t>("max_batch", 1))),
+        file(cfg.get_or<std::string>("model_file", "the model")) {}
   void warmup() {
     c10::InferenceMode inference;
     // TorchScript's profiling executor: its first runs (then once per size below).
@@ -234,7 +239,9 @@ struct file_model_producer {
       if (!where.is_cuda() && !power_of_two && n != max_batch) continue;
       std::string why;
       try {
-        model.forward(torch::zeros({n, inputs}, model.where));
+        // Its answer's shape too: a model of another task failed every request with a 400
+        // that blamed the client.
+        class_scores(model.forward(torch::zeros({n, inputs}, model.where)), n, file);
         took = n;
       } catch (const c10::Error& e) {
         if (n == 1) throw;  // not a size limit: the model itself fails
@@ -274,6 +281,7 @@ struct file_model_producer {
   State& model;
   std::int64_t inputs;     ///< numbers per request (cfg "inputs": the reference rows' width)
   std::int64_t max_batch;  ///< the largest batch a call gets (cfg "max_batch")
+  std::string file;        ///< cfg "model_file", for its messages
   static inline std::atomic<bool> told{false};
 };
 
@@ -652,7 +660,8 @@ std::vector<float> request_input(std::size_t i, std::size_t width) {
 }
 
 /// The self-test: requests first, first + stride, ... below n on one connection; the class of
-/// each answer into `got` (-1 when it failed), its latency into `latencies_ms`.
+/// each answer into `got` (-1 when it failed, minus the status for an error answer), its latency
+/// into `latencies_ms`.
 net::awaitable<void> client(tcp::endpoint to, std::size_t first, std::size_t n, std::size_t stride,
                             std::size_t width, std::vector<std::int64_t>& got,
                             std::vector<double>& latencies_ms) {
@@ -679,6 +688,8 @@ net::awaitable<void> client(tcp::endpoint to, std::size_t first, std::size_t n, 
     auto at = res.body().find("\"class\": ");
     if (res.result() == http::status::ok && at != std::string::npos)
       got[i] = std::stol(res.body().substr(at + 9));
+    else
+      got[i] = -static_cast<std::int64_t>(res.result_int());  // answered, with an error
   }
   beast::error_code ec;
   stream.socket().shutdown(tcp::socket::shutdown_both, ec);
@@ -791,18 +802,24 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
   // A request that got no answer (its connection failed: too many for the descriptors, say) is
   // not a wrong answer: counted apart, and a failure too.
   auto unanswered = static_cast<std::size_t>(std::count(got.begin(), got.end(), -1));
-  auto wrong = wrong_answers(got, scores) - unanswered;  // each of those counts there too
+  auto refused = static_cast<std::size_t>(
+      std::count_if(got.begin(), got.end(), [](std::int64_t g) { return g < -1; }));
+  auto wrong = wrong_answers(got, scores) - unanswered - refused;  // they count there too
   std::cerr << "latency p50 " << pct(0.5) << " ms, p99 " << pct(0.99) << " ms" << std::endl;
   std::cerr << "served " << stats.ok << " requests in " << secs << " s ("
             << static_cast<double>(stats.ok) / secs << " requests/s), " << wrong << " wrong, "
-            << unanswered << " unanswered (" << broken << " connections failed); "
-            << classify::producer::calls << " model calls (mean batch "
+            << unanswered << " unanswered (" << broken << " connections failed), " << refused
+            << " answered with an error status; " << classify::producer::calls
+            << " model calls (mean batch "
             << static_cast<double>(classify::producer::rows_seen) /
                    static_cast<double>(std::max<std::uint64_t>(1, classify::producer::calls))
             << "), " << s.split_calls << " calls made again after a throw" << std::endl;
   if (unanswered != 0)
     throw std::runtime_error(std::to_string(unanswered) + " requests unanswered: " +
                              std::to_string(broken) + " connections failed (fewer --concurrency?)");
+  if (refused != 0)
+    throw std::runtime_error(std::to_string(refused) +
+                             " requests answered with an error status (the log above says why)");
   if (wrong != 0) throw std::runtime_error(std::to_string(wrong) + " wrong answers");
   std::int64_t classes = 0;
   for (auto g : got) classes += g;
