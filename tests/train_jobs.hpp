@@ -11,6 +11,16 @@
 
 #include "common/classifier.hpp"
 
+/// The shard's summed cross-entropy loss through `net` (8 features), back-propagated: its value.
+template <class Net>
+double summed_loss_backward(Net& net, const std::vector<example::sample>& shard) {
+  auto [x, y] = example::stack(shard, 8);
+  auto loss = torch::nn::functional::cross_entropy(
+      net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  loss.backward();
+  return loss.template item<double>();
+}
+
 /// A replica written the way PyTorch scripts write one: the constructor seeds torch's global
 /// generator and builds the model from it (no generator of its own), SGD with momentum.
 struct seeded_classifier {
@@ -25,12 +35,7 @@ struct seeded_classifier {
     }
     std::vector<torch::Tensor> parameters() { return net->parameters(); }
     double backward(const std::vector<example::sample>& shard) {
-      auto [x, y] = example::stack(shard, 8);
-      auto loss = torch::nn::functional::cross_entropy(
-          net->forward(x), y,
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-      loss.backward();
-      return loss.item<double>();
+      return summed_loss_backward(net, shard);
     }
     void step() { opt->step(); }
     torch::nn::Sequential net{nullptr};

@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "common/classifier.hpp"
+#include "train_checks.hpp"
+#include "train_jobs.hpp"
 
 namespace {
 
@@ -38,14 +40,7 @@ struct frozen_adamw {
           net->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
     }
     std::vector<torch::Tensor> parameters() { return net->parameters(); }
-    double backward(const std::vector<sample>& shard) {
-      auto [x, y] = example::stack(shard, 8);
-      auto loss = torch::nn::functional::cross_entropy(
-          net->forward(x), y,
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-      loss.backward();
-      return loss.item<double>();
-    }
+    double backward(const std::vector<sample>& shard) { return summed_loss_backward(net, shard); }
     void step() {
       if (steps_throw) throw std::runtime_error("planted step failure");
       opt->step();
@@ -112,23 +107,12 @@ troupe::train_options deterministic(std::size_t shard = 8) {
   return o;
 }
 
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  auto x = a.contiguous(), y = b.contiguous();
-  return x.sizes() == y.sizes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
-
-at::Tensor flat(const std::vector<at::Tensor>& ps) {
-  std::vector<at::Tensor> parts;
-  for (auto& p : ps) parts.push_back(p.reshape(-1));
-  return torch::cat(parts);
-}
+using train_checks::flat;
+using train_checks::same_bits;
 
 template <class DataParallel>
 void expect_identical(DataParallel& dp) {
-  auto ps = dp.replica_parameters();
-  ASSERT_FALSE(ps.empty());
-  for (std::size_t i = 1; i < ps.size(); ++i)
-    EXPECT_TRUE(same_bits(ps[0], ps[i])) << "replica " << i << " differs from replica 0";
+  train_checks::expect_replicas_identical(dp);
 }
 
 /// `path`'s checkpoint with its parameter tensors changed by `edit` (the rest kept).

@@ -38,6 +38,7 @@
 #include "node_process.hpp"
 #include "ring_plane.hpp"
 #include "test_util.hpp"
+#include "train_checks.hpp"
 #include "train_jobs.hpp"
 #include "wire_attack.hpp"
 
@@ -71,25 +72,9 @@ troupe::train_options opts(std::size_t shard, bool deterministic) {
   return o;
 }
 
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  auto x = a.contiguous(), y = b.contiguous();
-  return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() &&
-         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
-
-at::Tensor flat(const std::vector<at::Tensor>& ps) {
-  std::vector<at::Tensor> parts;
-  for (auto& p : ps) parts.push_back(p.reshape(-1));
-  return torch::cat(parts);
-}
-
-template <class DataParallel>
-void expect_replicas_identical(DataParallel& dp) {
-  auto ps = dp.replica_parameters();
-  ASSERT_FALSE(ps.empty());
-  for (std::size_t i = 1; i < ps.size(); ++i)
-    EXPECT_TRUE(same_bits(ps[0], ps[i])) << "replica " << i << " differs from replica 0";
-}
+using train_checks::expect_replicas_identical;
+using train_checks::flat;
+using train_checks::same_bits;
 
 double relative_difference(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
