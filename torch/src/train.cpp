@@ -199,9 +199,9 @@ void trainer::load(const std::string& path) {
     return;
   }
   // A replica whose load failed holds its old state (set_state puts it back): unlike the
-  // others, which loaded the checkpoint.
-  p.everyone(p.alive(), set, /*drop_failed=*/true);
+  // others, which loaded the checkpoint (so the state is no longer the constructors' either way).
   p.loaded = true;
+  p.everyone(p.alive(), set, /*drop_failed=*/true);
   if (p.coordinator) p.coordinator->states_equal();
   p.publish();  // replicas whose load failed were dropped
 }

@@ -228,6 +228,8 @@ struct trainer::impl {
   void copy_state(const std::vector<std::size_t>& to);
   /// held_state = `from`'s state (a warning when it cannot be read).
   void keep_state(std::size_t from);
+  /// node_error when state_gone(): replicas added now would start over, silently.
+  void refuse_if_state_gone();
   double step(const batch& samples, mode m);
   std::map<std::size_t, train_msg> get_params(const std::vector<std::size_t>& who);
 };

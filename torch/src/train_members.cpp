@@ -96,13 +96,18 @@ void trainer::impl::copy_state(const std::vector<std::size_t>& to) {
     set.tensors.push_back(held_state);
     everyone(to, set);
     held_state = at::Tensor{};
-  } else if (state_gone()) {
+  } else {
+    refuse_if_state_gone();
+  }
+}
+
+void trainer::impl::refuse_if_state_gone() {
+  if (state_gone())
     throw node_error(
         "data_parallel: every replica was lost, and the training's parameters and optimizer "
         "state with them; the replicas added would start over from the constructors' model. "
         "load() a checkpoint first (with no replica, it is kept for the next ones added), or "
         "start a new data_parallel");
-  }
 }
 
 void trainer::impl::keep_state(std::size_t from) {
@@ -120,7 +125,7 @@ void trainer::impl::keep_state(std::size_t from) {
 
 void trainer::impl::add(const std::vector<device>& devices) {
   auto& p = *this;
-  if (p.state_gone()) p.copy_state({});  // throws, before any replica is started
+  p.refuse_if_state_gone();  // before any replica is started
   auto fresh = p.start(devices);
   try {
     p.copy_state(fresh);
