@@ -5,9 +5,18 @@
 #include <torch/torch.h>
 
 #include <cstring>
+#include <troupe/train.hpp>
 #include <vector>
 
 namespace train_checks {
+
+/// Shards of `shard` samples, deterministic or not.
+inline troupe::train_options opts(std::size_t shard, bool deterministic) {
+  troupe::train_options o;
+  o.shard_size = shard;
+  o.deterministic = deterministic;
+  return o;
+}
 
 /// Same shape, dtype and bits.
 inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {

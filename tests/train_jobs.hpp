@@ -11,6 +11,15 @@
 
 #include "common/classifier.hpp"
 
+/// `n` batches of `size` samples of the 8-feature, 3-class data set drawn from `seed`.
+inline std::vector<std::vector<example::sample>> make_batches(std::size_t n, std::size_t size,
+                                                              std::uint64_t seed = 11) {
+  auto data = example::make_data(n * size, 0, 3, 8, seed);
+  std::vector<std::vector<example::sample>> out(n);
+  for (std::size_t i = 0; i < n * size; ++i) out[i / size].push_back(data.train[i]);
+  return out;
+}
+
 /// The shard's summed cross-entropy loss through `net` (8 features), back-propagated: its value.
 template <class Net>
 double summed_loss_backward(Net& net, const std::vector<example::sample>& shard) {

@@ -93,18 +93,8 @@ troupe::config cfg_with(const char* optim) {
   return cfg;
 }
 
-std::vector<std::vector<sample>> batches(std::size_t n, std::size_t size) {
-  auto data = example::make_data(n * size, 0, 3, 8, 11);
-  std::vector<std::vector<sample>> out(n);
-  for (std::size_t i = 0; i < n * size; ++i) out[i / size].push_back(data.train[i]);
-  return out;
-}
-
 troupe::train_options deterministic(std::size_t shard = 8) {
-  troupe::train_options o;
-  o.shard_size = shard;
-  o.deterministic = true;
-  return o;
+  return train_checks::opts(shard, true);
 }
 
 using train_checks::flat;
@@ -140,7 +130,7 @@ TEST(TrainState, AFrozenParameterStaysExactlyAsItWasUnderAdamWsWeightDecay) {
   troupe::config cfg;
   troupe::data_parallel<frozen_adamw> dp{{"cpu", "cpu"}, cfg, deterministic()};
   auto before = dp.parameters();
-  for (auto& b : batches(6, 32)) dp.step(b);
+  for (auto& b : make_batches(6, 32)) dp.step(b);
   auto after = dp.parameters();
   ASSERT_EQ(after.size(), 6u);
   EXPECT_TRUE(same_bits(after[0], before[0])) << "the frozen weight moved";
@@ -156,7 +146,7 @@ TEST(TrainState, AParameterNoShardOfAStepUsedGetsNoGradientAndStaysAsItWas) {
   // weight decay and Adam's moments moved it at every step.
   troupe::config cfg;
   troupe::data_parallel<two_heads> dp{{"cpu", "cpu"}, cfg, deterministic(8)};
-  auto bs = batches(4, 32);
+  auto bs = make_batches(4, 32);
   bs[0][3].x[0] = 1000;  // shard 0 reaches the second head
   auto before = dp.parameters();
   dp.step(bs[0]);
@@ -176,7 +166,7 @@ TEST(TrainState, ALoadReplacesTheOptimizersStateItDoesNotMergeIntoIt) {
   // A rollback: Adam trained 5 steps, then the checkpoint of step 0 (no moments yet) loaded.
   // Optimizer::load overwrote only the entries the archive held: the 5 steps' moments and step
   // counts survived, and the next steps differed from a fresh run from that checkpoint.
-  auto bs = batches(8, 32);
+  auto bs = make_batches(8, 32);
   auto path = testing::TempDir() + "troupe_state_rollback.pt";
   dp_t a{{"cpu", "cpu"}, cfg_with("adam"), deterministic()};
   a.save(path);
@@ -194,7 +184,7 @@ TEST(TrainState, AStepAfterALocalStepOnFewerShardsThanReplicasLeavesThemIdentica
   // One shard, three replicas: one of them steps alone and has Adam moments, the first has
   // none. The next step() copies the first replica's state to the others: the moments of the
   // one that stepped survived that copy, and it drifted from the others at every step after.
-  auto bs = batches(4, 32);
+  auto bs = make_batches(4, 32);
   dp_t dp{{"cpu", "cpu", "cpu"}, cfg_with("adam"), deterministic(8)};
   std::vector<sample> one_shard(bs[0].begin(), bs[0].begin() + 8);
   dp.local_step(one_shard);
@@ -209,7 +199,7 @@ TEST(TrainState, TheLastReplicaRemovedKeepsTheStateForTheNextOneAdded) {
   // Moving a run to another device by removing the last replica and adding one: the new
   // replica started over from the constructor's model, silently. Now it goes on where the
   // last one left off, bit for bit.
-  auto bs = batches(5, 32);
+  auto bs = make_batches(5, 32);
   dp_t ref{{"cpu"}, cfg_with("adam"), deterministic()};
   for (auto& b : bs) ref.step(b);
   dp_t dp{{"cpu"}, cfg_with("adam"), deterministic()};
@@ -230,7 +220,7 @@ TEST(TrainState, TheLastReplicaRemovedKeepsTheStateForTheNextOneAdded) {
 }
 
 TEST(TrainState, ReplicasAddedAfterEveryOneWasLostAreRefusedUntilACheckpointIsLoaded) {
-  auto bs = batches(4, 32);
+  auto bs = make_batches(4, 32);
   auto path = testing::TempDir() + "troupe_state_lost.pt";
   troupe::config cfg;
   troupe::data_parallel<frozen_adamw> dp{{"cpu", "cpu"}, cfg, deterministic()};
@@ -263,7 +253,7 @@ TEST(TrainState, ReplicasAddedAfterEveryOneWasLostAreRefusedUntilACheckpointIsLo
 }
 
 TEST(TrainState, ACheckpointOfAnotherModelOrOptimizerIsRefusedAndChangesNothing) {
-  auto bs = batches(4, 32);
+  auto bs = make_batches(4, 32);
   auto dir = testing::TempDir();
   auto adam_path = dir + "troupe_state_adam.pt", sgd_path = dir + "troupe_state_sgd.pt";
   auto bad_path = dir + "troupe_state_bad.pt";

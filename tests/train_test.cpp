@@ -57,23 +57,9 @@ troupe::config small_cfg() {
   return cfg;
 }
 
-std::vector<std::vector<sample>> make_batches(std::size_t n, std::size_t size,
-                                              std::uint64_t seed = 11) {
-  auto data = example::make_data(n * size, 0, 3, 8, seed);
-  std::vector<std::vector<sample>> out(n);
-  for (std::size_t i = 0; i < n * size; ++i) out[i / size].push_back(data.train[i]);
-  return out;
-}
-
-troupe::train_options opts(std::size_t shard, bool deterministic) {
-  troupe::train_options o;
-  o.shard_size = shard;
-  o.deterministic = deterministic;
-  return o;
-}
-
 using train_checks::expect_replicas_identical;
 using train_checks::flat;
+using train_checks::opts;
 using train_checks::same_bits;
 
 double relative_difference(const at::Tensor& a, const at::Tensor& b) {

@@ -117,12 +117,10 @@ void cluster_core::admit(reached& r, bool rethrow) {
                        "); it was asked to start over as a new incarnation, which joins by "
                        "itself (reconnect) or at the next add()");
     }
-    for (auto& m : core_.members())
-      if (m.address != address && m.incarnation == r.incarnation &&
-          (m.what == member::state::up || m.what == member::state::draining))
-        throw invalid_argument("cannot use node " + address + ": it is the node " + m.address +
-                               ", a member already (the same process, another spelling of its "
-                               "address)");
+    if (auto other = core_.spelled_otherwise(address, r.incarnation))
+      throw invalid_argument("cannot use node " + address + ": it is the node " + *other +
+                             ", a member already (the same process, another spelling of its "
+                             "address)");
     auto events =
         core_.answered(address, r.incarnation, devices_at(address, r.offered), clock::now(), true);
     handles_[address] = r.handle;

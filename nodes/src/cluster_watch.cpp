@@ -183,16 +183,14 @@ void cluster_core::rejoin(const std::string& address, caf::actor handle, std::ui
   {
     std::lock_guard<std::mutex> guard{mtx_};
     auto now = clock::now();
-    for (auto& m : core_.members())
-      if (m.address != address && m.incarnation == incarnation &&
-          (m.what == member::state::up || m.what == member::state::draining)) {
-        // Another spelling of a member's address (given to connect and not up then): one
-        // member is enough, this address is not retried.
-        core_.retire(address);
-        log(log_level::warn, "cluster: " + address + " is the node " + m.address +
-                                 " (the same process): no longer tried");
-        return;
-      }
+    if (auto other = core_.spelled_otherwise(address, incarnation)) {
+      // Another spelling of a member's address (given to connect and not up then): one member
+      // is enough, this address is not retried.
+      core_.retire(address);
+      log(log_level::warn, "cluster: " + address + " is the node " + *other +
+                               " (the same process): no longer tried");
+      return;
+    }
     // Notices first: a node that drained itself has left, whatever answers now.
     auto events = take_notices_locked(now);
     auto more = core_.answered(address, incarnation, devices, now, false, leaving);

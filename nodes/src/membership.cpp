@@ -226,6 +226,15 @@ void membership::cancel_drain(const std::string& address) {
   }
 }
 
+std::optional<std::string> membership::spelled_otherwise(const std::string& address,
+                                                         std::uint64_t incarnation) const {
+  for (auto& m : members_)
+    if (m.address != address && m.incarnation == incarnation &&
+        (m.what == member::state::up || m.what == member::state::draining))
+      return m.address;
+  return std::nullopt;
+}
+
 bool membership::accepts(const std::string& address, std::uint64_t incarnation) const {
   auto* m = find(address);
   return m != nullptr && m->incarnation == incarnation &&

@@ -96,6 +96,10 @@ class membership {
   /// Whether answers of `incarnation` at `address` may be used (its member is up or draining
   /// with that incarnation).
   [[nodiscard]] bool accepts(const std::string& address, std::uint64_t incarnation) const;
+  /// The member up or draining under another address with this incarnation (the same node
+  /// process, its address spelled another way), if any.
+  [[nodiscard]] std::optional<std::string> spelled_otherwise(const std::string& address,
+                                                             std::uint64_t incarnation) const;
   [[nodiscard]] bool fenced(const std::string& address, std::uint64_t incarnation) const;
   /// The state of the member at `address` (nullopt: never a member).
   [[nodiscard]] std::optional<member::state> state_of(const std::string& address) const;
