@@ -21,6 +21,7 @@
 
 #include "runtime_impl.hpp"
 #include "test_util.hpp"
+#include "troupe/detail/job_actors.hpp"
 
 namespace {
 
@@ -368,4 +369,41 @@ TEST_F(SchedulerTest, ACancelledJobSendsNothingMoreAndTheNextJobRuns) {
   ASSERT_TRUE(second->done());
   EXPECT_EQ(second->error(), nullptr);
   EXPECT_EQ(*seen_, test_util::iota(50));
+}
+
+// A stream's consumer holds back the acknowledgement of a chunk pushed into a full buffer until
+// the reader makes room. The reader's room message may come after another chunk has filled the
+// buffer again: the held chunk must still be acknowledged once the reader reads on, or the
+// scheduler waits for it for ever (a rare hang of an ordered stream, seen in
+// Jobs.StreamGivesOutputsInInputOrder).
+TEST_F(SchedulerTest, AStreamsHeldChunkIsTakenWhenTheBufferFillsAgainBeforeTheRoomMessage) {
+  auto buf = std::make_shared<troupe::detail::stream_buffer>(1);
+  troupe::detail::job_core job{1, caf::actor{}};
+  auto gate = job.gate();
+  auto consumer = troupe::detail::spawn_stream_consumer(sys_, buf, gate);
+  auto chunk = [](std::int64_t x) {
+    troupe::consume_chunk c;
+    c.run = 1;
+    c.items = batch::of(std::vector<std::int64_t>{x});
+    return c;
+  };
+  caf::anon_send(consumer, troupe::init_atom::value);
+  caf::anon_send(consumer, chunk(0));  // fits: taken at once
+  caf::anon_send(consumer, chunk(1));  // beyond the capacity: held
+  sched_.run();
+  ASSERT_EQ(gate->chunks_done(), 1u);
+  auto value = [&] {
+    auto b = buf->pop(job);
+    return b ? b->as<std::int64_t>()->items.at(0) : -1;
+  };
+  EXPECT_EQ(value(), 0);
+  caf::anon_send(consumer, chunk(2));  // queued ahead of the room message the next pop sends
+  EXPECT_EQ(value(), 1);
+  sched_.run();  // chunk 2 fills the buffer again before the room message is handled
+  EXPECT_EQ(value(), 2);
+  sched_.run();
+  // The reader has read all three: each was taken.
+  EXPECT_EQ(gate->chunks_done(), 3u);
+  caf::anon_send(consumer, troupe::end_atom::value);
+  sched_.run();
 }

@@ -261,13 +261,17 @@ caf::behavior stream_consumer_actor(caf::event_based_actor* self,
         if (st->gate->stopped()) return taken(*st->gate, request, c.run, c.last);
         bool room = st->buf->push(std::move(c.items));
         st->gate->add_delivered(n);
-        if (room) return taken(*st->gate, request, c.run, c.last);
+        if (room && st->held.empty()) return taken(*st->gate, request, c.run, c.last);
         // Taken once the reader makes room: answered then, whatever the scheduler waits for.
+        // Behind a chunk held already, it waits too (taken in order): a room message is on its
+        // way, or the buffer calls on_room at the next pop that makes room.
         st->held.push_back({self->make_response_promise(), c.run});
         return st->held.back().promise;
       },
+      // The reader made room, but a chunk that came before this message may have filled the
+      // buffer again: room_or_wait() then asks for the next room message.
       [st](room_atom) {
-        while (!st->held.empty() && st->buf->has_room()) {
+        while (!st->held.empty() && st->buf->room_or_wait()) {
           auto& h = st->held.front();
           st->gate->chunk_done();
           h.promise.deliver(consume_ack{h.run});

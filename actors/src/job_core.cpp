@@ -265,9 +265,11 @@ bool stream_buffer::push(batch b) {
   return false;
 }
 
-bool stream_buffer::has_room() {
+bool stream_buffer::room_or_wait() {
   std::lock_guard<std::mutex> guard{mtx_};
-  return closed_ || chunks_.size() < capacity_;
+  if (closed_ || chunks_.size() < capacity_) return true;
+  waiting_ = true;
+  return false;
 }
 
 void stream_buffer::on_room(std::function<void()> f) {

@@ -151,8 +151,10 @@ class stream_buffer {
   /// Consumer side, never blocks: true when there is room after it (acknowledge now); dropped
   /// once closed (true).
   bool push(batch b);
-  /// Consumer side: whether the reader has made room since push() returned false.
-  [[nodiscard]] bool has_room();
+  /// Consumer side: whether there is room now; when there is not, the next pop that makes room
+  /// calls on_room (so a chunk held back is taken even when a room message found the buffer
+  /// filled again by a chunk that came before it).
+  [[nodiscard]] bool room_or_wait();
   /// Called (on the reader's thread) when a pop makes room while pushes wait for it.
   void on_room(std::function<void()> f);
   /// Reader side: the next chunk, or nothing once the buffer is empty and the job has ended, or
