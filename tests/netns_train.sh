@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Training across hosts on one machine: two nodes and a coordinator, each in a network namespace
 # of its own (created and removed here), linked by veth pairs. examples/train runs with
-# --deterministic on the two nodes' replicas; a second into the run the link to one node is cut
-# (its process keeps running, unreachable). The survivor recomputes its shards; the params line
+# --deterministic on the two nodes' replicas; once its first epoch is done the link to one node is
+# cut (its process keeps running, unreachable). Not a second into the run: on a loaded machine the
+# coordinator may still be connecting then, and the test would cut a handshake instead. The survivor recomputes its shards; the params line
 # must be the one of a run on one local device. Then a fast-mode run with a wider model (rings
 # over the replicas' direct connections, routed through the coordinator's namespace) with the
 # other link cut mid-training. Needs root and iproute2; exits 77 (skipped, with
@@ -17,7 +18,12 @@ b=$(served_address "$dir/node2")
 echo "nodes: $a (namespace ${tag}n1), $b (namespace ${tag}n2)"
 args=(--epochs 6 --samples 12000 --deterministic)
 "$bin" --devices cpu "${args[@]}" | tee "$dir/local"
-( sleep 1; ip netns exec "${tag}n1" ip link set "${tag}n1" down; echo "link to $a cut" ) &
+# Cuts namespace $1's link once file $2 shows the run's first epoch (at most 60 s).
+cut_after_first_epoch() {
+  for _ in $(seq 600); do grep -Eq '^(epoch 1:|error)' "$2" 2>/dev/null && break; sleep 0.1; done
+  ip netns exec "$1" ip link set "$1" down
+}
+( cut_after_first_epoch "${tag}n1" "$dir/cut"; echo "link to $a cut" ) &
 ip netns exec "$coord" "$bin" --nodes "$a,$b" "${args[@]}" | tee "$dir/cut"
 grep -q "^lost replicas: 1" "$dir/cut"
 local_params=$(grep '^params:' "$dir/local")
@@ -40,7 +46,7 @@ ip netns exec "$coord" sysctl -qw net.ipv4.ip_forward=1
 ip netns exec "${tag}n1" ip route add "10.232.2.0/24" via "10.232.1.1"
 ip netns exec "${tag}n2" ip route add "10.232.1.0/24" via "10.232.2.1"
 fast=(--epochs 6 --samples 12000 --hidden 512)
-( sleep 1; ip netns exec "${tag}n2" ip link set "${tag}n2" down; echo "link to $b cut" ) &
+( cut_after_first_epoch "${tag}n2" "$dir/ring"; echo "link to $b cut" ) &
 cutter=$!
 ip netns exec "$coord" "$bin" --nodes "$a,$b" "${fast[@]}" | tee "$dir/ring"
 wait "$cutter"
