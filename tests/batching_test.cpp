@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <list>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -281,6 +282,26 @@ TEST(Batching, RunOnACallersVectorIsBatchedToo) {
   for (std::size_t i = 1; i < model::calls.size(); ++i)
     biggest = std::max(biggest, model::calls[i]);
   EXPECT_GT(biggest, 1u) << "lent requests were never batched";
+}
+
+// An input of a known size that is empty was never pulled under batching (the batcher counted
+// no item waiting and skipped it), so nothing found out that it had ended: run() and the stream
+// waited for ever, on local producers (a node's took the other path).
+TEST(Batching, AnEmptyInputOfAKnownSizeEndsAtOnceAndCallsNothing) {
+  model::reset();
+  troupe::ordered_runner<model> runner{2, {}, batched(8, 0us)};
+  watchdog dog{60s, "jobs of empty inputs under batching"};
+  EXPECT_EQ(runner.run(std::vector<std::int64_t>{}), 0);
+  EXPECT_EQ(runner.run(std::list<std::int64_t>{}), 0);
+  EXPECT_EQ(runner.submit(std::vector<std::int64_t>{}).get(), 0);
+  std::size_t streamed = 0;
+  for (auto y : runner.stream(std::vector<std::int64_t>{})) streamed += static_cast<std::size_t>(y);
+  EXPECT_EQ(streamed, 0u);
+  {
+    std::lock_guard<std::mutex> guard{model::mtx};
+    EXPECT_TRUE(model::calls.empty());
+  }
+  EXPECT_EQ(runner.run(std::vector<std::int64_t>{1, 2, 3}), 14);  // and the runner goes on
 }
 
 TEST(Batching, AStuckProducersBatchIsCopiedToAFreeOneAndTheJobEnds) {

@@ -236,6 +236,23 @@ TEST(Jobs, StreamGivesOutputsInInputOrder) {
   EXPECT_EQ(expect, 3000);
 }
 
+/// Whether each item is even: a job whose outputs are `bool`.
+struct is_even {
+  struct producer {
+    bool work(int x) { return x % 2 == 0; }
+  };
+};
+
+// A stream of bool outputs did not compile: its iterator gave a bool& into a std::vector<bool>.
+TEST(Jobs, AStreamOfBoolOutputsGivesEachInOrder) {
+  troupe::ordered_runner<is_even> runner{2};
+  std::vector<int> in(1000);
+  std::iota(in.begin(), in.end(), 0);
+  int i = 0;
+  for (bool even : runner.stream(in)) EXPECT_EQ(even, i++ % 2 == 0);
+  EXPECT_EQ(i, 1000);
+}
+
 /// 1 KiB items, passed through.
 struct kib_items {
   struct producer {

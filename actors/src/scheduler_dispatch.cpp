@@ -207,7 +207,14 @@ bool scheduler::dispatch_batch(std::size_t p, clock_type::time_point now) {
     std::size_t n = j->pieces.queued();
     if (!j->exhausted) {
       auto total = j->source->total();
-      n += total ? static_cast<std::size_t>(*total > j->next_item ? *total - j->next_item : 0)
+      if (total && *total <= j->next_item) {
+        // All its items have gone (an empty input: none ever): no pull will come to find out
+        // that it has ended, so it ends here (settle() finishes it once its answers are in).
+        j->exhausted = true;
+        touch(*j);
+        continue;
+      }
+      n += total ? static_cast<std::size_t>(*total - j->next_item)
                  : b.max_items;  // a generator: assume plenty
     }
     if (n == 0) continue;

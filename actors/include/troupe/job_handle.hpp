@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "troupe/detail/job_core.hpp"
@@ -205,7 +206,14 @@ class output_stream {
   [[nodiscard]] troupe::progress progress() const { return core_->current_progress(); }
 
   // The iterator's steps (an input range has one position: the stream's).
-  T& current() { return items()->items[pos_]; }
+  T& current() {
+    if constexpr (std::is_same_v<T, bool>) {  // a std::vector<bool> has no bool& to give
+      current_bool_ = items()->items[pos_];
+      return current_bool_;
+    } else {
+      return items()->items[pos_];
+    }
+  }
   [[nodiscard]] bool at_end() const noexcept { return ended_; }
   void advance() {
     ++pos_;
@@ -252,6 +260,7 @@ class output_stream {
   batch chunk_;
   std::size_t pos_ = 0;
   bool ended_ = false;
+  bool current_bool_ = false;  ///< T = bool: the output the iterator is on
 };
 
 }  // namespace troupe
