@@ -209,13 +209,14 @@ bool scheduler::dispatch_batch(std::size_t p, clock_type::time_point now) {
       auto total = j->source->total();
       if (total && *total <= j->next_item) {
         // All its items have gone (an empty input: none ever): no pull will come to find out
-        // that it has ended, so it ends here (settle() finishes it once its answers are in).
+        // that it has ended, so it ends here (settle() finishes it once its answers are in;
+        // pieces queued again, of a lost producer, still count below).
         j->exhausted = true;
         touch(*j);
-        continue;
+      } else {
+        n += total ? static_cast<std::size_t>(*total - j->next_item)
+                   : b.max_items;  // a generator: assume plenty
       }
-      n += total ? static_cast<std::size_t>(*total - j->next_item)
-                 : b.max_items;  // a generator: assume plenty
     }
     if (n == 0) continue;
     waiting += n;
