@@ -256,8 +256,8 @@ void runtime::publish() {
   if (!published_.empty() && published_.back() == now) return;  // unchanged: the same snapshot
   published_.push_back(std::move(now));
   current_.store(&published_.back());
-  // Every list handed out used to be kept for the runner's life: one per membership change,
-  // which for a long-lived runner over a fleet whose nodes come and go grew without bound
+  // Not every list handed out is kept for the runner's life: one per membership change would
+  // grow without bound for a long-lived runner over a fleet whose nodes come and go
   // (bench/churn_soak; a 1,000-node list is ~100 kB). The oldest go once kept_snapshots newer
   // ones exist: a devices() reference stays valid for that many changes (a deque: the others
   // do not move).

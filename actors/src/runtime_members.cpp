@@ -121,7 +121,7 @@ void runtime::add_devices(const std::vector<device>& ds) {
 
 const std::vector<device>& runtime::devices() const noexcept {
   // A producer lost or removed by the scheduler, not by a membership call (a node killed under
-  // a runner built over a device list), used to stay listed until the next add or remove. The
+  // a runner built over a device list), leaves the list here, not at the next add or remove. The
   // scheduler cannot publish (add_devices holds membership_ while it waits for the scheduler):
   // it bumps presence, and the list is published again here. A membership call under way
   // publishes when it ends; this call does not wait for it.

@@ -281,9 +281,9 @@ class scheduler {
             std::optional<clock_type::duration> first_wait = std::nullopt);
 
   /// Wakes this actor at `t` (a retry's backoff ends, a chunk becomes late), 100 us late; a
-  /// time already passed, 100 us from now (the caller read the clock earlier in this event: a
-  /// wakeup dropped because the thread was preempted in between left an ordered job whose only
-  /// way on was a speculative copy waiting for an event that never came, in CI once).
+  /// time already passed, 100 us from now (the caller read the clock earlier in this event, and
+  /// the thread may have been preempted since: a wakeup dropped for that would leave an ordered
+  /// job whose only way on is a speculative copy waiting for an event that never comes).
   void wake_at(clock_type::time_point t);
 
   // -- results -----------------------------------------------------------------------------

@@ -1,7 +1,6 @@
-// The life of one producer slot as one state and one transition function: what the scheduler
-// used to spread over six flags (alive, restarting, quarantined, draining, end_pending, retired)
-// and read through can_work(). A part of the scheduler's core with no actor in it, unit-tested on
-// its own (tests/units_test.cpp: the whole table, and random event sequences).
+// The life of one producer slot as one state (working, restarting, quarantined, draining, ...)
+// and one transition function, not a set of flags. A part of the scheduler's core with no actor in
+// it, unit-tested on its own (tests/units_test.cpp: the whole table, and random event sequences).
 #pragma once
 
 #include <cstdint>

@@ -114,8 +114,8 @@ std::optional<chunk_result> replica_state::ring_start(caf::event_based_actor* se
       // A direct connection to the neighbour's node: otherwise CAF routes through the
       // coordinator, and the ring would load it as much as a star. Tried once per neighbour; it
       // is an optimization, not a condition: when it fails (two nodes of a ring connecting to
-      // each other at once, a busy peer), the chunks take CAF's route and the ring goes on,
-      // where a thrown error here used to turn rings off for the rest of the run.
+      // each other at once, a busy peer), the chunks take CAF's route and the ring goes on: an
+      // error thrown here must not turn rings off for the rest of the run.
       connected.insert(address);
       try {
         connect_node(self->system(), address, tls_for(address), std::chrono::seconds{5}, nullptr);
