@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <ctime>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -163,15 +164,22 @@ TEST(Callers, FinishedJobsWithLiveHandlesHoldNoThreads) {
 }
 
 // 3. The scheduler's cost per event does not grow with the live jobs: 16,000 3-item jobs at
-// once drain about as fast as the same jobs 64 at a time (they took 20-40 times as long).
+// once drain for about the CPU of the same jobs 64 at a time (they took 20-40 times as long).
+// The process's CPU time, not the wall clock, and the least of two rounds each, interleaved: a
+// machine busy with other work delays both alike.
 TEST(Callers, SixteenThousandLiveJobsDrainLikeSixtyFourAtATime) {
   troupe::unordered_runner<test_jobs::squares> runner{2};
   std::vector<std::int64_t> three{1, 2, 3};
+  auto cpu_now = [] {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return std::chrono::seconds{t.tv_sec} + std::chrono::nanoseconds{t.tv_nsec};
+  };
   auto drain = [&](std::size_t window) {
     std::vector<troupe::job_handle<std::int64_t>> hs;
     hs.reserve(16'000);
     std::size_t next = 0;
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = cpu_now();
     for (int i = 0; i < 16'000; ++i) {
       hs.push_back(runner.submit(three));
       if (window && hs.size() - next >= window) {
@@ -179,14 +187,16 @@ TEST(Callers, SixteenThousandLiveJobsDrainLikeSixtyFourAtATime) {
       }
     }
     for (; next < hs.size(); ++next) EXPECT_EQ(hs[next].get(), 14);
-    return std::chrono::steady_clock::now() - t0;
+    return cpu_now() - t0;
   };
   drain(64);  // warm
   auto windowed = drain(64);
   auto at_once = drain(0);
-  EXPECT_LE(at_once, 3 * windowed)
+  windowed = std::min(windowed, drain(64));
+  at_once = std::min(at_once, drain(0));
+  EXPECT_LE(at_once, 4 * windowed)
       << "all at once: " << std::chrono::duration<double, std::milli>(at_once).count()
-      << " ms; 64 at a time: " << std::chrono::duration<double, std::milli>(windowed).count()
+      << " ms of CPU; 64 at a time: " << std::chrono::duration<double, std::milli>(windowed).count()
       << " ms";
 }
 
@@ -347,10 +357,10 @@ TEST(Callers, ADeadlineThatPassesDuringEndLosesToIt) {
   blocking_end::release = &release;
   troupe::unordered_runner<blocking_end> runner{2};
   troupe::job_options o;
-  o.deadline = 200ms;
+  o.deadline = 2s;  // long enough that a loaded machine still reaches end() before it
   auto h = runner.submit(iota(100), o);
   entered.wait();
-  EXPECT_FALSE(h.wait_for(500ms));  // the deadline passes meanwhile
+  EXPECT_FALSE(h.wait_for(3s));  // the deadline passes meanwhile
   release.open();
   EXPECT_EQ(h.get(), 4950);
   EXPECT_EQ(h.report().delivered, 100u);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An operator's rolling restart with the example binary (docs/api.md, "Pools that change"): two
 # nodes on loopback, a coordinator over both (--nodes alone: its runner follows the cluster)
-# with --trace; node 1 gets SIGTERM mid-run, drains (its producers finish their chunks, the
+# with --trace; node 1 gets SIGTERM mid-run (once the runner has started), drains (its producers finish their chunks, the
 # coordinator reports them removed) and exits 0 printing "stopped"; it is started again on the
 # same address and rejoins the running job (its new producers take items); the result is exact;
 # the coordinator reports draining, drained and rejoined for node 1 and never a loss.
@@ -10,7 +10,7 @@ source "$(dirname "$0")/node_lib.sh"
 bin=$1
 loopback_two_nodes
 (
-  sleep 1.5
+  after_runner_started "$dir/err"
   kill -TERM "${pids[0]}"
   # the node exits once drained; then the same address again
   while kill -0 "${pids[0]}" 2>/dev/null; do sleep 0.05; done
@@ -18,7 +18,7 @@ loopback_two_nodes
   echo $! > "$dir/restarted.pid"
 ) &
 restarter=$!
-"$bin" --nodes "$a,$b" --items 8000 --work-ms 4 --trace "$dir/trace.json" --progress off \
+"$bin" --nodes "$a,$b" --items 8000 --work-ms 4 --trace "$dir/trace.json" --progress off -v \
   > "$dir/out" 2> "$dir/err"
 cat "$dir/out"
 wait "$restarter" || true

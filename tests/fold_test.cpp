@@ -65,7 +65,9 @@ troupe::options fixed_chunks(std::size_t n) {
 
 TEST(Fold, AnOrderedRunnerMergesEveryChunkInInputOrder) {
   watchdog dog{60s, "folding, ordered"};
-  troupe::ordered_runner<keeps_order> runner{3, {}, fixed_chunks(1000)};
+  auto o = fixed_chunks(1000);
+  o.speculative = false;  // a copy's consumer would be made and never merged
+  troupe::ordered_runner<keeps_order> runner{3, {}, o};
   auto xs = iota(100'000);
   keeps_order::reset();
   auto h = runner.submit(troupe::lend(xs));  // read in place, in blocks under its lease

@@ -206,8 +206,9 @@ TEST(Jobs, DeadlineEndsTheJobPromptlyEvenWithAStuckProducer) {
   EXPECT_TRUE(h.done());
   auto w = worked.load();
   std::this_thread::sleep_for(100ms);
-  // Nothing of the job is handed out any more (the stuck producer's one item aside).
-  EXPECT_LE(worked.load(), w + 1);
+  // Nothing of the job is handed out any more: the stuck producer's one item aside, at most
+  // the other's step under way when `w` was read (up to 32 items between two looks at the cut).
+  EXPECT_LE(worked.load(), w + 33);
   EXPECT_EQ(runner.run(iota(100)), sum_of_squares(100));  // on the producer that is free
   EXPECT_EQ(runner.stats().failed_runs, 1u);
 }

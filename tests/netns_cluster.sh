@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: two nodes and a coordinator, each in a network namespace of its
-# own (created and removed here) with its own address, linked by veth pairs. Two seconds into
-# the run the link to one node is cut; its work must go to the other node and the result must be
+# own (created and removed here) with its own address, linked by veth pairs. Half a second after
+# the runner started, the link to one node is cut; its work must go to the other node and the result must be
 # exact; once the link is back, a new coordinator uses both nodes again. Needs root and
 # iproute2; exits 77 (skipped, with the reason) where namespaces are not allowed. Nothing here
 # talks to any address outside these namespaces.
@@ -14,7 +14,8 @@ b=$(served_address "$dir/node2")
 echo "nodes: $a (namespace ${tag}n1), $b (namespace ${tag}n2)"
 case "$a$b" in *127.0.0.1*) echo "a node serves on loopback, not its own address"; exit 1 ;; esac
 # The cut: node 1's end of its link goes down; its process keeps running, unreachable.
-( sleep 2; ip netns exec "${tag}n1" ip link set "${tag}n1" down; echo "link to $a cut" ) &
+( after_runner_started "$dir/log"; ip netns exec "${tag}n1" ip link set "${tag}n1" down
+  echo "link to $a cut" ) &
 start=$(date +%s)
 ip netns exec "$coord" "$bin" --nodes "$a,$b" --items 3000 --work-ms 4 -v 2>"$dir/log" | tee "$dir/out"
 echo "run took $(( $(date +%s) - start )) s"

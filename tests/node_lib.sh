@@ -7,6 +7,14 @@ served_address() {
   sed -n 's/serving on //p' "$1"
 }
 
+# after_runner_started FILE: waits (up to 60 s) for the coordinator's "runner started" line (its
+# -v output) in FILE, then half a second more: the job is under way on the nodes, however
+# loaded the machine (a fixed sleep could land in the coordinator's handshake).
+after_runner_started() {
+  for _ in $(seq 600); do grep -q "runner started" "$1" 2>/dev/null && break; sleep 0.1; done
+  sleep 0.5
+}
+
 # netns_two_nodes TAG NET NODE_ARGS...: a coordinator namespace ${TAG}c and two node namespaces
 # ${TAG}n1, ${TAG}n2, linked by veth pairs (10.NET.i.1 on the coordinator's side, 10.NET.i.2 on
 # node i's), each node running "$bin --serve 10.NET.i.2:0 NODE_ARGS..." (its output in

@@ -329,12 +329,13 @@ TEST(ProducerEvents, ATimedOutProducerAndItsReplacementAreReported) {
   stalled_once = false;
   event_log log;
   troupe::options opts;
-  opts.work_timeout = std::chrono::milliseconds{150};
+  // 600 ms: a healthy producer held that long by a loaded machine would be timed out too.
+  opts.work_timeout = std::chrono::milliseconds{600};
   opts.speculative = false;  // else the idle producer takes the stuck chunk and the job ends first
   opts.chunk_size = 1;
   opts.on_event = log.handler();
   troupe::config cfg;
-  cfg.set("stall_ms", 1500);
+  cfg.set("stall_ms", 3000);
   troupe::ordered_runner<stalls_once> runner{2, cfg, opts};
   EXPECT_EQ(runner.run(test_util::iota(50)), test_util::iota(50));
   EXPECT_EQ(log.count(troupe::producer_event::kind::timed_out), 1u);
