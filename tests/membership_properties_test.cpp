@@ -14,19 +14,7 @@
 #include <sstream>
 #include <troupe/internal/membership.hpp>
 
-namespace {
-
-using troupe::member;
-using troupe::membership_event;
-using troupe::detail::membership;
-using clock_type = std::chrono::steady_clock;
-using ms = std::chrono::milliseconds;
-
-std::vector<troupe::device> devs(const std::string& a) {
-  return {troupe::device{a + "/cpu"}};
-}
-
-}  // namespace
+#include "membership_parts.hpp"
 
 // -- property test ------------------------------------------------------------------------------
 

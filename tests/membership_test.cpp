@@ -15,17 +15,9 @@
 #include <sstream>
 #include <troupe/internal/membership.hpp>
 
+#include "membership_parts.hpp"
+
 namespace {
-
-using troupe::member;
-using troupe::membership_event;
-using troupe::detail::membership;
-using clock_type = std::chrono::steady_clock;
-using ms = std::chrono::milliseconds;
-
-std::vector<troupe::device> devs(const std::string& a) {
-  return {troupe::device{a + "/cpu"}};
-}
 
 std::vector<membership_event::kind> kinds(const std::vector<membership_event>& es) {
   std::vector<membership_event::kind> out;

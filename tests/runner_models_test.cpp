@@ -189,6 +189,32 @@ TEST(Runner, DeviceStatesOfDifferentDevicesAreMadeAtTheSameTime) {
 
 namespace {
 
+/// A device_state that counts its constructions.
+struct counted_state {
+  counted_state(const troupe::device&, const troupe::config&) { ++made; }
+  static inline std::atomic<int> made{0};
+};
+
+}  // namespace
+
+TEST(Runner, CudaAndCudaZeroAreOneDeviceWithOneDeviceState) {
+  // "cuda" is cuda:0 (bind() takes it so): a device list that spells GPU 0 both ways loads its
+  // weights once, and another GPU or a node's cuda:0 gets a state of its own. No GPU is needed:
+  // the state is made by the producers' side of the library, bound to nothing here.
+  using troupe::detail::device_state_for;
+  auto a = device_state_for<counted_state>(troupe::device{"cuda"}, {});
+  auto b = device_state_for<counted_state>(troupe::device{"cuda:0"}, {});
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(counted_state::made, 1);
+  auto c = device_state_for<counted_state>(troupe::device{"cuda:1"}, {});
+  auto d = device_state_for<counted_state>(troupe::device{"127.0.0.1:7000/cuda:0"}, {});
+  EXPECT_NE(c, a);
+  EXPECT_NE(d, a);
+  EXPECT_EQ(counted_state::made, 3);
+}
+
+namespace {
+
 /// A batch producer that records how many items each call got; `call_ms` of fixed cost per
 /// call (a kernel launch, a forward pass), nothing per item.
 struct recorded_calls_job {
