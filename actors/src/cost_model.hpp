@@ -1,8 +1,8 @@
 // A producer's cost model for one job (job_rate): a chunk of n items takes about a + b·n, fitted
 // over its answers, and the chunk size it aims at; with the runner options it reads
 // (model_settings). A part of the scheduler's core with no actor in it (no CAF header, no clock
-// read), unit-tested in tests/units_test.cpp; producer_model.hpp keeps one per job a producer
-// works on.
+// read), unit-tested in tests/producer_model_test.cpp; producer_model.hpp keeps one per job a
+// producer works on.
 #pragma once
 
 #include <algorithm>

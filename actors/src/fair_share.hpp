@@ -1,7 +1,7 @@
 // Weighted fair share among a runner's jobs (stride scheduling): every job has a pass, the
 // producer time given to it divided by its weight; a free producer takes work from the ready
 // job with the least pass. A part of the scheduler's core with no actor in it (no CAF header,
-// no clock), unit-tested on its own in tests/units_test.cpp. Its cost per operation is
+// no clock), unit-tested on its own in tests/scheduler_parts_test.cpp. Its cost per operation is
 // logarithmic in the number of jobs, so that an event costs about the same with 10 or 10,000
 // jobs running.
 #pragma once

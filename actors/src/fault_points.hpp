@@ -11,11 +11,11 @@ namespace troupe::detail::fault_points {
 /// computed the time from a clock read earlier in the event.
 extern std::atomic<void (*)()> before_wake;
 
-/// Mistakes the property tests must catch (tests/simulation_test.cpp), planted in the real
+/// Mistakes the property tests must catch (tests/simulation_seeds_test.cpp), planted in the real
 /// scheduler on a cold path: a retry is dropped; a late answer's outputs (a chunk already
 /// delivered, e.g. by a speculative copy) are delivered again; a wakeup whose time has passed
 /// is sent at once (a livelock in virtual time, found by the property tests at seed 11096); a
-/// chunk split for an idle producer loses the first item it moves (tests/scheduler_core_test.cpp).
+/// chunk split for an idle producer loses the first item it moves (tests/scheduler_split_test.cpp).
 /// Tests set it: the scheduler checks its index of the producers with room against a scan of
 /// every producer at every pass (a change that missed room_changed() throws std::logic_error).
 extern std::atomic<bool> check_indexes;

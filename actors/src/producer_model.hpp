@@ -1,7 +1,7 @@
 // What the scheduler knows of one producer: the chunks it holds, how long an item takes it
 // (hence its chunk size; per job: cost_model.hpp) and how many chunks to keep queued at it (its
 // depth). A part of the scheduler's core with no actor in it (no CAF header, no clock read: times
-// come in as arguments), unit-tested on its own in tests/units_test.cpp.
+// come in as arguments), unit-tested on its own in tests/producer_model_test.cpp.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // The scheduler's bookkeeping, as small classes with their own unit tests
-// (tests/units_test.cpp): the reorder window of an ordered job, and the table of a job's pieces
-// in flight (which producers hold each one, which wait to be sent again). Templates over the
+// (tests/scheduler_parts_test.cpp): the reorder window of an ordered job, and the table of a job's
+// pieces in flight (which producers hold each one, which wait to be sent again). Templates over the
 // payload (troupe::batch in the scheduler, anything with empty() in a test), so that no CAF
 // header is included here (tests/CMakeLists.txt checks that).
 #pragma once

@@ -1,6 +1,7 @@
 // The life of one producer slot as one state (working, restarting, quarantined, draining, ...)
 // and one transition function, not a set of flags. A part of the scheduler's core with no actor in
-// it, unit-tested on its own (tests/units_test.cpp: the whole table, and random event sequences).
+// it, unit-tested on its own (tests/scheduler_parts_test.cpp: the whole table, and random event
+// sequences).
 #pragma once
 
 #include <cstdint>

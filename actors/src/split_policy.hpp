@@ -1,6 +1,6 @@
 // Which chunk an idle producer takes items from (options::split_late_chunks): a pure part of
 // the scheduler (no CAF, no clock: the times come in as numbers), unit-tested on its own
-// (tests/units_test.cpp).
+// (tests/split_units_test.cpp).
 #pragma once
 
 #include <algorithm>

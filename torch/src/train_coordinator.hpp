@@ -3,9 +3,9 @@
 // apply, drop a replica). No CAF, no LibTorch, no clock: times come in as arguments. The real
 // coordinator (trainer::impl, train_step.cpp) carries its commands to the replicas' actors and
 // their answers back; the simulation (train_sim.cpp) carries them to simulated replicas in
-// virtual time; the property tests (tests/train_core_test.cpp) drive it with random schedules.
-// What it decides: who computes which shards (by measured speed), what a lost replica's loss
-// means (its shards computed again by the survivors, or in a local step its samples left out),
+// virtual time; the property tests (tests/train_core_properties_test.cpp) drive it with random
+// schedules. What it decides: who computes which shards (by measured speed), what a lost replica's
+// loss means (its shards computed again by the survivors, or in a local step its samples left out),
 // which answers are late (given up on: never counted), when a step reduces in a ring and what a
 // broken ring means (the whole step again, through the coordinator), a replica whose update
 // failed (dropped), and how the step ends.
@@ -58,7 +58,7 @@ class train_io {
   virtual void log(bool warn, const std::string& line) = 0;
 };
 
-/// Mistakes the property tests must catch (tests/train_core_test.cpp), planted in the
+/// Mistakes the property tests must catch (tests/train_core_properties_test.cpp), planted in the
 /// coordinator itself on a cold path. Null in production.
 enum class planted_mistake : int {
   none = 0,

@@ -2,8 +2,8 @@
 // The fixed summation tree over shard indices (deterministic reduction), the shard planner
 // (who computes which shards, by measured speed), the recovery ledger (where each shard's
 // gradient is counted, exactly once) and the transport policy (plane, CAF ring, coordinator). Unit
-// and property tests: tests/train_core_test.cpp (in the core test binary: nothing here needs
-// LibTorch).
+// and property tests: tests/train_core_test.cpp and train_core_properties_test.cpp (in the core
+// test binary: nothing here needs LibTorch).
 #pragma once
 
 #include <algorithm>

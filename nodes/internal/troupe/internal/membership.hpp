@@ -1,7 +1,7 @@
 // A live cluster's membership as a pure part (no CAF, no threads, no clock of its own): the
 // cluster's shell (cluster.cpp) feeds it what it saw (a node's answer with its incarnation, the
 // time, cluster::add / remove) and acts on the events it returns. Unit and property tests drive
-// it directly (tests/membership_test.cpp).
+// it directly (tests/membership_test.cpp, tests/membership_properties_test.cpp).
 //
 // The rules:
 // - A member is an address with the incarnation that answered; every node process has its own
