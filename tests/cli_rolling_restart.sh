@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # An operator's rolling restart with the example binary (docs/api.md, "Pools that change"): two
 # nodes on loopback, a coordinator over both (--nodes alone: its runner follows the cluster)
-# with --trace; node 1 gets SIGTERM mid-run (once the runner has started), drains (its producers finish their chunks, the
-# coordinator reports them removed) and exits 0 printing "stopped"; it is started again on the
-# same address and rejoins the running job (its new producers take items); the result is exact;
-# the coordinator reports draining, drained and rejoined for node 1 and never a loss.
+# with --trace; node 1 gets SIGTERM mid-run (once the runner has started), drains (its
+# producers finish their chunks, the coordinator reports them removed) and exits 0 printing
+# "stopped"; it is started again on the same address and rejoins the running job (its new
+# producers take items); the result is exact; the coordinator reports draining, drained and
+# rejoined for node 1 and never a loss.
 set -euo pipefail
 source "$(dirname "$0")/node_lib.sh"
 bin=$1

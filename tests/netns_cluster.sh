@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: two nodes and a coordinator, each in a network namespace of its
 # own (created and removed here) with its own address, linked by veth pairs. Half a second after
-# the runner started, the link to one node is cut; its work must go to the other node and the result must be
-# exact; once the link is back, a new coordinator uses both nodes again. Needs root and
-# iproute2; exits 77 (skipped, with the reason) where namespaces are not allowed. Nothing here
-# talks to any address outside these namespaces.
+# the runner started, the link to one node is cut; its work must go to the other node and the
+# result must be exact; once the link is back, a new coordinator uses both nodes again. Needs
+# root and iproute2; exits 77 (skipped, with the reason) where namespaces are not allowed.
+# Nothing here talks to any address outside these namespaces.
 set -euo pipefail
 source "$(dirname "$0")/node_lib.sh"
 bin=$1
