@@ -9,6 +9,10 @@
 //
 //   build/bench/troupe_caf_echo_floor --servers 16 --round-trips 4000 --work-us 16000
 //   build/bench/troupe_caf_echo_floor ... --troupe-config   (troupe's CAF settings, network.cpp)
+//   build/bench/troupe_caf_echo_floor ... --troupe-config --detached-client --consumer
+// The last is the shape of troupe's coordinator: the client on a thread of its own (as troupe's
+// scheduler) and each answer passed on to a second actor that does nothing with it (as the job's
+// consumer), one more message per round trip.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -79,12 +83,14 @@ int main(int argc, char** argv) {
   int servers = 16;
   long round_trips = 4000, work_us = 16000;
   std::size_t bytes = 128;
-  bool troupe_config = false;
+  bool troupe_config = false, detached_client = false, consumer = false;
   app.add_option("--servers", servers, "server processes");
   app.add_option("--round-trips", round_trips, "round trips in all");
   app.add_option("--work-us", work_us, "each server's sleep per request");
   app.add_option("--bytes", bytes, "request and answer size");
   app.add_flag("--troupe-config", troupe_config, "troupe's CAF settings (network.cpp)");
+  app.add_flag("--detached-client", detached_client, "the client on a thread of its own");
+  app.add_flag("--consumer", consumer, "each answer sent on to a second actor");
   CLI11_PARSE(app, argc, argv);
 
   // The servers are forked before this process starts an actor system of its own.
@@ -129,31 +135,36 @@ int main(int argc, char** argv) {
       }
       remotes.push_back(*a);
     }
+    auto sink = sys.spawn([]() -> caf::behavior { return {[](const std::string&) {}}; });
     double cpu0 = cpu_seconds(), t0 = now_seconds();
-    auto client = sys.spawn([&, payload = std::string(bytes, 'x')](caf::event_based_actor* self) {
+    auto body = [&, payload = std::string(bytes, 'x')](caf::event_based_actor* self) {
       auto sent = std::make_shared<long>(0);
       auto next = std::make_shared<std::function<void(std::size_t)>>();
       *next = [=, &done](std::size_t i) {
         ++*sent;
         self->request(remotes[i], caf::infinite, payload)
-            .then([=, &done](const std::string&) {
+            .then([=, &done](const std::string& answer) {
+              if (consumer) self->send(sink, answer);
               if (++done == round_trips) self->quit();
               else if (*sent < round_trips)
                 (*next)(i);
             });
       };
       for (std::size_t i = 0; i < remotes.size() && *sent < round_trips; ++i) (*next)(i);
-    });
+    };
+    auto client = detached_client ? sys.spawn<caf::detached>(body) : sys.spawn(body);
     caf::scoped_actor{sys}->wait_for(client);
     cpu = cpu_seconds() - cpu0;
     wall = now_seconds() - t0;
+    caf::anon_send_exit(sink, caf::exit_reason::user_shutdown);
   }
   ::close(hold[1]);
   for (auto pid : children) ::waitpid(pid, nullptr, 0);
   std::printf(
-      "%d servers, %ld round trips of %zu bytes, %ld us of work each%s: %.2f s, client CPU "
-      "%.3f s = %.1f us per round trip\n",
-      servers, done, bytes, work_us, troupe_config ? " (troupe's CAF settings)" : "", wall, cpu,
+      "%d servers, %ld round trips of %zu bytes, %ld us of work each%s%s%s: %.2f s, client "
+      "CPU %.3f s = %.1f us per round trip\n",
+      servers, done, bytes, work_us, troupe_config ? ", troupe's CAF settings" : "",
+      detached_client ? ", detached client" : "", consumer ? ", a consumer" : "", wall, cpu,
       cpu / static_cast<double>(done) * 1e6);
   return 0;
 }
