@@ -14,7 +14,6 @@
 #include <numeric>
 #include <thread>
 
-#include "fault_points.hpp"
 #include "test_jobs.hpp"
 #include "test_util.hpp"
 

@@ -60,7 +60,11 @@ struct fake_io final : scheduler_io {
   };
   std::deque<trim> trims;
 
+  /// A mistake planted in the scheduler (planted_bug).
+  troupe::detail::planted_bug bug = troupe::detail::planted_bug::none;
+
   clock_type::time_point now() override { return t; }
+  [[nodiscard]] troupe::detail::planted_bug planted() const override { return bug; }
   void send_chunk(std::size_t p, std::uint64_t gen, std::uint64_t id, work_chunk msg) override {
     chunks.push_back({p, gen, id, std::move(msg)});
   }

@@ -18,7 +18,6 @@
 #include <troupe/troupe.hpp>
 #include <vector>
 
-#include "fault_points.hpp"
 #include "simulation_parts.hpp"
 #include "test_jobs.hpp"
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "planted_bug.hpp"
 #include "stats_box.hpp"
 #include "troupe/config.hpp"
 #include "troupe/detail/introspect.hpp"
@@ -90,6 +91,9 @@ class sim_host {
   virtual void own(caf::actor a) = 0;
   /// Set when the simulation ends: its schedulers do nothing more but end.
   virtual std::shared_ptr<std::atomic<bool>> halted() = 0;
+  /// The mistake tests plant in this simulation's schedulers (sim_access::plant): none but
+  /// there.
+  [[nodiscard]] virtual planted_bug planted() const { return planted_bug::none; }
   /// Makes `job` a job of this simulation: its waits run the simulation.
   virtual void adopt(const std::shared_ptr<job_core>& job) = 0;
 };
@@ -262,7 +266,8 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
                            bool detached = true,
                            std::shared_ptr<std::atomic<bool>> halted = nullptr,
-                           std::vector<caf::actor> nodes = {});
+                           std::vector<caf::actor> nodes = {},
+                           planted_bug planted = planted_bug::none);
 
 }  // namespace troupe::detail
 

@@ -44,7 +44,7 @@ runtime::runtime(std::shared_ptr<sim_host> sim, std::vector<device> devices, con
   sys_ = &sim_->system();
   auto producers = start_simulated(devices_, 0);
   scheduler_ = spawn_scheduler(*sys_, std::move(producers), devices_, opts_, stats_, spawn_, cfg_,
-                               /*detached=*/false, sim_->halted());
+                               /*detached=*/false, sim_->halted(), {}, sim_->planted());
   sim_->own(scheduler_);
   publish();
   open_ = true;

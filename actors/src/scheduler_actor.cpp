@@ -14,7 +14,6 @@
 namespace troupe::detail {
 
 std::atomic<void (*)()> fault_points::before_wake{nullptr};
-std::atomic<fault_points::planted_bug> fault_points::planted{fault_points::planted_bug::none};
 std::atomic<bool> fault_points::check_indexes{false};
 
 namespace {
@@ -24,9 +23,10 @@ class scheduler_shell final : public scheduler_io {
   scheduler_shell(caf::event_based_actor* self, std::vector<caf::actor> producers,
                   std::vector<device> devices, options opts, std::shared_ptr<stats_box> stats,
                   producer_spawner spawn, config cfg, std::shared_ptr<std::atomic<bool>> halted,
-                  std::vector<caf::actor> nodes)
+                  std::vector<caf::actor> nodes, planted_bug planted)
       : self_(self),
         halted_(std::move(halted)),
+        planted_(planted),
         handles_(std::move(producers)),
         nodes_(std::move(nodes)),
         devices_(devices),
@@ -287,6 +287,8 @@ class scheduler_shell final : public scheduler_io {
 
   void quit() override { self_->quit(); }
 
+  [[nodiscard]] planted_bug planted() const override { return planted_; }
+
  private:
   /// Monitors slot p's actor and indexes it by address (its down finds the slot).
   void watch(std::size_t p) {
@@ -297,6 +299,7 @@ class scheduler_shell final : public scheduler_io {
 
   caf::event_based_actor* self_;
   std::shared_ptr<std::atomic<bool>> halted_;
+  planted_bug planted_;              ///< none but in a simulation that tests plant a mistake in
   std::vector<caf::actor> handles_;  ///< the producers' actors, by slot
   std::vector<caf::actor> nodes_;    ///< a node producer's node actor (trims), by slot
   std::unordered_map<caf::actor_addr, std::size_t> slot_of_;  ///< live handles_, by address
@@ -316,17 +319,17 @@ caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> produ
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
                            bool detached, std::shared_ptr<std::atomic<bool>> halted,
-                           std::vector<caf::actor> nodes) {
+                           std::vector<caf::actor> nodes, planted_bug planted) {
   // The state travels as a spawn argument: a spawn without arguments makes CAF 0.17.6
   // dereference a null std::shared_ptr<std::tuple<>> (UBSan reports it).
   auto init = [producers = std::move(producers), devices = std::move(devices),
                opts = std::move(opts), spawn = std::move(spawn), cfg = std::move(cfg),
-               halted = std::move(halted),
-               nodes = std::move(nodes)](caf::event_based_actor* self,
-                                         std::shared_ptr<stats_box> box) mutable -> caf::behavior {
+               halted = std::move(halted), nodes = std::move(nodes),
+               planted](caf::event_based_actor* self,
+                        std::shared_ptr<stats_box> box) mutable -> caf::behavior {
     auto st = std::make_shared<scheduler_shell>(self, std::move(producers), std::move(devices),
                                                 std::move(opts), std::move(box), std::move(spawn),
-                                                std::move(cfg), halted, std::move(nodes));
+                                                std::move(cfg), halted, std::move(nodes), planted);
     return {
         [st](std::shared_ptr<job_spec>& spec) {
           mark_internal_thread();

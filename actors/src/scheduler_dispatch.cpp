@@ -413,7 +413,7 @@ void scheduler::wake_at(clock_type::time_point t) {
   // a job once), never at once (in virtual time, a simulation, a wakeup at the same instant
   // could find the same state and ask again, forever).
   auto now = clock_now();
-  if (t <= now && fault_points::planted.load() == fault_points::planted_bug::wake_at_once) {
+  if (t <= now && io_.planted() == planted_bug::wake_at_once) {
     io_.set_timer(std::chrono::nanoseconds{0}, scheduler_io::timer::wakeup, 0);
     return;
   }

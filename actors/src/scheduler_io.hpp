@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 
+#include "planted_bug.hpp"
 #include "producer_model.hpp"
 #include "troupe/device.hpp"
 #include "troupe/protocol.hpp"
@@ -45,6 +46,8 @@ class scheduler_io {
   virtual void forget_job(std::uint64_t job) = 0;
   /// The scheduler has closed: nothing more will come from it.
   virtual void quit() = 0;
+  /// The mistake planted in this scheduler (planted_bug): none but in tests.
+  [[nodiscard]] virtual planted_bug planted() const { return planted_bug::none; }
   /// Whether producer `p`'s chunks can be cut: one on `d` in this process shares the
   /// work_chunk's cut; one on a node is trimmed through its node (trim_remote).
   [[nodiscard]] virtual bool cuts_reach(std::size_t p, const device& d) const {

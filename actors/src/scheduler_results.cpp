@@ -96,7 +96,7 @@ void scheduler::on_result(std::size_t p, std::uint64_t gen, std::uint64_t job, s
     }
   }
   if (!x && ji != jobs_.end() && r.ok() && r.failures.empty() &&
-      fault_points::planted.load() == fault_points::planted_bug::deliver_late_answer)
+      io_.planted() == planted_bug::deliver_late_answer)
     deliver(*ji->second, r.first, r.outputs.size(), std::move(r.outputs));
   if (quarantine) quarantine_producer(p);
   pump();
@@ -186,8 +186,7 @@ void scheduler::handle_failures(job_state& j, std::size_t p, piece x, chunk_resu
       if (pol.backoff.count() > 0) wake_at(again.not_before);
       again.last_error = f.what;
       again.last_where = s.where.str();
-      if (fault_points::planted.load() != fault_points::planted_bug::drop_retry ||
-          again.first % 7 != 3)
+      if (io_.planted() != planted_bug::drop_retry || again.first % 7 != 3)
         j.pieces.add_queued(std::move(again));
       j.report.retries += 1;
       {

@@ -203,8 +203,7 @@ void scheduler::split_piece(job_state& j, std::size_t q, sent_chunk& rec, std::u
                 "job " + std::to_string(j.id) + ": items " + std::to_string(y.first) + ".." +
                     std::to_string(y.first + moved) +
                     (p ? " to producer " + std::to_string(*p) : std::string{" queued"}));
-  if (fault_points::planted.load() == fault_points::planted_bug::split_drops_item &&
-      y.items.size() > 1) {
+  if (io_.planted() == planted_bug::split_drops_item && y.items.size() > 1) {
     y.first += 1;
     y.items = y.items.part(1, y.items.size());
   }

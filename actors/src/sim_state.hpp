@@ -134,6 +134,9 @@ class sim_state final : public sim_host {
     owned_.push_back(std::move(a));
   }
   std::shared_ptr<std::atomic<bool>> halted() override { return halted_; }
+  [[nodiscard]] planted_bug planted() const override { return planted_; }
+  /// Plants `b` in the schedulers of the runners made after this (sim_access::plant).
+  void plant(planted_bug b) { planted_ = b; }
 
   caf::actor spawn_producer(producer_maker make, const device& d, const config& cfg,
                             std::size_t index, bool serialize) override {
@@ -405,6 +408,7 @@ class sim_state final : public sim_host {
   std::chrono::nanoseconds scheduler_time_{0};     ///< spent running them (simulation.hpp)
   std::uint64_t scheduler_runs_ = 0;
   std::shared_ptr<std::atomic<bool>> halted_ = std::make_shared<std::atomic<bool>>(false);
+  planted_bug planted_ = planted_bug::none;
   std::string trace_;
   /// A simulation that keeps running events without its clock advancing is livelocked: stopped,
   /// and its jobs reported as hung.

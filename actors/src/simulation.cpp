@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "sim_access.hpp"
 #include "sim_state.hpp"
 
 namespace troupe::testing {
@@ -251,3 +252,11 @@ void simulation::draw(const explore_options& eo) {
 }
 
 }  // namespace troupe::testing
+
+namespace troupe::detail {
+
+void sim_access::plant(testing::simulation& sim, planted_bug b) {
+  sim_of(sim.host_).plant(b);
+}
+
+}  // namespace troupe::detail

@@ -32,6 +32,10 @@
 #include "troupe/outcome.hpp"
 #include "troupe/runner.hpp"
 
+namespace troupe::detail {
+struct sim_access;  // what tests reach inside a simulation (actors/src/sim_access.hpp)
+}  // namespace troupe::detail
+
 namespace troupe::testing {
 
 class simulation;
@@ -233,6 +237,8 @@ class simulation {
   void draw(const explore_options& eo);
 
  private:
+  friend struct detail::sim_access;
+
   template <class Runner, class Job>
   Runner make_runner(std::vector<device> devices, config cfg, options opts) {
     if (opts.serialize) detail::register_wire_types<Job>();  // as a real runner does
