@@ -8,7 +8,8 @@
 //   GET /metrics (with troupe::metrics), GET /health
 //   503 when --max-queued requests wait already (troupe::overloaded), 400 on a bad body, and
 //   400 with the model's own message when a model from a file refuses a request (a wrong
-//   shape): only that request fails, the ones batched with it are answered.
+//   shape): only that request fails, the ones batched with it are answered. A body over 4 MiB
+//   is a 413 and bytes that are not HTTP a 400, each followed by the connection's close.
 //
 // One thread runs the HTTP side (Boost.Beast coroutines): no thread waits for a request's
 // answer (troupe::async_get completes the coroutine). Two models answer 10 classes:

@@ -204,6 +204,27 @@ struct time_limit {
   std::shared_ptr<bool> on;
 };
 
+/// The largest body read: max_width numbers of up to 63 characters each with their separators
+/// (a body of 65,536 numbers written out in full is over Beast's default of 1 MiB).
+constexpr std::uint64_t max_body_bytes = max_width * 64;
+
+/// The answer to a request that could not be read whole (too large, or not HTTP), when
+/// `ec` says so; nullopt when the client went away or was too slow (nobody to answer).
+inline std::optional<http::response<http::string_body>> unreadable(const beast::error_code& ec) {
+  if (ec.category() != beast::http::make_error_code(http::error::body_limit).category() ||
+      ec == http::error::end_of_stream || ec == http::error::partial_message)
+    return std::nullopt;
+  http::request<http::string_body> none;
+  none.keep_alive(false);  // what follows an unreadable request cannot be told apart
+  if (ec == http::error::body_limit)
+    return reply(
+        none, http::status::payload_too_large,
+        "{\"error\": \"the body is over " + std::to_string(max_body_bytes) + " bytes\"}\n");
+  return reply(
+      none, http::status::bad_request,
+      "{\"error\": " + troupe::detail::json_quote("not an HTTP request: " + ec.message()) + "}\n");
+}
+
 template <class Runner>
 net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& stats,
                              std::shared_ptr<connections> all) {
@@ -212,18 +233,30 @@ net::awaitable<void> session(tcp::socket socket, Runner& runner, server_state& s
   beast::flat_buffer buffer;
   try {
     for (;;) {
-      http::request<http::string_body> req;
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(max_body_bytes);
+      beast::error_code ec;
       c.list();
       {
         time_limit limit{*stream, std::chrono::seconds{30}};  // an idle or slow client is let go
-        co_await http::async_read(*stream, buffer, req, net::use_awaitable);
+        co_await http::async_read(*stream, buffer, parser,
+                                  net::redirect_error(net::use_awaitable, ec));
       }
       c.unlist();
+      if (ec) {  // a bad request is answered (400, 413), then the connection closed
+        if (auto res = unreadable(ec)) {
+          stats.bad += 1;
+          time_limit limit{*stream, std::chrono::seconds{30}};
+          co_await http::async_write(*stream, *res, net::redirect_error(net::use_awaitable, ec));
+        }
+        break;
+      }
+      auto req = parser.release();
       bool keep = req.keep_alive();
       auto res = co_await handle(std::move(req), runner, stats);
       // A client that never reads its answers is let go too: its write would wait forever, and
       // it is not among those waiting for a request, which a newcomer may close.
-      beast::error_code ec;  // a failed write (cut off, reset) ends the session, unthrown
+      // (ec is clear here: a failed write, cut off or reset, ends the session, unthrown.)
       {
         time_limit limit{*stream, std::chrono::seconds{30}};
         co_await http::async_write(*stream, res, net::redirect_error(net::use_awaitable, ec));

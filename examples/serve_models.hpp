@@ -301,13 +301,17 @@ bool is_package(const std::string& model_file) {
 /// rows go through in slices of 64 (export_model.py's default), halved while the model refuses.
 std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model_file) {
   std::function<at::Tensor(const at::Tensor&)> forward;
-  if (is_package(model_file)) {
-    auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_file);
-    forward = [loader](const at::Tensor& x) { return loader->run({x}).at(0); };
-  } else {
-    auto module = std::make_shared<torch::jit::Module>(torch::jit::load(model_file));
-    module->eval();
-    forward = [module](const at::Tensor& x) { return module->forward({x}).toTensor(); };
+  try {
+    if (is_package(model_file)) {
+      auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_file);
+      forward = [loader](const at::Tensor& x) { return loader->run({x}).at(0); };
+    } else {
+      auto module = std::make_shared<torch::jit::Module>(torch::jit::load(model_file));
+      module->eval();
+      forward = [module](const at::Tensor& x) { return module->forward({x}).toTensor(); };
+    }
+  } catch (const c10::Error& e) {  // its words, without LibTorch's C++ backtrace
+    throw std::runtime_error(model_file + ": " + last_line(e.what_without_backtrace()));
   }
   return [forward](const at::Tensor& x) {
     std::vector<at::Tensor> parts;

@@ -3,7 +3,8 @@
 # body; 404 elsewhere; 504 for a request whose X-Deadline-Ms passes while it waits behind a slow
 # batch; 503 when more requests wait than --max-queued; SIGTERM stops it with exit 0; silent
 # connections beyond its descriptors, and clients that never read, do not lock clients out; a bad
-# X-Deadline-Ms is a 400.
+# X-Deadline-Ms is a 400; a body over 1 MiB is read, one over the server's limit is a 413, and
+# bytes that are not HTTP a 400 (answered, not a connection closed without a word).
 set -euo pipefail
 bin=$1
 dir=$(mktemp -d)
@@ -27,6 +28,26 @@ status, body = call("/predict", x)
 assert status == 200 and '"class": ' in body, (status, body)
 print("predict:", body.strip())
 assert call("/predict", "1,2,3")[0] == 400
+# 65,536 numbers written out in full: over Beast's default limit of 1 MiB, within the server's.
+# Read and judged (a 400: this model takes 16 numbers), not dropped.
+long = ",".join(["-1.234567891e-05"] * 65536)
+assert len(long) > (1 << 20)
+status, body = call("/predict", long)
+assert status == 400 and "16 comma-separated" in body, (status, body[:200])
+import socket
+def raw(data):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(data)
+    answer = b""
+    while chunk := s.recv(4096):
+        answer += chunk
+    s.close()
+    return answer.decode(errors="replace")
+answer = raw(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
+assert answer.startswith("HTTP/1.1 413") and "over" in answer, answer
+answer = raw(b"\x00\x01 not http\r\n\r\n")
+assert answer.startswith("HTTP/1.1 400") and "not an HTTP request" in answer, answer
+print("a long body read, an oversized one 413, garbage 400")
 assert call("/nothing", method="GET")[0] == 404
 assert call("/health", method="GET")[0] == 200
 # A slow batch runs (300 ms); a request with a 20 ms deadline queued behind it: 504, and it

@@ -113,7 +113,7 @@ class recorder {
 };
 
 /// Items the producers on `node` made (over every slot it ever had).
-std::uint64_t items_on(const troupe::stats& s, const std::string& node) {
+inline std::uint64_t items_on(const troupe::stats& s, const std::string& node) {
   std::uint64_t n = 0;
   for (auto& p : s.producers)
     if (!p.where.is_local() && p.where.node() == node) n += p.items;

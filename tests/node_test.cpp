@@ -279,6 +279,12 @@ TEST(Nodes, UnreachableNodesAndUnknownJobsAreClearErrors) {
     EXPECT_NE(std::string{e.what()}.find("127.0.0.1:1"), std::string::npos) << e.what();
   }
   EXPECT_THROW(troupe::cluster::connect({"no-port"}), troupe::invalid_argument);
+  // Port 0 is no node's port (it was looked up, then every connect failed with "ip_connect"),
+  // and a negative drain_timeout no deadline (SIGTERM stopped the node at once).
+  EXPECT_THROW(troupe::dns_discovery("nodes.example:0"), troupe::invalid_argument);
+  troupe::node_options no;
+  no.drain_timeout = std::chrono::milliseconds{-1};
+  EXPECT_THROW(troupe::node::serve("127.0.0.1:0", {"cpu"}, {}, no), troupe::invalid_argument);
   node_process a{"cpu"};
   try {
     troupe::unordered_runner<only_here> runner{std::vector<troupe::device>{a.address() + "/cpu"}};

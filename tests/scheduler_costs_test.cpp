@@ -1,5 +1,8 @@
 // The scheduler's core on uneven work: item costs the user states (troupe_cost) and batch
 // producers whose batches grow, in virtual time.
+#include <cmath>
+#include <functional>
+
 #include "scheduler_core_parts.hpp"
 
 namespace {
@@ -15,24 +18,30 @@ double troupe_cost(const weighted& w) {
 }
 
 TEST(SchedulerCore, ASourceOfItemsWithTroupeCostStopsAtTheItemThatCrossesTheCostBound) {
-  auto src = troupe::detail::make_job_source<weighted>(std::vector<weighted>(10, weighted{5}));
+  // Costs count relative to the first item's (2 here): 2 + 2 + 2 crosses 2.4 times 2.
+  std::vector<weighted> xs(10, weighted{2});
+  xs[3].cost = 10;
+  auto src = troupe::detail::make_job_source<weighted>(std::move(xs));
   ASSERT_TRUE(src->costed());
-  src->limit_cost(12);
+  src->limit_cost(2.4);
   auto b = src->pull(100, std::size_t{1} << 20, std::chrono::seconds{1});
-  EXPECT_EQ(b.size(), 3u);  // 5 + 5 + 5 crosses 12
-  EXPECT_EQ(src->last_cost(), 15.0);
+  EXPECT_EQ(b.size(), 3u);
+  EXPECT_EQ(src->last_cost(), 3.0);
+  src->limit_cost(5);
+  EXPECT_EQ(src->pull(100, std::size_t{1} << 20, std::chrono::seconds{1}).size(), 1u);  // 10
+  EXPECT_EQ(src->last_cost(), 5.0);
   auto plain = troupe::detail::make_job_source<std::int64_t>(test_util::iota(10));
   EXPECT_FALSE(plain->costed());
 }
 
-/// Runs a job of `xs` on `f`'s one producer, each item taking its cost times `ns_per_cost`;
-/// returns each chunk's cost and items, in the order they were sent.
-std::pair<std::vector<double>, std::vector<std::size_t>> run_weighted(core_fixture& f,
-                                                                      std::vector<weighted> xs,
-                                                                      double ns_per_cost) {
+/// Runs a job of `xs` on `f`'s one producer, item x taking ns_of(x) nanoseconds; returns each
+/// chunk's time in nanoseconds and its items, in the order they were sent.
+template <class W>
+std::pair<std::vector<double>, std::vector<std::size_t>> run_timed(
+    core_fixture& f, std::vector<W> xs, const std::function<double(const W&)>& ns_of) {
   auto job = std::make_shared<troupe::detail::job_core>(1, caf::actor{});
-  f.core->start(job, troupe::detail::make_job_source<weighted>(std::move(xs)), false, {});
-  std::vector<double> costs;
+  f.core->start(job, troupe::detail::make_job_source<W>(std::move(xs)), false, {});
+  std::vector<double> times;
   std::vector<std::size_t> sizes;
   for (int step = 0; step < 1000000 && !job->done(); ++step) {
     while (!f.io.to_consumer.empty()) {
@@ -44,12 +53,12 @@ std::pair<std::vector<double>, std::vector<std::size_t>> run_weighted(core_fixtu
     if (f.io.chunks.empty()) continue;
     auto s = std::move(f.io.chunks.front());
     f.io.chunks.pop_front();
-    auto& in = s.msg.items.as<weighted>()->items;
-    double cost = 0;
-    for (auto& w : in) cost += static_cast<double>(w.cost);
-    costs.push_back(cost);
+    auto& in = s.msg.items.template as<W>()->items;
+    double time = 0;
+    for (auto& w : in) time += ns_of(w);
+    times.push_back(time);
     sizes.push_back(in.size());
-    auto ns = static_cast<std::int64_t>(cost * ns_per_cost);
+    auto ns = static_cast<std::int64_t>(time);
     f.io.t += std::chrono::nanoseconds{ns};
     chunk_result r;
     r.run = s.msg.run;
@@ -60,7 +69,56 @@ std::pair<std::vector<double>, std::vector<std::size_t>> run_weighted(core_fixtu
   }
   EXPECT_TRUE(job->done());
   EXPECT_EQ(job->error(), nullptr);
-  return {costs, sizes};
+  return {times, sizes};
+}
+
+/// The same for items taking their cost times `ns_per_cost`: each chunk's cost and items.
+std::pair<std::vector<double>, std::vector<std::size_t>> run_weighted(core_fixture& f,
+                                                                      std::vector<weighted> xs,
+                                                                      double ns_per_cost) {
+  auto [times, sizes] = run_timed<weighted>(f, std::move(xs), [ns_per_cost](const weighted& w) {
+    return static_cast<double>(w.cost) * ns_per_cost;
+  });
+  for (auto& t : times) t /= ns_per_cost;
+  return {times, sizes};
+}
+
+/// An item of a cost near the top of the double range, as a user may state one (bytes of a
+/// file in a unit of their own, a product of dimensions).
+struct vast {
+  double cost = 1e308;
+};
+double troupe_cost(const vast& v) {
+  return v.cost;
+}
+
+TEST(SchedulerCore, CostsNearTheTopOfTheDoubleRangeCountAsTheirRatiosDo) {
+  // Two items of 1e308 added up to infinity: every chunk closed after its second item (50,001
+  // chunks for 100,000 items of one cost, against 13 for cost 1).
+  auto src = troupe::detail::make_job_source<vast>(std::vector<vast>(100, vast{}));
+  src->limit_cost(40);
+  EXPECT_EQ(src->pull(1000, std::size_t{1} << 20, std::chrono::seconds{1}).size(), 40u);
+  EXPECT_EQ(src->last_cost(), 40.0);
+  std::vector<vast> mixed{{1e300}, {1e308}, {1e300}, {std::numeric_limits<double>::infinity()}};
+  auto m = troupe::detail::make_job_source<vast>(std::move(mixed));
+  m->limit_cost(1e9);  // a ratio of 1e8 counts as it is; infinity stays infinite
+  EXPECT_EQ(m->pull(10, std::size_t{1} << 20, std::chrono::seconds{1}).size(), 4u);
+  EXPECT_TRUE(std::isinf(m->last_cost()));
+  // The scheduler cuts a job of equal costs alike whatever their magnitude.
+  troupe::options opts;
+  opts.target_chunk_time = std::chrono::microseconds{200};
+  opts.speculative = false;
+  std::vector<std::size_t> chunks;
+  for (double c : {1.0, 1e308}) {
+    core_fixture f{{"cpu"}, opts};
+    auto sizes = run_timed<vast>(f, std::vector<vast>(20000, vast{c}), [](const vast&) {
+                   return 1000.0;
+                 }).second;
+    chunks.push_back(sizes.size());
+  }
+  std::cout << "chunks of 20,000 items of cost 1: " << chunks[0] << ", of cost 1e308: " << chunks[1]
+            << "\n";
+  EXPECT_LE(chunks[1], 2 * chunks[0] + 2) << "costs of 1e308 made short chunks";
 }
 
 TEST(SchedulerCore, TheFirstItemsStatedCostDoesNotSetTheChunksSize) {

@@ -193,7 +193,8 @@ inline void add_flags(CLI::App& app, flags& f) {
                  "HOST:PORT while the program runs");
   app.add_option("--drain-timeout-ms", f.drain_timeout_ms,
                  "--serve: on SIGTERM/SIGINT, how long the node drains (its producers finish "
-                 "their chunks) before it stops (default 30000); a second signal stops it at once");
+                 "their chunks) before it stops (default 30000); a second signal stops it at once")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{86'400'000}));
   app.add_option("--progress", f.progress,
                  "progress on stderr: on (a bar on a terminal, else a line per period, and a "
                  "summary), off, or auto (default: the bar on a terminal; elsewhere lines and "

@@ -15,6 +15,9 @@ namespace troupe {
 
 std::function<std::vector<std::string>()> dns_discovery(const std::string& name_port) {
   auto hp = detail::parse_host_port(name_port);
+  if (hp.port == 0)
+    throw invalid_argument("dns_discovery('" + name_port +
+                           "'): port 0 is no node's port (the port the nodes serve on)");
   return [host = hp.host, port = std::to_string(hp.port)] {
     addrinfo hints{};
     hints.ai_family = AF_INET;

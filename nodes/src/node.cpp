@@ -268,6 +268,8 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
 
 node node::serve(const std::string& host_port, std::vector<device> devices, tls t,
                  const node_options& o) {
+  if (o.drain_timeout.count() < 0)
+    throw invalid_argument("node_options: drain_timeout must not be negative (0: stop at once)");
   set_network_limits(o);
   auto n = serve(host_port, std::move(devices), std::move(t));
   n.impl_->drain_timeout = o.drain_timeout;

@@ -81,7 +81,8 @@ class node;
 /// A node's settings: the network limits (connections, message size, handshake and idle
 /// deadlines, producers per coordinator) and how it drains.
 struct node_options : limits {
-  /// node::drain's default deadline, and serve_until_signal's on SIGTERM / SIGINT.
+  /// node::drain's default deadline, and serve_until_signal's on SIGTERM / SIGINT; not
+  /// negative (serve throws invalid_argument).
   std::chrono::milliseconds drain_timeout{30'000};
   /// serve_until_signal: called once the node listens (e.g. to print its address).
   std::function<void(const node&)> on_serving;

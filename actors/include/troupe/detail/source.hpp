@@ -5,6 +5,7 @@
 #include <caf/detail/serialized_size.hpp>
 #include <caf/detail/type_traits.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -40,6 +41,16 @@ template <class T>
 double item_cost(const T& x) {
   auto c = static_cast<double>(troupe_cost(x));
   return c > 0 ? c : 0.0;
+}
+
+/// A cost of item_cost() relative to `scale`, the first positive finite cost the job's source
+/// met (set by it), and at most 1e15 unless infinite: a chunk's total then stays finite whatever
+/// the costs' magnitude (two items of 1e308 add up to infinity), and the scheduler counts at most
+/// a billion of its units an item anyway.
+inline double relative_cost(double c, double& scale) {
+  if (c == 0 || std::isinf(c)) return c;
+  if (scale == 0) scale = c;
+  return std::min(c / scale, 1e15);
 }
 
 template <class T, class = void>
@@ -100,7 +111,8 @@ class input_source {
   /// The next pull() stops once its items cost this much in all (the item that crosses it
   /// included); infinity: no bound.
   void limit_cost(double c) noexcept { cost_limit_ = c; }
-  /// The total troupe_cost of the items the last pull() returned.
+  /// The total troupe_cost of the items the last pull() returned, relative to the first
+  /// positive finite cost the source met (so is limit_cost's bound: relative_cost).
   [[nodiscard]] double last_cost() const noexcept { return last_cost_; }
   [[nodiscard]] std::optional<std::uint64_t> total() const noexcept { return total_; }
   /// The lease of a caller's range lent to the producers without a copy, else nullptr.
@@ -111,16 +123,17 @@ class input_source {
   bool costed_ = false;
   double cost_limit_ = std::numeric_limits<double>::infinity();
   double last_cost_ = 0;
+  double cost_scale_ = 0;  ///< relative_cost's scale: 0 until an item of positive cost came
   std::optional<std::uint64_t> total_;
   std::shared_ptr<range_lease> lease_;
 };
 
 /// Up to max_items items from `next`: fewer once they hold max_bytes, once they cost max_cost
-/// in all (troupe_cost; their total in `cost`), once pulling has taken `budget`, or when `next`
-/// has no more (`exhausted`).
+/// in all (troupe_cost relative to `scale`: relative_cost; their total in `cost`), once pulling
+/// has taken `budget`, or when `next` has no more (`exhausted`).
 template <class In, class Next>
 batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanoseconds budget,
-           bool& exhausted, double max_cost, double& cost, Next&& next) {
+           bool& exhausted, double max_cost, double& cost, double& scale, Next&& next) {
   cost = 0;
   using clock = std::chrono::steady_clock;
   std::vector<In> items;
@@ -144,7 +157,7 @@ batch fill(std::size_t max_items, std::size_t max_bytes, std::chrono::nanosecond
     }
     if constexpr (!std::is_arithmetic<In>::value) bytes += item_bytes(items.back());
     if constexpr (has_troupe_cost<In>::value) {
-      cost += item_cost(items.back());
+      cost += relative_cost(item_cost(items.back()), scale);
       if (cost >= max_cost) break;
     }
     auto n = items.size();
@@ -201,7 +214,7 @@ class range_source final : public input_source {
       }
     }
     auto b = fill<In>(max_items, max_bytes, budget, exhausted_, cost_limit_, last_cost_,
-                      [this](std::vector<In>& out) {
+                      cost_scale_, [this](std::vector<In>& out) {
                         if (it_ == end_) return false;
                         out.emplace_back(*it_);
                         ++it_;
@@ -225,7 +238,7 @@ class generator_source final : public input_source {
   explicit generator_source(generator<F>& g) : g_(g) { costed_ = has_troupe_cost<In>::value; }
   batch pull(std::size_t max_items, std::size_t max_bytes,
              std::chrono::nanoseconds budget) override {
-    return fill<In>(max_items, max_bytes, budget, exhausted_, cost_limit_, last_cost_,
+    return fill<In>(max_items, max_bytes, budget, exhausted_, cost_limit_, last_cost_, cost_scale_,
                     [this](std::vector<In>& out) {
                       auto x = g_.next();
                       if (!x) return false;
