@@ -27,20 +27,9 @@
 #include <thread>
 #include <vector>
 
+#include "process_clocks.hpp"
+
 namespace {
-
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
-
-double now_seconds() {
-  timespec t{};
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
-}
 
 void configure(caf::actor_system_config& cfg, bool troupe_config) {
   cfg.load<caf::io::middleman>();
@@ -145,7 +134,8 @@ int main(int argc, char** argv) {
         self->request(remotes[i], caf::infinite, payload)
             .then([=, &done](const std::string& answer) {
               if (consumer) self->send(sink, answer);
-              if (++done == round_trips) self->quit();
+              if (++done == round_trips)
+                self->quit();
               else if (*sent < round_trips)
                 (*next)(i);
             });
@@ -153,7 +143,9 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < remotes.size() && *sent < round_trips; ++i) (*next)(i);
     };
     auto client = detached_client ? sys.spawn<caf::detached>(body) : sys.spawn(body);
-    caf::scoped_actor{sys}->wait_for(client);
+    caf::scoped_actor {
+      sys
+      } -> wait_for(client);
     cpu = cpu_seconds() - cpu0;
     wall = now_seconds() - t0;
     caf::anon_send_exit(sink, caf::exit_reason::user_shutdown);
