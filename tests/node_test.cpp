@@ -285,6 +285,25 @@ TEST(Nodes, UnreachableNodesAndUnknownJobsAreClearErrors) {
   troupe::node_options no;
   no.drain_timeout = std::chrono::milliseconds{-1};
   EXPECT_THROW(troupe::node::serve("127.0.0.1:0", {"cpu"}, {}, no), troupe::invalid_argument);
+  // A port in use says so, in the system's words (CAF says "tcp socket creation failed").
+  {
+    int l = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    ASSERT_EQ(::listen(l, 1), 0);
+    socklen_t len = sizeof sa;
+    ::getsockname(l, reinterpret_cast<sockaddr*>(&sa), &len);
+    auto taken = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+    try {
+      troupe::node::serve(taken, {"cpu"});
+      ADD_FAILURE() << "served on a port in use";
+    } catch (const troupe::node_error& e) {
+      EXPECT_NE(std::string{e.what()}.find("in use"), std::string::npos) << e.what();
+    }
+    ::close(l);
+  }
   node_process a{"cpu"};
   try {
     troupe::unordered_runner<only_here> runner{std::vector<troupe::device>{a.address() + "/cpu"}};

@@ -4,7 +4,9 @@
 #include "troupe/node.hpp"
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
 #include <cerrno>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -33,6 +36,24 @@ namespace troupe {
 // -- node ----------------------------------------------------------------------------------------
 
 namespace {
+
+/// Why nothing can listen on host:port ("Address already in use"; CAF says only "tcp socket
+/// creation failed"), or "" when a bind works.
+std::string bind_error(const std::string& host, std::uint16_t port) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
+    return {};
+  std::string why;
+  if (int fd = ::socket(res->ai_family, res->ai_socktype, 0); fd >= 0) {
+    int one = 1;  // as CAF binds (reuse_addr)
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0) why = std::strerror(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  return why;
+}
 
 std::string join(const std::vector<std::string>& xs) {
   std::string out;
@@ -246,6 +267,8 @@ node node::serve(const std::string& host_port, std::vector<device> devices, tls 
                           : p->sys->middleman().publish(p->actor, hp.port, hp.host.c_str(), true);
   if (!port) {
     auto why = p->sys->render(port.error());
+    if (port.error() == caf::sec::cannot_open_port)
+      if (auto e = bind_error(hp.host, hp.port); !e.empty()) why = e + " (" + why + ")";
     caf::anon_send_exit(p->actor, caf::exit_reason::user_shutdown);
     p->actor = nullptr;
     throw node_error("cannot serve on " + host_port + ": " + why);
