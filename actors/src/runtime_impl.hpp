@@ -260,7 +260,8 @@ class runtime {
 /// `detached`: on a thread of its own (runners); false for the deterministic scheduler tests
 /// and simulations, which run it on CAF's test coordinator. `halted`: once true, it does
 /// nothing more but end (a simulation that ends while a job still runs: nothing of that job,
-/// its caller's range included, may be touched again).
+/// its caller's range included, may be touched again). `nodes`: each producer's node actor
+/// (trims), by slot. `planted`: a mistake a test plants in it (a simulation's: planted_bug).
 caf::actor spawn_scheduler(caf::actor_system& sys, std::vector<caf::actor> producers,
                            std::vector<device> devices, options opts,
                            std::shared_ptr<stats_box> stats, producer_spawner spawn, config cfg,
