@@ -13,7 +13,6 @@
 // The last is the shape of troupe's coordinator: the client on a thread of its own (as troupe's
 // scheduler) and each answer passed on to a second actor that does nothing with it (as the job's
 // consumer), one more message per round trip.
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,7 +21,6 @@
 #include <caf/io/all.hpp>
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <string>
 #include <thread>
 #include <vector>
