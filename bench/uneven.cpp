@@ -16,6 +16,7 @@
 // options::split_late_chunks off (a node's late chunk is then only copied, as before trims).
 // Usage: troupe_uneven_bench [--producers 3] [--only NAME] [--ordered]
 //                            [--node-processes N [--no-split]]
+#include <sched.h>
 #include <tbb/global_control.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -34,6 +35,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <troupe/troupe.hpp>
@@ -130,11 +132,14 @@ struct costed_stated {
 struct batched {
   struct producer {
     std::vector<std::int64_t> work(troupe::span<const std::int64_t> xs) {
+      auto t0 = clock_type::now();
+      int cpu0 = sched_getcpu();
       spin_us(2000 + 10 * static_cast<std::int64_t>(xs.size()));
       calls += 1;
       if (record) {
+        auto t1 = clock_type::now();
         std::lock_guard<std::mutex> guard{mtx};
-        sizes.emplace_back(std::this_thread::get_id(), xs.size());
+        sizes.push_back({std::this_thread::get_id(), xs.size(), t0, t1, cpu0, sched_getcpu()});
       }
       return {xs.begin(), xs.end()};
     }
@@ -142,7 +147,13 @@ struct batched {
     // --sizes: each call's size and its producer's thread, in order.
     static inline bool record = false;
     static inline std::mutex mtx;
-    static inline std::vector<std::pair<std::thread::id, std::size_t>> sizes;
+    struct call {
+      std::thread::id thread;
+      std::size_t items;
+      clock_type::time_point began, ended;
+      int cpu0, cpu1;
+    };
+    static inline std::vector<call> sizes;
   };
   struct consumer {
     void work(std::int64_t) { n += 1; }
@@ -208,11 +219,12 @@ int main(int argc, char** argv) {
   CLI::App app{"troupe on uneven work, against oneTBB"};
   std::size_t producers = 3, nodes = 0;
   std::string only;
-  bool sizes = false, no_split = false;
+  bool sizes = false, timed = false, no_split = false;
   example::flags f;  // --serve: this program as a node (--node-processes starts it so)
   example::add_flags(app, f);
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
   app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
+  app.add_flag("--timed", timed, "batch, with --sizes: each call's start and length (ms)");
   app.add_option(
       "--only", only,
       "slow-after-fast, slow-patch, lognormal, lognormal-merge, lognormal-cost or batch");
@@ -343,7 +355,20 @@ int main(int argc, char** argv) {
     batched::producer::record = false;
     if (sizes) {
       std::map<std::thread::id, std::string> by;
-      for (auto& [t, n] : batched::producer::sizes) by[t] += " " + std::to_string(n);
+      auto& calls = batched::producer::sizes;
+      auto base = calls.empty() ? clock_type::time_point{} : calls.front().began;
+      auto ms = [&](clock_type::duration d) {
+        std::ostringstream text;
+        text << std::fixed << std::setprecision(2)
+             << std::chrono::duration<double, std::milli>(d).count();
+        return text.str();
+      };
+      // Each call: its items, and when it began (ms after the first) and how long it ran.
+      for (auto& c : calls)
+        by[c.thread] += " " + std::to_string(c.items) +
+                        (timed ? "@" + ms(c.began - base) + "+" + ms(c.ended - c.began) + "c" +
+                                     std::to_string(c.cpu0) + std::to_string(c.cpu1)
+                               : "");
       for (auto& [t, line] : by) std::cout << "  calls:" << line << "\n";
     }
     for (std::size_t c : {16, 64, 256, 512, 1024, 2048}) run(c);

@@ -271,4 +271,24 @@ TEST(SchedulerCore, ABatchProducersBatchesGrowWithinAFewCallsAndTheProducersEndT
                         << " s; calls by producer:" << seen.str();
 }
 
+TEST(SchedulerCore, ABatchProducersLastBatchTakesWhatWouldBeLeftOfItsShare) {
+  // 3,000 items on two batch producers (2 ms per call + 10 us per item): once the first answers
+  // show the fixed cost, the model's size is 1,400 items (a fixed cost of a tenth of the call,
+  // within 8 times the target) and each producer's share of what is left about 1,500. A chunk
+  // of the model's size would leave about 100 items for a fifth call that pays the 2 ms again
+  // (before: 1 2 4 1400 186 on one producer, 1 2 4 1400 on the other): what is left of the
+  // share goes with it.
+  auto run = run_batch_producers(0, 3'000);
+  std::ostringstream seen;
+  for (auto& c : run.calls) {
+    seen << "\n ";
+    for (auto n : c) seen << " " << n;
+  }
+  for (auto& c : run.calls) {
+    ASSERT_GE(c.size(), 4u) << "calls by producer:" << seen.str();
+    EXPECT_EQ(c.size(), 4u) << "calls by producer:" << seen.str();
+    EXPECT_GT(c.back(), 1'400u) << "calls by producer:" << seen.str();
+  }
+}
+
 }  // namespace

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "run_delay.hpp"
 #include "troupe/config.hpp"
 #include "troupe/detail/introspect.hpp"
 #include "troupe/detail/job_actors.hpp"
@@ -34,6 +35,21 @@ struct producer_state {
   std::unique_ptr<device_binding> binding;
   std::unique_ptr<producer_ops> producer;
   std::chrono::steady_clock::time_point last_end{};  ///< when the previous chunk was done
+
+  /// What this thread has waited for a CPU so far (ns), where that is not the call's cost: on a
+  /// CPU producer. A GPU's work goes on while its thread waits for a CPU (a synchronizing thread
+  /// that spins may be preempted): there, 0.
+  std::int64_t cpu_waits() const { return where.is_cpu() ? thread_run_delay_ns() : 0; }
+
+  /// Ends a call that began at `start`, when cpu_waits() was `waited`: its time, less what its
+  /// thread waited for a CPU since. The chunk sizer learns from it what the producer's items
+  /// cost, not how busy the machine was.
+  std::int64_t busy_since(std::chrono::steady_clock::time_point start, std::int64_t waited) {
+    auto queued = cpu_waits() - waited;
+    last_end = std::chrono::steady_clock::now();
+    auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    return std::max<std::int64_t>(0, wall - std::max<std::int64_t>(0, queued));
+  }
 
   caf::result<init_done> init() {
     try {
@@ -161,6 +177,7 @@ struct producer_state {
     auto joined = prepare(w, r);
     if (!joined) return r;
     auto start = std::chrono::steady_clock::now();
+    auto waited = cpu_waits();
     if (last_end != std::chrono::steady_clock::time_point{})
       r.idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
     work_outcome out;
@@ -171,8 +188,7 @@ struct producer_state {
     std::optional<std::string> device_failure;
     if (!out.failed && !out.wrong_type && !out.consumer_failed && !out.revoked)
       device_failure = synchronize();
-    last_end = std::chrono::steady_clock::now();
-    r.busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    r.busy_ns = busy_since(start, waited);
     // With a cut, the items up to where it ends now (the scheduler may have taken the rest).
     auto n = w.cut ? std::min<std::size_t>(joined->size(), w.cut->end()) : joined->size();
     finish(r, out, w, n, device_failure);
@@ -226,14 +242,14 @@ struct producer_state {
       total += joined[k].size();
     }
     auto start = std::chrono::steady_clock::now();
+    auto waited = cpu_waits();
     std::int64_t idle = 0;
     if (last_end != std::chrono::steady_clock::time_point{})
       idle = std::chrono::duration_cast<std::chrono::nanoseconds>(start - last_end).count();
     std::vector<work_outcome> outs(parts.size());
     producer->work_parts(parts, firsts, keep_going, outs);
     auto device_failure = synchronize();
-    last_end = std::chrono::steady_clock::now();
-    auto busy = std::chrono::duration_cast<std::chrono::nanoseconds>(last_end - start).count();
+    auto busy = busy_since(start, waited);
     for (std::size_t k = 0; k < parts.size(); ++k) {
       auto& r = rs[at[k]];
       r.idle_ns = k == 0 ? idle : 0;

@@ -62,6 +62,10 @@ std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s)
         if (c.job == j.id) mine += static_cast<std::uint64_t>(std::min(1e15, std::ceil(c.size())));
       auto fair = (undone + ways - 1) / ways;
       share = fair > mine ? fair - mine : 0;
+      // What would be left of that share after a chunk of the model's size, if at most half of
+      // it, goes with it: another call would pay the fixed cost again for a short batch.
+      if (share > n && share - n <= n / 2)
+        n = static_cast<std::size_t>(std::min<std::uint64_t>(share, settings_.max_chunk_items));
     } else {
       // Counted in the chunks queued at this producer: a distant one keeps up to 32 of them.
       auto slots = ways * std::max<std::uint64_t>(2, s.depth);

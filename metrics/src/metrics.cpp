@@ -170,7 +170,9 @@ std::vector<MetricFamily> collect() {
   auto p_items =
       family("troupe_producer_items_total", "Items a producer worked on.", MetricType::Counter);
   auto p_busy = family("troupe_producer_busy_seconds_total",
-                       "Time a producer spent inside producer::work.", MetricType::Counter);
+                       "Time a producer spent inside producer::work (a CPU producer's, less "
+                       "its waits for a CPU).",
+                       MetricType::Counter);
   auto p_restarts =
       family("troupe_producer_restarts_total",
              "Times a producer was replaced by a fresh one on its device.", MetricType::Counter);
@@ -178,7 +180,8 @@ std::vector<MetricFamily> collect() {
       family("troupe_producer_up", "1 while a producer takes work, else 0.", MetricType::Gauge);
   auto by_state = family("troupe_producers", "Producer slots by state.", MetricType::Gauge);
   auto chunk_time = family("troupe_chunk_seconds",
-                           "Time a producer spent on one chunk (one observation per chunk).",
+                           "Time a producer spent on one chunk (one observation per chunk; a CPU "
+                           "producer's, less its waits for a CPU).",
                            MetricType::Histogram);
   auto job_time = family("troupe_job_seconds",
                          "Time from submit() to a job's end (one observation per job ended).",

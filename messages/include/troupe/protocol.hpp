@@ -123,7 +123,9 @@ struct chunk_result {
   std::uint64_t run = 0;
   std::uint64_t first = 0;
   batch outputs;
-  std::int64_t busy_ns = 0;  ///< time spent inside producer::work
+  /// Time spent inside producer::work; a CPU producer's, less what its thread waited for a CPU
+  /// meanwhile (Linux's run delay): what the call cost, not what other threads cost it.
+  std::int64_t busy_ns = 0;
   /// Time the producer sat idle between its previous chunk and this one: a producer that
   /// starves while chunks are on their way needs more of them queued (a distant node).
   std::int64_t idle_ns = 0;
