@@ -112,6 +112,11 @@ struct core_fixture {
     stats->value.producers.resize(devices.size());
     core = std::make_unique<scheduler>(io, std::move(devices), std::move(opts), stats);
   }
+  core_fixture(const core_fixture&) = delete;
+  core_fixture& operator=(const core_fixture&) = delete;
+  /// The core ran here, on the test's thread, and marked it as troupe's own (as its actor's
+  /// thread is): a later test's waits on this thread would be refused as waiting for themselves.
+  ~core_fixture() { troupe::detail::clear_internal_thread(); }
 
   std::shared_ptr<troupe::detail::job_core> submit(std::uint64_t id, std::int64_t n, bool ordered,
                                                    troupe::job_options o = {}) {
