@@ -291,4 +291,23 @@ TEST(SchedulerCore, ABatchProducersLastBatchTakesWhatWouldBeLeftOfItsShare) {
   }
 }
 
+TEST(SchedulerCore, ANewJobsSecondChunkHoldsEightItemsWhereChunksCanBeCut) {
+  // Its first answers must differ in size by more than a first call's own overhead: a batch
+  // producer's calls of 1 and 4 items (2 ms + 10 us per item) differ by 30 us, about what a
+  // job's first call costs more than the next, and its batches then grew 16x once more before
+  // the full size. Where chunks cannot be cut, two: an idle producer could not take the items
+  // of a chunk that turns out slow.
+  for (bool cuts : {true, false}) {
+    troupe::options opts;
+    opts.split_late_chunks = cuts;
+    core_fixture f{{"cpu", "cpu"}, opts};
+    f.submit(1, 1'000, false);
+    std::map<std::size_t, std::vector<std::size_t>> sizes;  // by producer, in the order sent
+    for (auto& c : f.io.chunks) sizes[c.p].push_back(c.msg.items.size());
+    ASSERT_EQ(sizes.size(), 2u);
+    for (auto& [p, n] : sizes)
+      EXPECT_EQ(n, (std::vector<std::size_t>{1, cuts ? 8u : 2u})) << "producer " << p;
+  }
+}
+
 }  // namespace
