@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bench_jobs.hpp"
+#include "bench_report.hpp"
 #include "common/cli.hpp"
 
 /// bench_jobs.hpp's squares with a cost per item (cfg work_ms, a sleep).
@@ -50,11 +51,8 @@ TROUPE_REGISTER_JOB(slow_squares);
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-
-double seconds_since(clock_type::time_point t) {
-  return std::chrono::duration<double>(clock_type::now() - t).count();
-}
+using bench::clock_type;
+using bench::seconds_since;
 
 /// A node process on a fixed port: started, killed, stopped and started again there.
 struct node_process {

@@ -23,9 +23,12 @@
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
 
+#include "bench_report.hpp"
+
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::seconds_since;
 
 /// The model: `layers` Linear+ReLU of `width`, then a Linear to 16 outputs; the same weights
 /// wherever it is built (its own generator, seeded).
@@ -61,10 +64,6 @@ struct mlp_inference {
     torch::nn::Sequential model;
   };
 };
-
-double seconds_since(clock_type::time_point t) {
-  return std::chrono::duration<double>(clock_type::now() - t).count();
-}
 
 std::vector<troupe::device> parse_devices(const std::string& list) {
   std::vector<troupe::device> out;

@@ -27,9 +27,12 @@
 #include <troupe/torch.hpp>
 #include <troupe/troupe.hpp>
 
+#include "bench_report.hpp"
+
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::seconds_since;
 
 /// The model in `file` (.pt or .pt2) on the CPU, as a function of a batch.
 std::function<at::Tensor(const at::Tensor&)> load(const std::string& file) {
@@ -40,10 +43,6 @@ std::function<at::Tensor(const at::Tensor&)> load(const std::string& file) {
   auto module = std::make_shared<torch::jit::Module>(torch::jit::load(file));
   module->eval();
   return [module](const at::Tensor& x) { return module->forward({x}).toTensor(); };
-}
-
-double seconds_since(clock_type::time_point t) {
-  return std::chrono::duration<double>(clock_type::now() - t).count();
 }
 
 }  // namespace

@@ -56,14 +56,15 @@
 #include <vector>
 
 #include "bench_jobs.hpp"
+#include "bench_report.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
+using bench::clock_type;
+using bench::ms;
+using bench::pct;
+using bench::rate;
+using bench::seconds_since;
 
 // -- the per-item work, shared by both sides -------------------------------------------------
 
@@ -309,32 +310,6 @@ std::size_t automatic_chunk(double ns_per_item) {
   double target = std::chrono::duration<double, std::nano>(defaults.target_chunk_time).count();
   return std::clamp<std::size_t>(static_cast<std::size_t>(target / std::max(ns_per_item, 1e-3)), 1,
                                  defaults.max_chunk_items);
-}
-
-std::string rate(double items, double seconds) {
-  if (seconds <= 0) return "-";
-  char buf[64];
-  double r = items / seconds;
-  if (r >= 10e6)
-    std::snprintf(buf, sizeof buf, "%.1f M/s", r / 1e6);
-  else
-    std::snprintf(buf, sizeof buf, "%.1f k/s", r / 1e3);
-  return buf;
-}
-
-std::string ms(double seconds) {
-  if (seconds <= 0) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.1f ms", seconds * 1e3);
-  return buf;
-}
-
-/// anchor / troupe (times): troupe's speed as a share of the anchor's.
-std::string pct(double anchor, double troupe) {
-  if (anchor <= 0 || troupe <= 0) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.0f %%", 100 * anchor / troupe);
-  return buf;
 }
 
 }  // namespace

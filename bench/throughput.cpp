@@ -15,14 +15,12 @@
 #include <vector>
 
 #include "bench_jobs.hpp"
+#include "bench_report.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
+using bench::clock_type;
+using bench::seconds_since;
 
 struct sleeper {
   struct producer {

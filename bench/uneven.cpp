@@ -41,12 +41,14 @@
 #include <troupe/troupe.hpp>
 #include <vector>
 
+#include "bench_report.hpp"
 #include "child_node.hpp"
 #include "common/cli.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::seconds_since;
 
 /// CPU time of the calling thread, or of the whole process.
 std::int64_t cpu_ns(clockid_t which) {
@@ -168,10 +170,6 @@ TROUPE_REGISTER_JOB(costed);
 TROUPE_REGISTER_JOB(costed_merged);
 
 namespace {
-
-double seconds_since(clock_type::time_point t) {
-  return std::chrono::duration<double>(clock_type::now() - t).count();
-}
 
 double ideal_of(const std::vector<std::int64_t>& us, std::size_t producers) {
   double total = 0;
