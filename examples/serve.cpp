@@ -40,6 +40,7 @@
 #include <troupe/asio.hpp>
 
 #include "common/cli.hpp"
+#include "model_snapshot.hpp"
 #include "serve_http.hpp"
 #include "serve_models.hpp"
 
@@ -117,7 +118,7 @@ std::vector<std::vector<float>> reference_scores(const std::string& model, std::
             .contiguous();
   } else {
     // A row at a time: a model from a file may refuse larger calls (the warm-up said so).
-    auto forward = load_model(model);
+    auto forward = load_model(cfg.get<std::string>("model_file"), model);
     std::vector<at::Tensor> rows;
     for (std::int64_t i = 0; i < static_cast<std::int64_t>(n); ++i)
       rows.push_back(class_scores(forward(x.slice(0, i, i + 1)), 1, model));
@@ -287,11 +288,14 @@ int main(int argc, char** argv) {
     // A package checks its inputs' shapes only when asked (read once, at its first run): a
     // request of a wrong shape is then an error (a 400), not a read past its buffer.
     if (is_package(model)) ::setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
+    // One version of the file for every load below (model_snapshot.hpp).
+    model_snapshot file{model};
     std::int64_t width = n_features;  // what a request holds: the reference rows say
-    if (auto rows = check_reference(model, width); rows > 0)
+    if (auto rows = check_reference(file.path(), model, width); rows > 0)
       std::cerr << "reference: " << model << " gives Python's scores on " << rows << " rows of "
                 << width << " inputs" << std::endl;
-    cfg.set("model_file", model);
+    cfg.set("model_file", file.path());
+    cfg.set("model_name", model);
     cfg.set("inputs", width);
     if (is_package(model)) {
       // Each producer of a device runs its own instance of the package's model at once.

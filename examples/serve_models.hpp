@@ -190,7 +190,8 @@ struct file_model_producer {
         model(shared),
         inputs(cfg.get_or<std::int64_t>("inputs", n_features)),
         max_batch(std::max<std::int64_t>(1, cfg.get_or<std::int64_t>("max_batch", 1))),
-        file(cfg.get_or<std::string>("model_file", "the model")) {}
+        file(cfg.get_or<std::string>("model_name",
+                                     cfg.get_or<std::string>("model_file", "the model"))) {}
   void warmup() {
     c10::InferenceMode inference;
     // TorchScript's profiling executor: its first runs (then once per size below).
@@ -243,7 +244,7 @@ struct file_model_producer {
   State& model;
   std::int64_t inputs;     ///< numbers per request (cfg "inputs": the reference rows' width)
   std::int64_t max_batch;  ///< the largest batch a call gets (cfg "max_batch")
-  std::string file;        ///< cfg "model_file", for its messages
+  std::string file;        ///< cfg "model_name" (the file as the user named it), for its messages
   static inline std::atomic<bool> told{false};
 };
 
@@ -296,10 +297,12 @@ bool is_package(const std::string& model_file) {
   return model_file.size() > 4 && model_file.compare(model_file.size() - 4, 4, ".pt2") == 0;
 }
 
-/// The model in `model_file` (.pt or .pt2), loaded on the CPU, as a function of a batch: for the
-/// checks, apart from the producers. A package takes at most the batch it was exported for: the
-/// rows go through in slices of 64 (export_model.py's default), halved while the model refuses.
-std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model_file) {
+/// The model in `model_file` (.pt or .pt2; `name` in messages), loaded on the CPU, as a function of
+/// a batch: for the checks, apart from the producers. A package takes at most the batch it was
+/// exported for: the rows go through in slices of 64 (export_model.py's default), halved while the
+/// model refuses.
+std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model_file,
+                                                        const std::string& name) {
   std::function<at::Tensor(const at::Tensor&)> forward;
   try {
     if (is_package(model_file)) {
@@ -311,7 +314,7 @@ std::function<at::Tensor(const at::Tensor&)> load_model(const std::string& model
       forward = [module](const at::Tensor& x) { return module->forward({x}).toTensor(); };
     }
   } catch (const c10::Error& e) {  // its words, without LibTorch's C++ backtrace
-    throw std::runtime_error(model_file + ": " + last_line(e.what_without_backtrace()));
+    throw std::runtime_error(name + ": " + last_line(e.what_without_backtrace()));
   }
   return [forward](const at::Tensor& x) {
     std::vector<at::Tensor> parts;
@@ -346,11 +349,13 @@ at::Tensor class_scores(const at::Tensor& y, std::int64_t rows, const std::strin
 
 /// FILE.ref.txt (examples/export_model.py): each line's inputs (16 for serve's default model, as
 /// many as the model reads for one exported with --channels/--side) and the 10 scores Python
-/// computed. Throws when the model loaded here answers otherwise (beyond float rounding).
-std::size_t check_reference(const std::string& model_file, std::int64_t& width) {
+/// computed. Throws when the model loaded here answers otherwise (beyond float rounding). `name`:
+/// the model file as the user named it, for messages.
+std::size_t check_reference(const std::string& model_file, const std::string& name,
+                            std::int64_t& width) {
   std::ifstream in(model_file + ".ref.txt");
   if (!in) return 0;
-  auto forward = load_model(model_file);
+  auto forward = load_model(model_file, name);
   c10::InferenceMode inference;
   std::string line;
   std::size_t rows = 0;
@@ -362,15 +367,15 @@ std::size_t check_reference(const std::string& model_file, std::int64_t& width) 
     for (float v; xs >> v;) x.push_back(v);
     for (float v; ys >> v;) y.push_back(v);
     if (x.empty() || x.size() > max_width || y.size() != n_classes)
-      throw std::runtime_error(model_file + ".ref.txt: a line without inputs and 10 scores");
+      throw std::runtime_error(name + ".ref.txt: a line without inputs and 10 scores");
     width = static_cast<std::int64_t>(x.size());
-    auto got = class_scores(forward(torch::from_blob(x.data(), {1, width}).clone()), 1, model_file);
+    auto got = class_scores(forward(torch::from_blob(x.data(), {1, width}).clone()), 1, name);
     for (std::size_t c = 0; c < n_classes; ++c)
       if (std::fabs(got.data_ptr<float>()[c] - y[c]) > 1e-4f * (1.0f + std::fabs(y[c])))
-        throw std::runtime_error(model_file + " answers " +
-                                 std::to_string(got.data_ptr<float>()[c]) + " for class " +
-                                 std::to_string(c) + " of reference row " + std::to_string(rows) +
-                                 ", Python computed " + std::to_string(y[c]));
+        throw std::runtime_error(name + " answers " + std::to_string(got.data_ptr<float>()[c]) +
+                                 " for class " + std::to_string(c) + " of reference row " +
+                                 std::to_string(rows) + ", Python computed " +
+                                 std::to_string(y[c]));
     rows += 1;
   }
   return rows;

@@ -77,6 +77,21 @@ stop
 echo "wrong shapes refused with the model's message, the others answered: ok"
 
 [ "$ext" = pt ] || exit 0
+# The file rewritten in place (as cp does) while serve runs: every load reads serve's own copy,
+# so the self-test's scores, computed after its requests, are those of the model it served.
+# Before, they came from the new file: most answers counted wrong.
+"$python" "$exporter" "$dir/other.pt" --width 8 --references 8 --seed 1
+mkdir "$dir/tmp"
+TMPDIR=$dir/tmp "$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" --requests 20 \
+  --concurrency 1 --max-batch 16 --max-delay-us 200000 > "$dir/out2" 2> "$dir/err2" &
+spid=$!
+for _ in $(seq 1 1200); do grep -q "serving HTTP" "$dir/err2" && break; sleep 0.05; done
+cp "$dir/other.pt" "$model"
+cp "$dir/other.pt.ref.txt" "$model.ref.txt"
+wait "$spid" || { cat "$dir/err2"; exit 1; }
+grep -q " 0 wrong" "$dir/err2" || { echo "the model rewritten while served:"; cat "$dir/err2"; exit 1; }
+[ -z "$(ls -A "$dir/tmp")" ] || { echo "serve left its copy of the model behind"; exit 1; }
+echo "the model rewritten while served: the self-test checked the version served: ok"
 # Models of another task, as users export them by mistake: one answers 3 columns, not 10 (its
 # answers were read past their end, the self-test's reference too); one raises in TorchScript
 # for a width other than 16 (a JITException, not a c10::Error: a 500 with its traceback before,
