@@ -81,10 +81,15 @@ double own_cpu_ms(F&& f) {
          1e-6;
 }
 
+/// producer::work() calls of the costed jobs in this process (each works one item): with none
+/// duplicated, as many as the job's items.
+std::atomic<std::uint64_t> work_calls{0};
+
 /// An item: its cost in microseconds.
 struct costed {
   struct producer {
     std::int64_t work(std::int64_t us) {
+      work_calls.fetch_add(1, std::memory_order_relaxed);
       spin_us(us);
       return us;
     }
@@ -123,6 +128,7 @@ double troupe_cost(const stated& x) {
 struct costed_stated {
   struct producer {
     std::int64_t work(const stated& x) {
+      work_calls.fetch_add(1, std::memory_order_relaxed);
       spin_us(x.us);
       return x.us;
     }
@@ -199,12 +205,14 @@ double tbb_makespan(tbb::task_arena& arena, const std::vector<std::int64_t>& us)
   return seconds_since(t0);
 }
 
+/// One case's line; `calls`: its producer::work() calls (-1: not counted, on nodes).
 void report(const std::string& name, double secs, double ideal, std::uint64_t duplicated,
-            std::size_t items, double tbb) {
+            std::size_t items, double tbb, std::int64_t calls) {
   std::cout << std::left << std::setw(18) << name << std::right << std::fixed
             << std::setprecision(3) << " troupe " << secs << " s  ideal " << ideal << " s  ("
             << std::setprecision(2) << secs / ideal << "x)  duplicated " << duplicated << " of "
             << items;
+  if (calls >= 0) std::cout << ", work() " << calls;
   if (tbb > 0)
     std::cout << "  | oneTBB auto_partitioner " << std::setprecision(3) << tbb << " s ("
               << std::setprecision(2) << tbb / ideal << "x)";
@@ -260,12 +268,14 @@ int main(int argc, char** argv) {
                         std::size_t before_items) {
     for (int i = 0; i < before; ++i) r.run(std::vector<std::int64_t>(before_items, 0));
     auto s0 = r.stats();
+    auto c0 = work_calls.load();
     auto t0 = clock_type::now();
     auto own = own_cpu_ms([&] { r.run(us); });
     auto secs = seconds_since(t0);
     auto s1 = r.stats();
+    auto calls = cluster ? -1 : static_cast<std::int64_t>(work_calls.load() - c0);
     report(name, secs, ideal_of(us, producers), s1.duplicated_items - s0.duplicated_items,
-           us.size(), tbb_makespan(arena, us));
+           us.size(), tbb_makespan(arena, us), calls);
     std::uint64_t chunks = 0;
     for (std::size_t p = 0; p < s1.producers.size(); ++p)
       chunks += s1.producers[p].chunks - (p < s0.producers.size() ? s0.producers[p].chunks : 0);
@@ -325,11 +335,13 @@ int main(int argc, char** argv) {
     troupe::unordered_runner<costed_stated> r{troupe::cpus(producers)};
     r.run(std::vector<stated>(1'000));
     auto dup0 = r.stats().duplicated_items;
+    auto c0 = work_calls.load();
     auto t0 = clock_type::now();
     r.run(xs);
     auto secs = seconds_since(t0);
+    auto calls = static_cast<std::int64_t>(work_calls.load() - c0);
     report("lognormal-cost", secs, ideal_of(us, producers), r.stats().duplicated_items - dup0,
-           us.size(), tbb_makespan(arena, us));
+           us.size(), tbb_makespan(arena, us), calls);
   }
   if (want("batch")) {
     std::vector<std::int64_t> xs(batch_items, 1);
