@@ -3,13 +3,10 @@
 #include <gtest/gtest.h>
 #include <sched.h>
 
-#include <atomic>
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <chrono>
-#include <ctime>
 #include <map>
 #include <random>
 #include <set>
@@ -19,7 +16,6 @@
 #include <troupe/protocol.hpp>
 #include <troupe/testing.hpp>
 
-#include "run_delay.hpp"
 #include "test_jobs.hpp"
 
 TEST(Device, ParsesAndPrintsBack) {
@@ -240,72 +236,6 @@ TEST(Testing, ProducerProbeAnswersWorkMessages) {
   probe.end();
   EXPECT_EQ(probe.send(troupe::work_chunk{1, 0, troupe::batch::of<std::int64_t>({1})}).code,
             troupe::errc::protocol_error);
-}
-
-namespace {
-
-std::int64_t thread_cpu_ns() {
-  timespec t{};
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<std::int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
-}
-
-bool pin_to_cpu0() {
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(0, &one);
-  return ::sched_setaffinity(0, sizeof one, &one) == 0;
-}
-
-/// A CPU-bound producer: it pins its thread to CPU 0 and computes for `ms` milliseconds of its
-/// thread's CPU time, noting the call's wall and CPU time.
-struct cpu_bound {
-  struct producer {
-    std::int64_t work(std::int64_t ms) {
-      pinned = pin_to_cpu0();
-      auto wall0 = std::chrono::steady_clock::now();
-      auto cpu0 = thread_cpu_ns();
-      while (thread_cpu_ns() - cpu0 < ms * 1'000'000) {
-      }
-      cpu_ns = thread_cpu_ns() - cpu0;
-      wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now() - wall0)
-                    .count();
-      return ms;
-    }
-    static inline std::atomic<bool> pinned{false};
-    static inline std::atomic<std::int64_t> cpu_ns{0}, wall_ns{0};
-  };
-};
-
-}  // namespace
-
-TEST(Testing, ACpuProducersBusyTimeLeavesOutItsWaitsForACpu) {
-  // Another thread spins on the producer's CPU, so its call of 20 ms of CPU time takes about
-  // 40 ms of wall time. The call's busy time (what the chunk sizer learns from, and stats) is
-  // what it cost: its CPU time, not the wait for a CPU that the machine's other threads cost it.
-  std::atomic<bool> stop{false}, hog_pinned{false}, hog_running{false};
-  std::thread hog{[&] {
-    hog_pinned = pin_to_cpu0();
-    hog_running = true;
-    while (!stop.load(std::memory_order_relaxed)) {
-    }
-  }};
-  while (!hog_running) std::this_thread::yield();
-  troupe::testing::producer_probe<cpu_bound> probe;
-  auto r = probe.send(troupe::work_chunk{1, 0, troupe::batch::of<std::int64_t>({20})});
-  stop = true;
-  hog.join();
-  ASSERT_EQ(r.code, troupe::errc::none) << r.what;
-  if (!hog_pinned || !cpu_bound::producer::pinned) GTEST_SKIP() << "no CPU affinity here";
-  auto cpu = cpu_bound::producer::cpu_ns.load(), wall = cpu_bound::producer::wall_ns.load();
-  if (troupe::detail::thread_run_delay_ns() == 0 && wall - cpu > cpu / 4)
-    GTEST_SKIP() << "this kernel does not tell a thread's run delay (/proc/thread-self/schedstat)";
-  ASSERT_GT(wall - cpu, cpu / 4) << "the two threads did not share the CPU: wall " << wall
-                                 << " ns, CPU " << cpu << " ns";
-  // Nearer its CPU time than its wall time (it waited about half the call for the CPU).
-  EXPECT_LT(r.busy_ns, cpu + (wall - cpu) / 2) << "wall " << wall << " ns, CPU " << cpu << " ns";
-  EXPECT_GE(r.busy_ns, cpu / 2) << "wall " << wall << " ns, CPU " << cpu << " ns";
 }
 
 TEST(Testing, ProducerProbeReportsInitFailures) {
