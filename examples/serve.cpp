@@ -30,9 +30,12 @@
 //   serve --listen 127.0.0.1:8080 --devices cpu,cpu --max-batch 8 --max-delay-us 2000
 //   serve --model mlp --devices cuda:0,cuda:0 --max-batch 64 --max-delay-us 1000
 //   serve --requests 2000 --concurrency 64    (serves itself, checks every answer, exits)
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <iostream>
 #include <random>
@@ -147,7 +150,19 @@ std::size_t wrong_answers(const std::vector<std::int64_t>& got,
 }
 
 /// Serves on `listen_on` with a runner of `Job` until SIGINT/SIGTERM, or, with `requests`,
-/// runs the self-test and prints its result.
+/// SIGINT and SIGTERM held (`hold`) or let through, in this thread and the threads it starts
+/// later: held while serve starts (copying the model file, loading it on each device), a signal
+/// then ends serve once it waits for signals, the same way out as later, which removes the
+/// model's copy; by default it ended the process where it was.
+void hold_stop_signals(bool hold) {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(hold ? SIG_BLOCK : SIG_UNBLOCK, &stop, nullptr);
+}
+
+/// runs the self-test and prints its result (a signal cuts it short: an error).
 template <class Job>
 void serve(const example::flags& f, const troupe::config& cfg, troupe::options opts,
            const std::string& model, const std::string& listen_on, std::size_t requests,
@@ -163,9 +178,15 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
   auto port = acceptor.local_endpoint().port();
   std::cerr << "serving HTTP on " << hp.host << ":" << port << " (POST /predict)" << std::endl;
   net::co_spawn(io, listen(acceptor, runner, stats), net::detached);
+  net::signal_set signals{io, SIGINT, SIGTERM};
+  bool stopped = false;
+  signals.async_wait([&](const beast::error_code& ec, int) {
+    if (ec) return;
+    stopped = true;
+    io.stop();
+  });
+  hold_stop_signals(false);  // one that came while serve started is taken now
   if (requests == 0) {
-    net::signal_set signals{io, SIGINT, SIGTERM};
-    signals.async_wait([&](const beast::error_code&, int) { io.stop(); });
     io.run();
     std::cout << "result: " << stats.ok << " requests served\n";
     return;
@@ -185,6 +206,7 @@ void serve(const example::flags& f, const troupe::config& cfg, troupe::options o
                     if (++done == concurrency) io.stop();
                   });
   io.run();
+  if (stopped) throw std::runtime_error("stopped by a signal before the self-test's end");
   auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   auto s = runner.stats();
   std::sort(latencies_ms.begin(), latencies_ms.end());
@@ -269,6 +291,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   return example::guarded([&] {
+    hold_stop_signals(true);  // until serve() waits for them
     troupe::config cfg;
     cfg.set("call_us", call_us);
     cfg.set("item_us", item_us);

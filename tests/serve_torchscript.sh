@@ -92,6 +92,28 @@ wait "$spid" || { cat "$dir/err2"; exit 1; }
 grep -q " 0 wrong" "$dir/err2" || { echo "the model rewritten while served:"; cat "$dir/err2"; exit 1; }
 [ -z "$(ls -A "$dir/tmp")" ] || { echo "serve left its copy of the model behind"; exit 1; }
 echo "the model rewritten while served: the self-test checked the version served: ok"
+# SIGTERM while serve starts (its copy of the model made, the model not loaded yet) ends it once
+# it serves, and its copy goes (the default action ended it where it was, the copy left behind);
+# a copy that a killed serve left (its process gone) is removed by the next one.
+sleep 0 &
+gone=$!
+wait "$gone"
+mkdir "$dir/tmp/troupe-serve-$gone-stale1"
+TMPDIR=$dir/tmp "$serve" --listen 127.0.0.1:0 --devices cpu,cpu --model "$model" \
+  > "$dir/out3" 2> "$dir/err3" &
+spid=$!
+for _ in $(seq 1 1200); do
+  [ -n "$(ls "$dir/tmp" | grep -v stale1)" ] && break
+  sleep 0.01
+done
+[ ! -e "$dir/tmp/troupe-serve-$gone-stale1" ] || { echo "a dead serve's copy was left"; exit 1; }
+kill -TERM "$spid"
+rc=0
+wait "$spid" || rc=$?
+[ "$rc" -eq 0 ] && grep -q "^result: 0 requests served" "$dir/out3" ||
+  { echo "SIGTERM while serve started (rc $rc):"; cat "$dir/err3" "$dir/out3"; exit 1; }
+[ -z "$(ls -A "$dir/tmp")" ] || { echo "SIGTERM while serve started left:"; ls "$dir/tmp"; exit 1; }
+echo "SIGTERM while serve starts: it stops once it serves, its copy removed; a dead one's too: ok"
 # Models of another task, as users export them by mistake: one answers 3 columns, not 10 (its
 # answers were read past their end, the self-test's reference too); one raises in TorchScript
 # for a width other than 16 (a JITException, not a c10::Error: a 500 with its traceback before,
