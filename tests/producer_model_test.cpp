@@ -155,6 +155,29 @@ TEST(ProducerModel, ABatchProducersBatchesGoToFullSizeOnceTwoSizesShowItsCostIsM
   EXPECT_FALSE(plain.rate(1)->mostly_fixed(2e6)) << "items cost more than the call";
 }
 
+TEST(ProducerModel, ABatchProducerWhoseCallAloneOutlastsEightTargetsStillBatches) {
+  // 200 ms per call + 5 ms per item (a large model's forward pass, against a 2 ms target): every
+  // call outlasts 8 times the target whatever its size, and calls were kept at one item (205 ms
+  // an item, where 40 items in a call take 10 ms each). Twice the fixed cost now: 40 items. The
+  // first answers are of 1 and 8 items, as the scheduler sends a new job's first two chunks.
+  auto call = [](std::size_t n) { return 200e6 + 5e6 * static_cast<double>(n); };
+  auto sized = [&](model_settings s) {
+    producer_model m{true, s};
+    for (std::size_t n : {1, 8})
+      m.learn(chunk_of_job(1, n), static_cast<std::int64_t>(call(n)), 0, true, s);
+    answer(m, s, 1, 10, call);
+    return m.chunk_limit(s, 1);
+  };
+  model_settings s;
+  EXPECT_NEAR(static_cast<double>(sized(s)), 40, 1);
+  // Within a quarter of work_timeout: a healthy producer is never given up on. At 1 s, 250 ms
+  // calls (10 items); at 300 ms the bound is below the fixed cost: one item a call, as before.
+  s.work_timeout = std::chrono::seconds{1};
+  EXPECT_NEAR(static_cast<double>(sized(s)), 10, 1);
+  s.work_timeout = std::chrono::milliseconds{300};
+  EXPECT_EQ(sized(s), 1u);
+}
+
 TEST(ProducerModel, TwoOneItemChunksAtTheTargetDoNotKeepABatchProducerAtOneItem) {
   // Two one-item chunks answered at about the target (a call's fixed cost; a job's first two
   // chunks were of one item each before the second held two): after the first the next size is

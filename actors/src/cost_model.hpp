@@ -168,9 +168,15 @@ struct job_rate {
     auto [a, b] = cost();
     if (b <= 0) return;
     // At most 8 times the target: a fixed cost measured on a loaded machine may be a thread
-    // woken late, not the call's.
+    // woken late, not the call's. But where the fixed cost alone is over 4 times the target (a
+    // large model's forward pass of 200 ms, against 2 ms), each call outlasts that bound whatever
+    // its size, and calls of one item each would pay it per item: twice the fixed cost then (it
+    // is half the call), within a quarter of work_timeout when one is set.
     auto target = static_cast<double>(s.target_chunk_time.count());
-    target = std::max(target, std::min(10 * a, 8 * target));
+    auto most = std::max(8 * target, 2 * a);
+    if (s.work_timeout.count() > 0)
+      most = std::min(most, std::max(8 * target, static_cast<double>(s.work_timeout.count()) / 4));
+    target = std::max(target, std::min(10 * a, most));
     if (!local) target = std::max(target, remote_target(s));
     // At most 1e15 (units of a cost model may be tiny: items with troupe_cost).
     auto want = static_cast<std::size_t>(std::clamp((target - a) / b, 1.0, 1e15));
