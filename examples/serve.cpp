@@ -149,11 +149,10 @@ std::size_t wrong_answers(const std::vector<std::int64_t>& got,
   return wrong;
 }
 
-/// Serves on `listen_on` with a runner of `Job` until SIGINT/SIGTERM, or, with `requests`,
 /// SIGINT and SIGTERM held (`hold`) or let through, in this thread and the threads it starts
 /// later: held while serve starts (copying the model file, loading it on each device), a signal
 /// then ends serve once it waits for signals, the same way out as later, which removes the
-/// model's copy; by default it ended the process where it was.
+/// model's copy (their default action would end the process where it is, the copy left).
 void hold_stop_signals(bool hold) {
   sigset_t stop;
   sigemptyset(&stop);
@@ -162,6 +161,7 @@ void hold_stop_signals(bool hold) {
   pthread_sigmask(hold ? SIG_BLOCK : SIG_UNBLOCK, &stop, nullptr);
 }
 
+/// Serves on `listen_on` with a runner of `Job` until SIGINT/SIGTERM, or, with `requests`,
 /// runs the self-test and prints its result (a signal cuts it short: an error).
 template <class Job>
 void serve(const example::flags& f, const troupe::config& cfg, troupe::options opts,

@@ -19,9 +19,9 @@ std::size_t scheduler::new_job_limit(const job_state& j, const producer_slot& s)
   // Not answered here yet: the chunk queued behind its first one-item chunk holds eight items
   // (two where it cannot be cut), so that its first two answers differ in size and tell a call's
   // fixed cost from its cost per item (a batch producer's batches then grow an answer sooner).
-  // Eight, not four: a batch producer's calls of 1 and 4 items (2 ms + 10 us per item) differ by
-  // 30 us, about what a job's first call costs more than the next (seen: 20 to 50 us), so bigger
-  // calls often looked no slower and the batches grew 16x once more before the full size.
+  // Eight: a batch producer's calls of 1 and 4 items (2 ms + 10 us per item) differ by 30 us,
+  // about what a job's first call costs more than the next (20 to 50 us), so that bigger calls
+  // could look no slower and the batches grow 16x once more before the full size.
   // Where chunks can be cut (split_late_chunks), an idle producer takes its items if the first
   // turns out slow. Not under a work_timeout: a chunk of several slow items (each well within
   // it) would outlast it and its healthy producer would be given up on.
