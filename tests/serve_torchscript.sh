@@ -114,6 +114,16 @@ wait "$spid" || rc=$?
   { echo "SIGTERM while serve started (rc $rc):"; cat "$dir/err3" "$dir/out3"; exit 1; }
 [ -z "$(ls -A "$dir/tmp")" ] || { echo "SIGTERM while serve started left:"; ls "$dir/tmp"; exit 1; }
 echo "SIGTERM while serve starts: it stops once it serves, its copy removed; a dead one's too: ok"
+# A model file left empty (as cp leaves it while it rewrites it) counts as one being rewritten:
+# copied again, then refused with a clear message, and no copy left behind.
+: > "$dir/empty.pt"
+rc=0
+TMPDIR=$dir/tmp "$serve" --listen 127.0.0.1:0 --devices cpu --model "$dir/empty.pt" --requests 5 \
+  2> "$dir/erre" || rc=$?
+[ "$rc" -ne 0 ] && grep -q "empty.pt kept changing (or stayed empty) while serve read it" "$dir/erre" ||
+  { echo "an empty model (rc $rc):"; cat "$dir/erre"; exit 1; }
+[ -z "$(ls -A "$dir/tmp")" ] || { echo "an empty model left:"; ls "$dir/tmp"; exit 1; }
+echo "an empty model: refused as one being rewritten: ok"
 # Models of another task, as users export them by mistake: one answers 3 columns, not 10 (its
 # answers were read past their end, the self-test's reference too); one raises in TorchScript
 # for a width other than 16 (a JITException, not a c10::Error: a 500 with its traceback before,
