@@ -230,7 +230,8 @@ int main(int argc, char** argv) {
   example::add_flags(app, f);
   app.add_option("--producers", producers, "CPU producers (and TBB threads)");
   app.add_flag("--sizes", sizes, "batch: print the sizes of the adaptive run's calls, by producer");
-  app.add_flag("--timed", timed, "batch, with --sizes: each call's start and length (ms)");
+  app.add_flag("--timed", timed,
+               "batch, with --sizes: each call's start and length (ms), and its CPUs");
   app.add_option(
       "--only", only,
       "slow-after-fast, slow-patch, lognormal, lognormal-merge, lognormal-cost or batch");
@@ -373,11 +374,12 @@ int main(int argc, char** argv) {
              << std::chrono::duration<double, std::milli>(d).count();
         return text.str();
       };
-      // Each call: its items, and when it began (ms after the first) and how long it ran.
+      // Each call: its items, when it began (ms after the first), how long it ran, and the CPUs
+      // it began and ended on (N@START+LENGTH/cpuA>B).
       for (auto& c : calls)
         by[c.thread] += " " + std::to_string(c.items) +
-                        (timed ? "@" + ms(c.began - base) + "+" + ms(c.ended - c.began) + "c" +
-                                     std::to_string(c.cpu0) + std::to_string(c.cpu1)
+                        (timed ? "@" + ms(c.began - base) + "+" + ms(c.ended - c.began) + "/cpu" +
+                                     std::to_string(c.cpu0) + ">" + std::to_string(c.cpu1)
                                : "");
       for (auto& [t, line] : by) std::cout << "  calls:" << line << "\n";
     }
